@@ -1,0 +1,42 @@
+# AsyncFlow: `make run` runs the main job, `make test` runs every check. Both build .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch: this exact pin resolves to the local CPU wheel; anything else
+# pulls several GB of CUDA packages.
+TORCH_PIN := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint typecheck pytest bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml conformance/pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[dev]" "$(TORCH_PIN)"
+	$(PIP) install --quiet --no-deps -e ./conformance
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/asyncflow run
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy asyncflow_core
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/datastore.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,865 @@
+"""The store's control plane: readiness, consumption, leases, tags and capacity per partition.
+
+The controller never touches values (storage units do) and never waits: every method is a
+synchronous, thread-safe, all-or-nothing state change under one lock, taking and returning plain
+picklable values, so the same object can live in another process or a Ray actor. Waiting (for
+data, for capacity) is the caller's job, driven by ``generation`` and ``add_listener``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncflow_core.errors import (
+    BadRequestError,
+    CapacityError,
+    CellAlreadyWrittenError,
+    LeaseError,
+    LeaseExpiredError,
+    PartitionClosedError,
+    PartitionExistsError,
+    SamplerError,
+    SchemaError,
+    UnknownFieldError,
+    UnknownPartitionError,
+    UnknownRowError,
+    UnknownTaskError,
+)
+from asyncflow_core.protocols import (
+    BatchMeta,
+    Candidates,
+    Capacity,
+    FieldSchema,
+    IntArray,
+    PartitionStats,
+    SampleRequest,
+    Scheduler,
+    Selection,
+    SupportsRankReplay,
+    Tags,
+)
+
+_ENDED_LEASES_KEPT = 100_000  # how many ended lease ids we remember to explain a late ack
+
+
+def _fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
+    rows = list(rows)
+    shown = ", ".join(str(r) for r in rows[:limit])
+    return f"[{shown}{', ...' if len(rows) > limit else ''}] ({len(rows)} rows)"
+
+
+@dataclass(frozen=True, slots=True)
+class PutTicket:
+    """A reservation made by ``begin_put``: finish it with ``commit_put`` or ``abort_put``."""
+
+    partition: str
+    ticket_id: int
+    rows: tuple[int, ...]
+    fields: tuple[str, ...]
+    new_rows: bool
+
+
+@dataclass(slots=True)
+class _PendingPut:
+    ticket: PutTicket
+    slots: IntArray
+    cols: IntArray
+    old_bytes: np.ndarray[Any, np.dtype[np.int64]]
+    new_bytes: np.ndarray[Any, np.dtype[np.int64]]
+    schemas_set: list[str]
+    tags: Sequence[Tags] | None
+    was_ready: np.ndarray[Any, np.dtype[np.bool_]]
+
+
+@dataclass(slots=True)
+class _Lease:
+    lease_id: str
+    task: str
+    rows: tuple[int, ...]
+    fields: tuple[str, ...]
+    deadline: float
+    micro_batches: tuple[tuple[int, ...], ...] | None
+    dp_rank: int
+    members: int = 1
+    served: set[int] = field(default_factory=set)
+    acked: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _TaskState:
+    consumed: np.ndarray[Any, np.dtype[np.bool_]]
+    leased: np.ndarray[Any, np.dtype[np.bool_]]
+    n_consumed: int = 0
+    n_dropped: int = 0
+    n_held: int = 0
+
+
+class _Partition:
+    """Row-state arrays over a sliding window of row ids [base, base + cap)."""
+
+    def __init__(self, name: str, fields: Sequence[str], capacity: Capacity) -> None:
+        self.name = name
+        self.fields = tuple(fields)
+        self.fidx = {f: i for i, f in enumerate(self.fields)}
+        self.capacity = capacity
+        self.schema: dict[str, FieldSchema | None] = dict.fromkeys(self.fields)
+        self.closed = False
+        self.deleting = False
+        self.base = 0
+        self.end = 0
+        self.cap = 0
+        nf = len(self.fields)
+        self.alive = np.zeros(0, dtype=bool)
+        self.ready = np.zeros((0, nf), dtype=bool)
+        self.writing = np.zeros((0, nf), dtype=bool)
+        self.cell_bytes = np.zeros((0, nf), dtype=np.int64)
+        self.group = np.zeros(0, dtype=np.int64)
+        self.tokens = np.zeros(0, dtype=np.int64)
+        self.vmin = np.zeros(0, dtype=np.int64)
+        self.vmax = np.zeros(0, dtype=np.int64)
+        self.tags: dict[int, Tags] = {}
+        self.group_codes: dict[int | str, int] = {}
+        self.group_count: dict[int, int] = {}
+        self.next_code = 0
+        self.tasks: dict[str, _TaskState] = {}
+        self.leases: dict[str, _Lease] = {}
+        self.replay: dict[tuple[str, int], list[str]] = {}
+        self.pending: dict[int, _PendingPut] = {}
+        self.rows_live = 0
+        self.bytes_live = 0
+        self.reclaimed = 0
+
+    # -- window management -------------------------------------------------------------------
+    def _row_arrays(self) -> list[str]:
+        return ["alive", "ready", "writing", "cell_bytes", "group", "tokens", "vmin", "vmax"]
+
+    def ensure_room(self, n_new: int) -> None:
+        need = self.end + n_new - self.base
+        if need <= self.cap:
+            return
+        used = self.end - self.base
+        live = np.flatnonzero(self.alive[:used])
+        shift = int(live[0]) if live.size else used
+        if shift > 0:  # drop the reclaimed prefix of the window
+            self._shift(shift)
+            need = self.end + n_new - self.base
+            if need <= self.cap:
+                return
+        new_cap = max(64, self.cap)
+        while new_cap < need:
+            new_cap *= 2
+        self._resize(new_cap)
+
+    def _shift(self, shift: int) -> None:
+        used = self.end - self.base
+        arrays: list[np.ndarray[Any, Any]] = [getattr(self, n) for n in self._row_arrays()]
+        for ts in self.tasks.values():
+            arrays += [ts.consumed, ts.leased]
+        for a in arrays:
+            a[: used - shift] = a[shift:used]
+            a[used - shift : used] = 0
+        self.base += shift
+
+    def _resize(self, new_cap: int) -> None:
+        def grow(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            out = np.zeros((new_cap, *a.shape[1:]), dtype=a.dtype)
+            out[: a.shape[0]] = a
+            return out
+
+        for n in self._row_arrays():
+            setattr(self, n, grow(getattr(self, n)))
+        for ts in self.tasks.values():
+            ts.consumed = grow(ts.consumed)
+            ts.leased = grow(ts.leased)
+        self.cap = new_cap
+
+    def slots_of(self, rows: Sequence[int]) -> IntArray:
+        """Slots of existing, live rows; ``UnknownRowError`` naming the others."""
+        arr = np.asarray(rows, dtype=np.int64)
+        slots = arr - self.base
+        in_window = (arr >= self.base) & (arr < self.end)
+        ok = in_window.copy()
+        ok[in_window] = self.alive[slots[in_window]]
+        if not ok.all():
+            bad = arr[~ok].tolist()
+            raise UnknownRowError(
+                f"partition {self.name!r} has no live rows {_fmt_rows(bad)}: rows are numbered "
+                f"from 0 in creation order ({self.end} created so far) and disappear once every "
+                "registered task consumed them; write to rows returned by put()"
+            )
+        return slots
+
+    # -- tags ----------------------------------------------------------------------------------
+    def group_code(self, group: int | str | None) -> int:
+        if group is None:
+            return -1
+        code = self.group_codes.get(group)
+        if code is None:
+            code = self.next_code
+            self.next_code += 1
+            self.group_codes[group] = code
+        return code
+
+    def set_tags(self, row: int, slot: int, new: Tags) -> None:
+        old = self.tags.get(row)
+        merged = old.merged(new) if old is not None else new
+        old_code = int(self.group[slot]) if old is not None else -1
+        code = self.group_code(merged.group)
+        if old is not None and old_code >= 0:
+            self._dec_group(old_code)
+        if code >= 0:
+            self.group_count[code] = self.group_count.get(code, 0) + 1
+        self.tags[row] = merged
+        self.group[slot] = code
+        self.tokens[slot] = merged.tokens
+        self.vmin[slot] = merged.min_version
+        self.vmax[slot] = merged.max_version
+
+    def _dec_group(self, code: int) -> None:
+        left = self.group_count[code] - 1
+        if left:
+            self.group_count[code] = left
+        else:
+            del self.group_count[code]
+
+    def drop_row_tags(self, row: int, slot: int) -> None:
+        self.tags.pop(row, None)
+        code = int(self.group[slot])
+        if code >= 0:
+            self._dec_group(code)
+        self.group[slot] = -1
+
+
+class Controller:
+    """Metadata of every partition. See the module docstring for the threading model."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._parts: dict[str, _Partition] = {}
+        self._ids = itertools.count(1)
+        self._ended: OrderedDict[str, str] = OrderedDict()  # lease id -> how it ended
+        self._listeners: list[Callable[[], None]] = []
+        self.generation = 0  # bumped on every state change a waiter may care about
+        self._to_free: dict[str, list[int]] = {}
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """``fn()`` is called (outside the lock, from the changing thread) after each change."""
+        with self._lock:
+            self._listeners.append(fn)
+
+    def _changed(self) -> None:
+        with self._lock:
+            self.generation += 1
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
+
+    def now(self) -> float:
+        return self._clock()
+
+    def _part(self, name: str) -> _Partition:
+        p = self._parts.get(name)
+        if p is None or p.deleting:
+            known = sorted(n for n, q in self._parts.items() if not q.deleting)
+            state = "is being deleted" if p is not None else "does not exist"
+            raise UnknownPartitionError(
+                f"partition {name!r} {state}; existing partitions: {known}. "
+                "Create it with create_partition(name, fields)."
+            )
+        return p
+
+    def _fields(self, p: _Partition, fields: Iterable[str]) -> IntArray:
+        cols = []
+        for f in fields:
+            i = p.fidx.get(f)
+            if i is None:
+                raise UnknownFieldError(
+                    f"field {f!r} is not in partition {p.name!r}; its fields are "
+                    f"{list(p.fields)} (declared by create_partition)"
+                )
+            cols.append(i)
+        return np.asarray(cols, dtype=np.int64)
+
+    def _task(self, p: _Partition, task: str) -> _TaskState:
+        ts = p.tasks.get(task)
+        if ts is None:
+            raise UnknownTaskError(
+                f"task {task!r} is not registered on partition {p.name!r} (registered: "
+                f"{sorted(p.tasks)}); call register_task({p.name!r}, {task!r}) first"
+            )
+        return ts
+
+    # -- partitions and tasks ------------------------------------------------------------------
+    def create_partition(
+        self,
+        name: str,
+        fields: Sequence[str],
+        capacity: Capacity | None = None,
+        tasks: Sequence[str] = (),
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise BadRequestError(f"partition name must be a non-empty str, got {name!r}")
+        fields = list(fields)
+        if not fields or not all(isinstance(f, str) and f for f in fields):
+            raise BadRequestError(f"fields must be non-empty strs, got {fields!r}")
+        dup = sorted({f for f in fields if fields.count(f) > 1})
+        if dup:
+            raise BadRequestError(f"fields {dup} are declared twice for partition {name!r}")
+        cap = capacity or Capacity()
+        for knob in ("max_rows", "max_bytes"):
+            v = getattr(cap, knob)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise BadRequestError(f"Capacity.{knob} must be a positive int or None, got {v!r}")
+        for t in tasks:
+            if not isinstance(t, str) or not t:
+                raise BadRequestError(f"task names must be non-empty strs, got {t!r}")
+        with self._lock:
+            if name in self._parts:
+                raise PartitionExistsError(
+                    f"partition {name!r} already exists; pick another name or "
+                    "delete_partition() it first"
+                )
+            p = _Partition(name, fields, cap)
+            for t in tasks:
+                p.tasks[t] = _TaskState(np.zeros(0, bool), np.zeros(0, bool))
+            self._parts[name] = p
+
+    def register_task(self, partition: str, task: str) -> None:
+        if not isinstance(task, str) or not task:
+            raise BadRequestError(f"task name must be a non-empty str, got {task!r}")
+        with self._lock:
+            p = self._part(partition)
+            if task not in p.tasks:
+                p.tasks[task] = _TaskState(np.zeros(p.cap, bool), np.zeros(p.cap, bool))
+
+    def partitions(self) -> list[str]:
+        with self._lock:
+            return sorted(n for n, p in self._parts.items() if not p.deleting)
+
+    def close(self, partition: str) -> None:
+        with self._lock:
+            self._part(partition).closed = True
+        self._changed()
+
+    def begin_delete(self, partition: str) -> None:
+        """Step 1 of delete: the partition disappears for every caller (waiters wake and fail)."""
+        with self._lock:
+            self._part(partition).deleting = True
+        self._changed()
+
+    def finish_delete(self, partition: str) -> None:
+        """Step 3 of delete, after storage dropped the values: forget the metadata."""
+        with self._lock:
+            self._parts.pop(partition, None)
+
+    def schema(self, partition: str) -> dict[str, FieldSchema | None]:
+        with self._lock:
+            return dict(self._part(partition).schema)
+
+    # -- writes --------------------------------------------------------------------------------
+    def begin_put(
+        self,
+        partition: str,
+        fields: Mapping[str, FieldSchema],
+        row_bytes: Mapping[str, Sequence[int]],
+        n: int,
+        rows: Sequence[int] | None = None,
+        tags: Sequence[Tags] | None = None,
+        overwrite: bool = False,
+    ) -> PutTicket | None:
+        """Validate and reserve a put of ``n`` rows. Returns None when new rows do not fit the
+        capacity yet (retry after a change); raises if the put can never succeed. Cells of the
+        ticket are marked "being written" until commit/abort."""
+        with self._lock:
+            p = self._part(partition)
+            cols = self._fields(p, fields)
+            for fname, sch in fields.items():
+                have = p.schema[fname]
+                if have is not None and have != sch:
+                    raise SchemaError(
+                        f"field {fname!r} of partition {partition!r} holds "
+                        f"{have.describe()} (fixed by its first write); this put gives "
+                        f"{sch.describe()}. Convert the values (e.g. .to({have.dtype}))."
+                        if have.is_tensor
+                        else f"field {fname!r} of partition {partition!r} holds plain values "
+                        f"(fixed by its first write); this put gives {sch.describe()}"
+                    )
+            nb = np.zeros((n, len(cols)), dtype=np.int64)
+            for j, fname in enumerate(fields):
+                nb[:, j] = row_bytes[fname]
+            total_new_bytes = int(nb.sum())
+            if rows is None:
+                if p.closed:
+                    raise PartitionClosedError(
+                        f"partition {partition!r} is closed: no new rows can be put; write into "
+                        "existing rows with put(..., rows=...) or use another partition"
+                    )
+                self._check_capacity_possible(p, n, total_new_bytes)
+                if not self._fits(p, n, total_new_bytes):
+                    return None
+                p.ensure_room(n)
+                new_rows = tuple(range(p.end, p.end + n))
+                slots = np.arange(p.end - p.base, p.end - p.base + n, dtype=np.int64)
+                p.end += n
+                p.alive[slots] = True
+                p.rows_live += n
+                old = np.zeros_like(nb)
+            else:
+                if len(set(rows)) != len(rows):
+                    dups = sorted({r for r in rows if list(rows).count(r) > 1})
+                    raise BadRequestError(f"rows {dups} appear twice in one put; write each once")
+                slots = p.slots_of(rows)
+                sub_ready = p.ready[np.ix_(slots, cols)]
+                sub_writing = p.writing[np.ix_(slots, cols)]
+                if sub_writing.any():
+                    i, j = map(int, np.argwhere(sub_writing)[0])
+                    raise CellAlreadyWrittenError(
+                        f"cell (row {rows[i]}, field {list(fields)[j]!r}) of partition "
+                        f"{partition!r} is being written by another put; retry after it ends"
+                    )
+                if sub_ready.any() and not overwrite:
+                    i, j = map(int, np.argwhere(sub_ready)[0])
+                    raise CellAlreadyWrittenError(
+                        f"cell (row {rows[i]}, field {list(fields)[j]!r}) of partition "
+                        f"{partition!r} is already written; pass overwrite=True to replace it"
+                    )
+                new_rows = tuple(int(r) for r in rows)
+                old = p.cell_bytes[np.ix_(slots, cols)]
+            # from here on nothing can fail: apply the reservation
+            schemas_set = []
+            for fname, sch in fields.items():
+                if p.schema[fname] is None:
+                    p.schema[fname] = sch
+                    schemas_set.append(fname)
+            was_ready = p.ready[np.ix_(slots, cols)].copy()
+            p.writing[np.ix_(slots, cols)] = True
+            p.bytes_live += total_new_bytes - int(old.sum())
+            p.cell_bytes[np.ix_(slots, cols)] = nb
+            ticket = PutTicket(partition, next(self._ids), new_rows, tuple(fields), rows is None)
+            p.pending[ticket.ticket_id] = _PendingPut(
+                ticket, slots, cols, old, nb, schemas_set, tags, was_ready
+            )
+            return ticket
+
+    def _check_capacity_possible(self, p: _Partition, n: int, nbytes: int) -> None:
+        c = p.capacity
+        if c.max_rows is not None and n > c.max_rows:
+            raise CapacityError(
+                f"a put of {n} new rows can never fit partition {p.name!r} "
+                f"(max_rows={c.max_rows}); put fewer rows at a time or raise max_rows"
+            )
+        if c.max_bytes is not None and nbytes > c.max_bytes:
+            raise CapacityError(
+                f"a put of {nbytes} bytes can never fit partition {p.name!r} "
+                f"(max_bytes={c.max_bytes}); put fewer rows at a time or raise max_bytes"
+            )
+
+    def _fits(self, p: _Partition, n: int, nbytes: int) -> bool:
+        c = p.capacity
+        if c.max_rows is not None and p.rows_live + n > c.max_rows:
+            return False
+        return c.max_bytes is None or p.bytes_live + nbytes <= c.max_bytes
+
+    def commit_put(self, ticket: PutTicket) -> None:
+        with self._lock:
+            p = self._part(ticket.partition)
+            pend = p.pending.pop(ticket.ticket_id)
+            grid = np.ix_(pend.slots, pend.cols)
+            p.writing[grid] = False
+            p.ready[grid] = True
+            if pend.tags is not None or ticket.new_rows:
+                for k, (row, slot) in enumerate(zip(ticket.rows, pend.slots.tolist(), strict=True)):
+                    t = pend.tags[k] if pend.tags is not None else Tags()
+                    p.set_tags(row, slot, t)
+        self._changed()
+
+    def abort_put(self, ticket: PutTicket) -> None:
+        """Undo ``begin_put`` (e.g. a storage unit failed): the store is as before the put."""
+        with self._lock:
+            p = self._parts.get(ticket.partition)
+            if p is None:
+                return
+            pend = p.pending.pop(ticket.ticket_id, None)
+            if pend is None:
+                return
+            grid = np.ix_(pend.slots, pend.cols)
+            p.writing[grid] = False
+            p.cell_bytes[grid] = pend.old_bytes
+            p.bytes_live -= int(pend.new_bytes.sum()) - int(pend.old_bytes.sum())
+            if ticket.new_rows:
+                p.alive[pend.slots] = False
+                p.rows_live -= len(ticket.rows)
+                if p.end == ticket.rows[-1] + 1:  # nobody allocated after us: reuse the ids
+                    p.end = ticket.rows[0]
+            for fname in pend.schemas_set:
+                j = p.fidx[fname]
+                if not (p.ready[:, j].any() or p.writing[:, j].any()):
+                    p.schema[fname] = None
+        self._changed()
+
+    # -- reads ---------------------------------------------------------------------------------
+    def check_readable(
+        self, partition: str, rows: Sequence[int], fields: Sequence[str]
+    ) -> dict[str, FieldSchema]:
+        """The schemas of ``fields`` if every (row, field) cell is ready; raises otherwise."""
+        with self._lock:
+            p = self._part(partition)
+            cols = self._fields(p, fields)
+            slots = p.slots_of(rows)
+            sub = p.ready[np.ix_(slots, cols)]
+            if not sub.all():
+                i, j = map(int, np.argwhere(~sub)[0])
+                raise BadRequestError(
+                    f"cell (row {rows[i]}, field {fields[j]!r}) of partition {partition!r} is not "
+                    "written yet; ask get_meta for the fields you read so it waits for them"
+                )
+            out = {}
+            for f in fields:
+                s = p.schema[f]
+                assert s is not None  # ready implies a schema
+                out[f] = s
+            return out
+
+    # -- consumption ---------------------------------------------------------------------------
+    def try_get_meta(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        sampler: Scheduler,
+        *,
+        lease_s: float,
+        current_version: int | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        member: int = 0,
+    ) -> BatchMeta | None:
+        """Lease a batch now, or return None if the sampler wants to wait. Returns an
+        end-of-stream meta once the partition is closed and the task consumed every row."""
+        _check_get_args(batch_size, lease_s, dp_rank, dp_size, member, sampler)
+        changed = False
+        try:
+            with self._lock:
+                p = self._part(partition)
+                cols = self._fields(p, fields)
+                ts = self._task(p, task)
+                changed = self._expire(p)
+                members = _members(sampler)
+                if member >= members:
+                    raise BadRequestError(
+                        f"member={member} but the sampler serves {members} member(s) per DP "
+                        "rank; members are numbered 0..members_per_rank-1"
+                    )
+                if members > 1:
+                    meta = self._replay(p, task, tuple(fields), dp_rank, member)
+                    if meta is not None:
+                        return meta
+                used = p.end - p.base
+                alive = p.alive[:used]
+                unconsumed = alive & ~ts.consumed[:used]
+                if p.closed and not unconsumed.any() and not p.pending:
+                    return BatchMeta(partition, task, (), tuple(fields), end_of_stream=True)
+                free = unconsumed & ~ts.leased[:used]
+                ready_all = p.ready[:used][:, cols].all(axis=1)
+                mask = free & ready_all
+                final = p.closed and not p.pending and not (free & ~ready_all).any()
+                slots = np.flatnonzero(mask)
+                cand = self._candidates(p, slots)
+                request = SampleRequest(
+                    partition, task, batch_size, final, current_version, dp_rank, dp_size, member
+                )
+                sel = sampler.select(cand, request)
+                rows, dropped = _validate_selection(sel, cand, batch_size, sampler)
+                ts.n_held = int(sel.held)
+                if dropped:
+                    dslots = np.asarray(dropped, dtype=np.int64) - p.base
+                    ts.consumed[dslots] = True
+                    ts.n_dropped += len(dropped)
+                    ts.n_consumed += len(dropped)
+                    self._reclaim(p, dslots)
+                    changed = True
+                if not rows:
+                    if dropped and p.closed:
+                        used = p.end - p.base
+                        if not (p.alive[:used] & ~ts.consumed[:used]).any() and not p.pending:
+                            return BatchMeta(partition, task, (), tuple(fields), end_of_stream=True)
+                    return None
+                lease = _Lease(
+                    lease_id=f"{partition}/{task}/{next(self._ids)}",
+                    task=task,
+                    rows=rows,
+                    fields=tuple(fields),
+                    deadline=self._clock() + lease_s,
+                    micro_batches=sel.micro_batches,
+                    dp_rank=dp_rank,
+                    members=members,
+                    served={member},
+                )
+                ts.leased[np.asarray(rows, dtype=np.int64) - p.base] = True
+                p.leases[lease.lease_id] = lease
+                if members > 1:
+                    p.replay.setdefault((task, dp_rank), []).append(lease.lease_id)
+                changed = True
+                return self._meta(p, lease, member)
+        finally:
+            if changed:
+                self._changed()
+
+    def _candidates(self, p: _Partition, slots: IntArray) -> Candidates:
+        if not slots.size:
+            return Candidates.empty()
+        groups = p.group[slots]
+        counts = p.group_count
+        if counts:
+            sizes = np.fromiter((counts.get(int(g), -1) for g in groups), np.int64, len(groups))
+        else:
+            sizes = np.full(len(groups), -1, dtype=np.int64)
+        return Candidates(
+            rows=slots + p.base,
+            groups=groups,
+            group_sizes=sizes,
+            min_versions=p.vmin[slots],
+            max_versions=p.vmax[slots],
+            tokens=p.tokens[slots],
+        )
+
+    def _meta(self, p: _Partition, lease: _Lease, member: int) -> BatchMeta:
+        return BatchMeta(
+            partition=p.name,
+            task=lease.task,
+            rows=lease.rows,
+            fields=lease.fields,
+            tags=tuple(p.tags.get(r, Tags()) for r in lease.rows),
+            lease_id=lease.lease_id,
+            deadline=lease.deadline,
+            micro_batches=lease.micro_batches,
+            member=member,
+        )
+
+    def _replay(
+        self, p: _Partition, task: str, fields: tuple[str, ...], dp_rank: int, member: int
+    ) -> BatchMeta | None:
+        queue = p.replay.get((task, dp_rank))
+        if not queue:
+            return None
+        queue[:] = [
+            lid
+            for lid in queue
+            if lid in p.leases and len(p.leases[lid].served) < p.leases[lid].members
+        ]
+        for lid in queue:
+            lease = p.leases[lid]
+            if member not in lease.served:
+                if lease.fields != fields:
+                    raise BadRequestError(
+                        f"member {member} of DP rank {dp_rank} asked for fields {list(fields)} "
+                        f"but its peers' batch was leased for {list(lease.fields)}; all members "
+                        "of one DP rank must request the same fields"
+                    )
+                lease.served.add(member)
+                return self._meta(p, lease, member)
+        return None
+
+    def ack(self, meta: BatchMeta) -> None:
+        with self._lock:
+            p, lease = self._lease_of(meta, "ack")
+            lease.acked.add(meta.member)
+            if len(lease.acked) < lease.members:
+                return
+            ts = p.tasks[lease.task]
+            slots = np.asarray(lease.rows, dtype=np.int64) - p.base
+            ts.leased[slots] = False
+            ts.consumed[slots] = True
+            ts.n_consumed += len(slots)
+            self._end_lease(p, lease, "acked")
+            self._reclaim(p, slots)
+        self._changed()
+
+    def nack(self, meta: BatchMeta) -> None:
+        with self._lock:
+            p, lease = self._lease_of(meta, "nack")
+            self._release(p, lease, f"nacked by member {meta.member}")
+        self._changed()
+
+    def _lease_of(self, meta: BatchMeta, verb: str) -> tuple[_Partition, _Lease]:
+        if not isinstance(meta, BatchMeta):
+            raise BadRequestError(f"{verb} takes the BatchMeta from get_meta, got {meta!r}")
+        p = self._part(meta.partition)
+        if self._expire(p):
+            self.generation += 1  # listeners run after the caller's change
+        lease = p.leases.get(meta.lease_id) if meta.lease_id else None
+        if lease is None or lease.task != meta.task:
+            how = self._ended.get(meta.lease_id or "")
+            if how == "expired":
+                raise LeaseExpiredError(
+                    f"cannot {verb} lease {meta.lease_id!r} (task {meta.task!r}, rows "
+                    f"{_fmt_rows(meta.rows)}): it expired and its rows went back for "
+                    "redelivery; use a longer lease_s or ack sooner"
+                )
+            detail = f"it was already {how}" if how else "no such lease is held"
+            raise LeaseError(
+                f"cannot {verb} lease {meta.lease_id!r} (task {meta.task!r}, rows "
+                f"{_fmt_rows(meta.rows)}): {detail}; {verb} only a meta from get_meta, once"
+            )
+        if meta.member not in lease.served or meta.member in lease.acked:
+            raise LeaseError(
+                f"member {meta.member} cannot {verb} lease {lease.lease_id!r}: it "
+                + ("already acked it" if meta.member in lease.acked else "was not served it")
+            )
+        return p, lease
+
+    def _release(self, p: _Partition, lease: _Lease, how: str) -> None:
+        ts = p.tasks[lease.task]
+        ts.leased[np.asarray(lease.rows, dtype=np.int64) - p.base] = False
+        self._end_lease(p, lease, how)
+
+    def _end_lease(self, p: _Partition, lease: _Lease, how: str) -> None:
+        del p.leases[lease.lease_id]
+        self._ended[lease.lease_id] = how
+        while len(self._ended) > _ENDED_LEASES_KEPT:
+            self._ended.popitem(last=False)
+
+    def _expire(self, p: _Partition) -> bool:
+        if not p.leases:
+            return False
+        now = self._clock()
+        gone = [lease for lease in p.leases.values() if lease.deadline <= now]
+        for lease in gone:
+            self._release(p, lease, "expired")
+        return bool(gone)
+
+    def expire_leases(self) -> int:
+        """Hand back every lease past its deadline now; returns how many ended."""
+        with self._lock:
+            n = 0
+            for p in self._parts.values():
+                before = len(p.leases)
+                self._expire(p)
+                n += before - len(p.leases)
+        if n:
+            self._changed()
+        return n
+
+    def next_deadline(self, partition: str) -> float | None:
+        with self._lock:
+            p = self._parts.get(partition)
+            if p is None or not p.leases:
+                return None
+            return min(lease.deadline for lease in p.leases.values())
+
+    def _reclaim(self, p: _Partition, slots: IntArray) -> None:
+        """Rows consumed by every registered task are dropped from the metadata; their ids are
+        queued for the storage units (``take_reclaimed``)."""
+        done = p.alive[slots].copy()
+        for ts in p.tasks.values():
+            done &= ts.consumed[slots]
+        gone = slots[done]
+        if not gone.size:
+            return
+        p.alive[gone] = False
+        p.ready[gone] = False
+        p.rows_live -= int(gone.size)
+        p.bytes_live -= int(p.cell_bytes[gone].sum())
+        p.cell_bytes[gone] = 0
+        p.reclaimed += int(gone.size)
+        for s in gone.tolist():
+            p.drop_row_tags(s + p.base, s)
+        self._to_free.setdefault(p.name, []).extend((gone + p.base).tolist())
+
+    def take_reclaimed(self) -> dict[str, list[int]]:
+        """Rows reclaimed since the last call, per partition, for the storage units to drop."""
+        with self._lock:
+            out, self._to_free = self._to_free, {}
+            return out
+
+    def stats(self, partition: str) -> PartitionStats:
+        with self._lock:
+            p = self._part(partition)
+            self._expire(p)
+            used = p.end - p.base
+            alive = p.alive[:used]
+            return PartitionStats(
+                name=p.name,
+                fields=p.fields,
+                tasks=tuple(sorted(p.tasks)),
+                closed=p.closed,
+                rows_created=p.end,
+                rows_live=p.rows_live,
+                bytes_live=p.bytes_live,
+                ready={f: int((alive & p.ready[:used, j]).sum()) for f, j in p.fidx.items()},
+                consumed={t: ts.n_consumed for t, ts in p.tasks.items()},
+                dropped={t: ts.n_dropped for t, ts in p.tasks.items()},
+                held={t: ts.n_held for t, ts in p.tasks.items()},
+                leased={t: int(ts.leased[:used].sum()) for t, ts in p.tasks.items()},
+                reclaimed=p.reclaimed,
+                capacity=p.capacity,
+            )
+
+
+def _members(sampler: Scheduler) -> int:
+    if isinstance(sampler, SupportsRankReplay):
+        m = sampler.members_per_rank
+        if not isinstance(m, int) or m < 1:
+            raise BadRequestError(f"members_per_rank must be an int >= 1, got {m!r}")
+        return m
+    return 1
+
+
+def _check_get_args(
+    batch_size: int, lease_s: float, dp_rank: int, dp_size: int, member: int, sampler: object
+) -> None:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise BadRequestError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not lease_s > 0:
+        raise BadRequestError(f"lease_s must be > 0 seconds, got {lease_s!r}")
+    if not (isinstance(dp_size, int) and dp_size >= 1 and isinstance(dp_rank, int)):
+        raise BadRequestError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    if not 0 <= dp_rank < dp_size:
+        raise BadRequestError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
+    if not isinstance(member, int) or member < 0:
+        raise BadRequestError(f"member must be an int >= 0, got {member!r}")
+    if not callable(getattr(sampler, "select", None)):
+        raise BadRequestError(
+            f"sampler must have a select(candidates, request) method: {sampler!r}"
+        )
+
+
+def _validate_selection(
+    sel: Selection, cand: Candidates, batch_size: int, sampler: Scheduler
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    name = type(sampler).__name__
+    if not isinstance(sel, Selection):
+        raise SamplerError(f"sampler {name} returned {type(sel).__name__}, not a Selection")
+    rows = tuple(int(r) for r in sel.rows)
+    dropped = tuple(int(r) for r in sel.dropped)
+    if len(rows) > batch_size:
+        raise SamplerError(f"sampler {name} returned {len(rows)} rows for batch_size={batch_size}")
+    chosen = rows + dropped
+    if len(set(chosen)) != len(chosen):
+        raise SamplerError(f"sampler {name} returned a row twice (in rows or dropped): {chosen}")
+    if chosen:
+        bad = np.setdiff1d(np.asarray(chosen, dtype=np.int64), cand.rows)
+        if bad.size:
+            raise SamplerError(
+                f"sampler {name} returned rows {_fmt_rows(bad.tolist())} that were not "
+                "candidates (not ready, already consumed or leased); a sampler may only "
+                "choose among the candidates it was given"
+            )
+    if sel.micro_batches is not None:
+        flat = [int(r) for mb in sel.micro_batches for r in mb]
+        if sorted(flat) != sorted(rows):
+            raise SamplerError(
+                f"sampler {name} returned micro_batches that do not partition its rows"
+            )
+    return rows, dropped

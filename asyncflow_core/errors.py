@@ -1,0 +1,101 @@
+"""The one error hierarchy of AsyncFlow: every error names the bad value and what to do."""
+
+from __future__ import annotations
+
+
+class AsyncFlowError(Exception):
+    """Root of every error AsyncFlow raises on purpose."""
+
+
+# --- data store -------------------------------------------------------------------------------
+class DataStoreError(AsyncFlowError):
+    """A DataStore call was rejected; the store is unchanged."""
+
+
+class UnknownPartitionError(DataStoreError, KeyError):
+    """The partition does not exist (never created, or already deleted)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownFieldError(DataStoreError, KeyError):
+    """A field that the partition was not created with."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownTaskError(DataStoreError, KeyError):
+    """A consumer task that was not registered on the partition."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class PartitionExistsError(DataStoreError):
+    """`create_partition` with a name that is already in use."""
+
+
+class SchemaError(DataStoreError, TypeError):
+    """A value whose kind, dtype or ndim differs from the field's first write, or is unstorable."""
+
+
+class BadRequestError(DataStoreError, ValueError):
+    """A malformed argument: batch_size <= 0, mismatched lengths, negative timeout, ..."""
+
+
+class CellAlreadyWrittenError(DataStoreError):
+    """A ready (or being written) cell written again without ``overwrite=True``."""
+
+
+class UnknownRowError(DataStoreError, KeyError):
+    """Rows that were never allocated, or were already reclaimed."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class PartitionClosedError(DataStoreError):
+    """New rows put into a partition after ``close``."""
+
+
+class CapacityError(DataStoreError):
+    """A put that can never fit the partition's capacity bound."""
+
+
+class LeaseError(DataStoreError):
+    """ack/nack of a lease the caller does not hold (unknown, already acked or nacked)."""
+
+
+class LeaseExpiredError(LeaseError):
+    """ack/nack of a lease whose deadline passed; its rows were handed back for redelivery."""
+
+
+class SamplerError(DataStoreError):
+    """A sampler (Scheduler) returned rows that were not among its candidates, or duplicates."""
+
+
+class StoreTimeoutError(DataStoreError, TimeoutError):
+    """A wait (get_meta for data, put for capacity) passed its timeout; nothing was changed."""
+
+
+class StorageUnitError(DataStoreError):
+    """A storage unit failed or lost rows; the message names the unit and rows."""
+
+
+# --- engines and sync ---------------------------------------------------------------------------
+class EngineError(AsyncFlowError):
+    """An inference or training engine rejected a call or failed."""
+
+
+class WeightSyncError(AsyncFlowError):
+    """A weight transfer was misused (wrong phase order, unknown parameter, shape mismatch)."""
+
+
+class ConfigError(AsyncFlowError, ValueError):
+    """A configuration key or value that does not exist / is out of range."""
+
+
+class MissingExtraError(AsyncFlowError, ImportError):
+    """An optional engine library is not installed; the message names the extra."""

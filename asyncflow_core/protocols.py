@@ -1,0 +1,544 @@
+"""The five protocols of AsyncFlow (DataStore, Scheduler, InferenceEngine, TrainEngine,
+WeightSync), their optional ``SupportsX`` abilities, and the plain data types they exchange.
+
+Every data type here is a frozen dataclass of plain values, numpy arrays or tensors, so it
+pickles and can cross a process or Ray boundary unchanged. Every call that may wait is async.
+The docstrings are the contract; ``asyncflow_conformance`` tests them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
+
+import numpy as np
+import torch
+
+# --------------------------------------------------------------------------------------------
+# Basic aliases
+# --------------------------------------------------------------------------------------------
+Version: TypeAlias = int
+"""A weight version. The initial weights are 0; every optimizer step adds 1."""
+
+NO_VERSION: Version = -1
+"""Marker for "no version known" in integer arrays (e.g. a prompt row that no model produced)."""
+
+PlainValue: TypeAlias = bool | int | float | str | list[Any] | dict[str, Any] | None
+"""A small JSON-able value a cell may hold instead of a tensor."""
+
+CellValue: TypeAlias = torch.Tensor | PlainValue
+Layout: TypeAlias = Literal["padded", "nested", "list"]
+FinishReason: TypeAlias = Literal["stop", "length", "abort"]
+IntArray: TypeAlias = np.ndarray[Any, np.dtype[np.int64]]
+
+
+# --------------------------------------------------------------------------------------------
+# DataStore types
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Tags:
+    """Per-row metadata visible to samplers without reading the data plane.
+
+    ``group``: the GRPO group (prompt) id; rows of one group share it.
+    ``versions``: the weight versions that produced this row's tokens (empty for a prompt).
+    ``tokens``: the row's token length, used for load balancing (0 = unknown).
+    A later ``put`` that passes tags for an existing row merges them: a non-None group
+    replaces, versions are unioned, a positive ``tokens`` replaces.
+    """
+
+    group: int | str | None = None
+    versions: tuple[Version, ...] = ()
+    tokens: int = 0
+
+    def merged(self, other: Tags) -> Tags:
+        return Tags(
+            group=other.group if other.group is not None else self.group,
+            versions=tuple(sorted(set(self.versions) | set(other.versions))),
+            tokens=other.tokens if other.tokens > 0 else self.tokens,
+        )
+
+    @property
+    def min_version(self) -> Version:
+        return min(self.versions) if self.versions else NO_VERSION
+
+    @property
+    def max_version(self) -> Version:
+        return max(self.versions) if self.versions else NO_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """A bound on a partition. ``max_rows`` bounds live rows, ``max_bytes`` bounds the bytes of
+    live cells. Puts of *new* rows wait (back-pressure) until the bound admits them; writes into
+    existing rows are never blocked (so a pipeline cannot deadlock on its own outputs) but count.
+    A new-row put bigger than the whole bound fails at once with ``CapacityError``.
+    """
+
+    max_rows: int | None = None
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSchema:
+    """What a field holds, fixed by its first write: a tensor of ``dtype`` with ``ndim`` dims per
+    row (dim 0 may vary between rows: ragged), or plain JSON-able values (``dtype is None``)."""
+
+    dtype: str | None
+    ndim: int = 0
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+    def describe(self) -> str:
+        return f"tensor(dtype={self.dtype}, ndim={self.ndim})" if self.is_tensor else "plain"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """The rows a sampler may choose from, columnar (numpy arrays of equal length).
+
+    ``rows``: row indices in ascending order. ``groups``: group id codes (-1 = none; equal
+    codes mean equal ``Tags.group``). ``group_sizes``: how many live rows of the partition
+    carry that row's group (ready or not, consumed or not; -1 if no group) — a sampler uses it
+    to know whether a group can still complete. ``min_versions`` / ``max_versions``: as in
+    ``Tags`` (-1 = none). ``tokens``: token lengths.
+    """
+
+    rows: IntArray
+    groups: IntArray
+    group_sizes: IntArray
+    min_versions: IntArray
+    max_versions: IntArray
+    tokens: IntArray
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @staticmethod
+    def empty() -> Candidates:
+        z = np.zeros(0, dtype=np.int64)
+        return Candidates(z, z, z, z, z, z)
+
+    def take(self, positions: IntArray) -> Candidates:
+        """The candidates at ``positions`` (indices into these arrays, not row ids)."""
+        return Candidates(
+            self.rows[positions],
+            self.groups[positions],
+            self.group_sizes[positions],
+            self.min_versions[positions],
+            self.max_versions[positions],
+            self.tokens[positions],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRequest:
+    """What a consumer asks a sampler for.
+
+    ``final`` is set by the store when the partition is closed and every row the task has not
+    consumed is either a candidate or leased elsewhere: no more rows can become candidates
+    except by a nack or lease expiry, so a sampler should hand out a short batch (or drop rows
+    it will never take) rather than wait for rows that will not come.
+    ``current_version`` is the consumer's (trainer's) weight version, for staleness policies.
+    ``dp_rank``/``dp_size`` name the data-parallel consumer; ``member``/``members`` the peer
+    inside one DP group (tensor/pipeline parallel ranks that must see identical rows).
+    """
+
+    partition: str
+    task: str
+    batch_size: int
+    final: bool = False
+    current_version: Version | None = None
+    dp_rank: int = 0
+    dp_size: int = 1
+    member: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """A sampler's answer. ``rows``: rows to lease to the consumer, a duplicate-free subset of
+    the candidates (may be empty: "wait for more"). ``dropped``: candidates to mark consumed for
+    this task *without* delivering them (e.g. too stale), counted in the store's stats; disjoint
+    from ``rows``. ``micro_batches``: optional partition of ``rows`` into parts (e.g. one per DP
+    rank, token-balanced). ``held``: how many candidates the policy held back (stats only)."""
+
+    rows: tuple[int, ...] = ()
+    dropped: tuple[int, ...] = ()
+    micro_batches: tuple[tuple[int, ...], ...] | None = None
+    held: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMeta:
+    """Control-plane answer of ``get_meta``: which rows were leased, not their values.
+
+    ``end_of_stream`` is True (and ``rows`` empty) once the partition is closed and every row
+    has been consumed by the task. ``lease_id`` identifies the lease to ``ack``/``nack``;
+    ``deadline`` is the lease's end on the store's clock (seconds, monotonic).
+    """
+
+    partition: str
+    task: str
+    rows: tuple[int, ...]
+    fields: tuple[str, ...]
+    tags: tuple[Tags, ...] = ()
+    lease_id: str | None = None
+    deadline: float = math.inf
+    micro_batches: tuple[tuple[int, ...], ...] | None = None
+    member: int = 0
+    end_of_stream: bool = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.tokens for t in self.tags)
+
+    def split(self) -> list[BatchMeta]:
+        """One meta per micro-batch (same lease), in order; ``[self]`` if there are none."""
+        if not self.micro_batches:
+            return [self]
+        position = {row: i for i, row in enumerate(self.rows)}
+        parts = []
+        for mb in self.micro_batches:
+            tags = tuple(self.tags[position[r]] for r in mb) if self.tags else ()
+            parts.append(
+                BatchMeta(
+                    self.partition, self.task, mb, self.fields, tags, self.lease_id,
+                    self.deadline, None, self.member, False,
+                )
+            )
+        return parts
+
+
+@dataclass(slots=True)
+class Batch:
+    """Data-plane answer of ``get_data``. ``data[field]`` is, for a tensor field, a padded tensor
+    ``[B, max_len, ...]`` (layout "padded"; ``lengths[field]`` holds each row's dim-0 size), a
+    ``torch.nested`` jagged tensor (layout "nested"), or a list of per-row tensors (layout
+    "list": the store's own objects — treat them as read-only); for a plain field, a list.
+    Rows whose tensors are 0-dim are stacked into ``[B]`` in every layout but "list"."""
+
+    rows: tuple[int, ...]
+    data: dict[str, Any]
+    lengths: dict[str, torch.Tensor] = field(default_factory=dict)
+    tags: tuple[Tags, ...] = ()
+
+    def __getitem__(self, name: str) -> Any:
+        return self.data[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.data
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionStats:
+    """Counters of one partition, for tests, progress bars and traces."""
+
+    name: str
+    fields: tuple[str, ...]
+    tasks: tuple[str, ...]
+    closed: bool
+    rows_created: int
+    rows_live: int
+    bytes_live: int
+    ready: Mapping[str, int]
+    consumed: Mapping[str, int]
+    dropped: Mapping[str, int]
+    held: Mapping[str, int]
+    leased: Mapping[str, int]
+    reclaimed: int
+    capacity: Capacity
+
+
+DEFAULT_GET_TIMEOUT_S = 600.0
+"""Default wait of ``get_meta``: long enough for a slow rollout step, never a 1 s trap."""
+
+DEFAULT_LEASE_S = 1800.0
+"""Default lease: a consumer that neither acks nor nacks loses its rows after 30 min."""
+
+
+# --------------------------------------------------------------------------------------------
+# Protocols: data
+# --------------------------------------------------------------------------------------------
+@runtime_checkable
+class Scheduler(Protocol):
+    """A sampling policy: pure, synchronous, no I/O. Given the candidates (rows whose requested
+    fields are all ready, that the task has neither consumed nor leased) and a request, choose
+    rows. Must return a subset of the candidates; the store rejects anything else with
+    ``SamplerError`` and changes nothing. Returning no rows means "wait for more"."""
+
+    def select(self, candidates: Candidates, request: SampleRequest) -> Selection: ...
+
+
+@runtime_checkable
+class SupportsRankReplay(Protocol):
+    """A sampler whose batches go to ``members_per_rank`` peers of one DP rank (tensor or
+    pipeline parallel ranks). The store hands the batch chosen for the first peer that asks to
+    every other peer of that DP rank (``SampleRequest.member``) under the same lease."""
+
+    members_per_rank: int
+
+
+@runtime_checkable
+class DataStore(Protocol):
+    """A set of partitions, each a table: rows (samples, indices 0, 1, ... per partition) by
+    declared fields. A cell is a tensor (rows may differ in dim 0: ragged, never padded in
+    storage) or a plain value. Readiness is per (row, field). Each registered task consumes each
+    row exactly once: ``get_meta`` leases rows, ``ack`` commits, ``nack`` or lease expiry hands
+    them back. Rows consumed by every registered task are reclaimed. Every rejected call raises
+    an ``AsyncFlowError`` subclass and leaves the store exactly as it was.
+    """
+
+    async def create_partition(
+        self, name: str, fields: Sequence[str], *, capacity: Capacity | None = None
+    ) -> None:
+        """Create an empty partition with these field names. ``PartitionExistsError`` if taken."""
+
+    async def register_task(self, partition: str, task: str) -> None:
+        """Declare a consumer task (idempotent). Reclamation waits for every registered task."""
+
+    async def put(
+        self,
+        partition: str,
+        data: Mapping[str, Sequence[CellValue] | torch.Tensor],
+        *,
+        rows: Sequence[int] | None = None,
+        tags: Sequence[Tags] | None = None,
+        overwrite: bool = False,
+        timeout: float | None = DEFAULT_GET_TIMEOUT_S,
+    ) -> tuple[int, ...]:
+        """Write cells and return the rows written.
+
+        ``data`` maps field -> one value per row (a list, or a tensor whose dim 0 is the row).
+        ``rows=None`` creates new rows (waiting for capacity up to ``timeout``; then
+        ``StoreTimeoutError``); otherwise writes into existing rows. A cell already ready (or
+        being written) needs ``overwrite=True``; an overwrite replaces the value atomically, so a
+        concurrent reader sees the old or the new value, never a mix. ``tags`` (one per row)
+        are merged into the rows' tags. New rows after ``close`` raise ``PartitionClosedError``.
+        """
+        ...
+
+    async def get_meta(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: Scheduler | None = None,
+        timeout: float | None = DEFAULT_GET_TIMEOUT_S,
+        lease_s: float = DEFAULT_LEASE_S,
+        current_version: Version | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        member: int = 0,
+    ) -> BatchMeta:
+        """Wait until ``sampler`` (default: sequential) selects rows among the candidates, lease
+        them to ``task`` for ``lease_s`` seconds and return their metadata. After ``close``,
+        once rows stop arriving, the sampler may return a short final batch; when the task has
+        consumed every row, returns ``end_of_stream``. Raises ``StoreTimeoutError`` after
+        ``timeout`` seconds (``None`` = wait forever) without leasing anything."""
+        ...
+
+    async def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        layout: Layout = "padded",
+        pad_value: float = 0,
+    ) -> Batch:
+        """Read ``fields`` (default: ``meta.fields``) of ``meta.rows`` from storage. The fields
+        must be ready for those rows and the rows not reclaimed."""
+        ...
+
+    async def ack(self, meta: BatchMeta) -> None:
+        """Commit the lease: its rows count as consumed by ``meta.task``, never delivered to it
+        again. ``LeaseExpiredError`` if the deadline passed (the rows were handed back),
+        ``LeaseError`` if the lease is unknown or already ended."""
+
+    async def nack(self, meta: BatchMeta) -> None:
+        """Give the lease's rows back for redelivery to ``meta.task``."""
+
+    async def close(self, partition: str) -> None:
+        """No new rows from now on; waiting consumers get a final short batch, then the end."""
+
+    async def delete_partition(self, partition: str) -> None:
+        """Drop a partition and all its data (metadata first marked, storage freed, then gone)."""
+
+    async def stats(self, partition: str) -> PartitionStats: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Generation types and InferenceEngine
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling knobs shared by every engine (names as in vLLM). ``top_k=0`` and ``top_p=1``
+    disable those filters; ``seed=None`` draws from the engine's generator."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """Token-in generation. ``resume_tokens``/``resume_logprobs``/``resume_versions`` carry what
+    an earlier, aborted attempt already generated (partial rollout): the engine continues after
+    them and the result includes them, with their original versions."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    group: int | str | None = None
+    resume_tokens: tuple[int, ...] = ()
+    resume_logprobs: tuple[float, ...] = ()
+    resume_versions: tuple[Version, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """``tokens``: generated ids (prompt excluded); ``logprobs[i]``: log-prob of ``tokens[i]``
+    under the weights that sampled it; ``versions[i]``: that weight version. All three have
+    equal length. ``finish_reason`` is ``stop`` (a stop token, included), ``length``
+    (``max_tokens`` reached) or ``abort`` (partial)."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[Version, ...]
+    finish_reason: FinishReason
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Generates tokens. After weights of version v are loaded, every token it samples reports
+    version >= v. ``abort`` ends the named requests; their ``generate`` calls return what was
+    generated so far with ``finish_reason="abort"``."""
+
+    @property
+    def weight_version(self) -> Version: ...
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+
+@runtime_checkable
+class SupportsPause(Protocol):
+    """``pause(mode="abort")`` aborts in-flight requests; ``mode="keep"`` freezes them until
+    ``resume``. New requests wait while paused."""
+
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsSleep(Protocol):
+    """Release accelerator memory (weights and/or KV cache) and take it back."""
+
+    async def sleep(self, level: int = 1) -> None: ...
+
+    async def wake_up(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsLoadWeights(Protocol):
+    """Load named full tensors directly and set the weight version (the in-process transport)."""
+
+    async def load_weights(
+        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
+    ) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class WeightBucket:
+    """A group of full (gathered) tensors, in the inference side's parameter names."""
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(zip(self.names, self.tensors, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class TrainMetrics:
+    """What one optimizer step reports. ``version`` is the weight version after the step."""
+
+    version: Version
+    loss: float
+    grad_norm: float
+    samples: int
+    tokens: int
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+
+class LossFn(Protocol):
+    """``loss_fn(logprobs, batch) -> (loss, metrics)``: ``logprobs`` are the current policy's
+    per-token log-probs ``[B, T]`` for ``batch``'s response tokens."""
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Batch
+    ) -> tuple[torch.Tensor, Mapping[str, float]]: ...
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """Trains the policy. ``train_step`` is one optimizer step over ``batch`` (split into
+    micro-batches, gradients accumulated) and adds 1 to ``weight_version``. ``export_weights``
+    yields every parameter once, full, in buckets of at most ``bucket_bytes`` (a tensor bigger
+    than that is a bucket of its own)."""
+
+    @property
+    def weight_version(self) -> Version: ...
+
+    async def compute_logprobs(self, batch: Batch) -> torch.Tensor: ...
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics: ...
+
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]: ...
+
+    async def save_checkpoint(self, path: str) -> None: ...
+
+    async def load_checkpoint(self, path: str) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Weight sync (shaped like vLLM's 2026 API: init -> start -> update x N -> finish(version))
+# --------------------------------------------------------------------------------------------
+@runtime_checkable
+class WeightSync(Protocol):
+    """Moves weights from a TrainEngine to InferenceEngines. Phases must run in order:
+    ``init`` once, then per sync ``start``, ``update`` once per bucket, ``finish(version)``.
+    After ``finish(v)`` returns, every target engine's ``weight_version`` is ``v`` and new
+    tokens report ``>= v``. Out-of-order calls raise ``WeightSyncError``."""
+
+    async def init(self) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def update(self, bucket: WeightBucket) -> None: ...
+
+    async def finish(self, version: Version) -> None: ...

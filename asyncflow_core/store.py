@@ -1,0 +1,546 @@
+"""The in-process streaming DataStore: a Controller (metadata) plus N StorageUnits (values),
+driven by an asyncio façade that waits for data and for capacity.
+
+Values live in the storage units, sharded by row (``row % N``); the controller never sees them.
+The façade speaks to both only through their narrow, picklable method calls, which is what lets
+the Ray runtime put each of them in another process unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from asyncflow_core.controller import Controller, PutTicket
+from asyncflow_core.errors import (
+    BadRequestError,
+    SchemaError,
+    StorageUnitError,
+    StoreTimeoutError,
+    UnknownRowError,
+)
+from asyncflow_core.protocols import (
+    DEFAULT_GET_TIMEOUT_S,
+    DEFAULT_LEASE_S,
+    Batch,
+    BatchMeta,
+    Capacity,
+    CellValue,
+    FieldSchema,
+    Layout,
+    PartitionStats,
+    Scheduler,
+    Tags,
+    Version,
+)
+from asyncflow_core.scheduling import SequentialSampler
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, list, dict)
+_LAYOUTS = ("padded", "nested", "list")
+
+
+class StorageUnit:
+    """Holds the cells of the rows routed to it: ``partition -> field -> {row: value}``.
+
+    Each call is atomic under the unit's lock. A write replaces a cell's object (tensors are
+    never modified in place), so a reader holding the old value keeps a whole, consistent one:
+    an overwrite can never tear a cell that is being read.
+    """
+
+    def __init__(self, unit_id: int = 0) -> None:
+        self.unit_id = unit_id
+        self._lock = threading.Lock()
+        self._data: dict[str, dict[str, dict[int, CellValue]]] = {}
+
+    def write(self, partition: str, cells: Mapping[str, Mapping[int, CellValue]]) -> None:
+        with self._lock:
+            part = self._data.setdefault(partition, {})
+            for field_name, values in cells.items():
+                part.setdefault(field_name, {}).update(values)
+
+    def read(
+        self, partition: str, rows: Sequence[int], fields: Sequence[str]
+    ) -> dict[str, list[CellValue]]:
+        with self._lock:
+            part = self._data.get(partition, {})
+            out: dict[str, list[CellValue]] = {}
+            for f in fields:
+                col = part.get(f, {})
+                try:
+                    out[f] = [col[r] for r in rows]
+                except KeyError as e:
+                    raise StorageUnitError(
+                        f"storage unit {self.unit_id} has no value for (row {e.args[0]}, field "
+                        f"{f!r}) of partition {partition!r}: the row was reclaimed or the unit "
+                        "lost it"
+                    ) from None
+            return out
+
+    def delete_rows(self, partition: str, rows: Sequence[int]) -> None:
+        with self._lock:
+            for col in self._data.get(partition, {}).values():
+                for r in rows:
+                    col.pop(r, None)
+
+    def drop_partition(self, partition: str) -> None:
+        with self._lock:
+            self._data.pop(partition, None)
+
+    def num_cells(self, partition: str) -> int:
+        with self._lock:
+            return sum(len(c) for c in self._data.get(partition, {}).values())
+
+
+def _plain_nbytes(v: object) -> int:
+    if isinstance(v, str):
+        return len(v) + 8
+    if isinstance(v, list | dict):
+        return 16 + 8 * len(v)
+    return 8
+
+
+def _tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Prepared:
+    __slots__ = ("cells", "n", "row_bytes", "schemas")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.cells: dict[str, list[CellValue]] = {}
+        self.schemas: dict[str, FieldSchema] = {}
+        self.row_bytes: dict[str, list[int]] = {}
+
+
+def _prepare_put(partition: str, data: Mapping[str, Any], copy: bool) -> _Prepared:
+    """Split ``data`` into per-row cells, infer each field's schema, copy tensors if asked."""
+    if not isinstance(data, Mapping) or not data:
+        raise BadRequestError(
+            f"put into {partition!r} needs data as a non-empty mapping field -> values, "
+            f"got {data!r:.80}"
+        )
+    out = _Prepared()
+    counts: dict[str, int] = {}
+    for name, values in data.items():
+        if isinstance(values, torch.Tensor):
+            if values.ndim == 0:
+                raise BadRequestError(
+                    f"field {name!r}: a tensor value must have dim 0 = rows; wrap a single "
+                    "row's scalar as tensor.reshape(1) or pass a list"
+                )
+            t = values.detach()
+            t = t.clone(memory_format=torch.contiguous_format) if copy else t
+            rows_t = list(t.unbind(0))
+            out.schemas[name] = FieldSchema(str(t.dtype).removeprefix("torch."), t.ndim - 1)
+            nb = _tensor_nbytes(rows_t[0]) if rows_t else 0
+            out.row_bytes[name] = [nb] * len(rows_t)
+            out.cells[name] = list(rows_t)
+        elif isinstance(values, list | tuple):
+            if not values:
+                raise BadRequestError(f"field {name!r}: an empty list of values")
+            first = values[0]
+            if isinstance(first, torch.Tensor):
+                dtype, ndim = first.dtype, first.ndim
+                cells: list[CellValue] = []
+                sizes = []
+                for i, v in enumerate(values):
+                    if not isinstance(v, torch.Tensor) or v.dtype != dtype or v.ndim != ndim:
+                        got = (
+                            f"tensor(dtype={v.dtype}, ndim={v.ndim})"
+                            if isinstance(v, torch.Tensor)
+                            else type(v).__name__
+                        )
+                        raise SchemaError(
+                            f"field {name!r}: row {i} of this put is {got} but row 0 is "
+                            f"tensor(dtype={dtype}, ndim={ndim}); every row of a field must "
+                            "share dtype and ndim"
+                        )
+                    v = v.detach()
+                    if copy:
+                        v = v.clone(memory_format=torch.contiguous_format)
+                    cells.append(v)
+                    sizes.append(_tensor_nbytes(v))
+                out.schemas[name] = FieldSchema(str(dtype).removeprefix("torch."), ndim)
+                out.row_bytes[name] = sizes
+                out.cells[name] = cells
+            else:
+                for i, v in enumerate(values):
+                    if not isinstance(v, _PLAIN_TYPES):
+                        raise SchemaError(
+                            f"field {name!r}: row {i} is a {type(v).__name__}; a cell holds a "
+                            "torch.Tensor or a JSON-able value (None/bool/int/float/str/list/"
+                            "dict). Convert arrays with torch.as_tensor"
+                        )
+                out.schemas[name] = FieldSchema(None, 0)
+                out.row_bytes[name] = [_plain_nbytes(v) for v in values]
+                out.cells[name] = list(values)
+        else:
+            raise BadRequestError(
+                f"field {name!r}: values must be a list (one per row) or a tensor whose dim 0 "
+                f"is the row, got {type(values).__name__}"
+            )
+        counts[name] = len(out.cells[name])
+    if len(set(counts.values())) != 1:
+        raise BadRequestError(
+            f"put into {partition!r}: every field needs one value per row, got counts {counts}"
+        )
+    out.n = next(iter(counts.values()))
+    if out.n == 0:
+        raise BadRequestError(f"put into {partition!r} with zero rows")
+    return out
+
+
+class InProcessDataStore:
+    """The DataStore contract in one process: ``Controller`` + ``num_storage_units`` units.
+
+    ``copy_on_put`` (default True) clones tensors on put, so a caller that later modifies its
+    tensor in place cannot change stored data; pass False to store references (faster, but you
+    promise never to modify a tensor after putting it). ``clock`` is the lease clock.
+    """
+
+    def __init__(
+        self,
+        num_storage_units: int = 2,
+        *,
+        copy_on_put: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        controller: Controller | None = None,
+        units: Sequence[StorageUnit] | None = None,
+    ) -> None:
+        if units is None:
+            if not isinstance(num_storage_units, int) or num_storage_units < 1:
+                raise BadRequestError(
+                    f"num_storage_units must be an int >= 1, got {num_storage_units!r}"
+                )
+            units = [StorageUnit(i) for i in range(num_storage_units)]
+        self.units = list(units)
+        self.controller = controller if controller is not None else Controller(clock)
+        self.copy_on_put = copy_on_put
+        self._wlock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.controller.add_listener(self._wake)
+
+    # -- waiting -------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        with self._wlock:
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            # a closed loop raises RuntimeError: nobody is waiting there any more
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, fut)
+
+    async def _wait_for_change(self, generation: int, until: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        entry = (loop, fut)
+        with self._wlock:
+            self._waiters.append(entry)
+        try:
+            if self.controller.generation != generation:
+                return
+            timeout = None if until is None else max(0.0, until - time.monotonic())
+            await asyncio.wait([fut], timeout=timeout)
+        finally:
+            with self._wlock:
+                if entry in self._waiters:
+                    self._waiters.remove(entry)
+
+    def _lease_wake(self, partition: str, until: float | None) -> float | None:
+        nd = self.controller.next_deadline(partition)
+        if nd is None:
+            return until
+        at = time.monotonic() + max(0.0, nd - self.controller.now()) + 1e-3
+        return at if until is None else min(at, until)
+
+    # -- partitions ----------------------------------------------------------------------------
+    async def create_partition(
+        self,
+        name: str,
+        fields: Sequence[str],
+        *,
+        capacity: Capacity | None = None,
+        tasks: Sequence[str] = (),
+    ) -> None:
+        self.controller.create_partition(name, fields, capacity, tasks)
+
+    async def register_task(self, partition: str, task: str) -> None:
+        self.controller.register_task(partition, task)
+
+    async def close(self, partition: str) -> None:
+        self.controller.close(partition)
+
+    async def delete_partition(self, partition: str) -> None:
+        self.controller.begin_delete(partition)
+        for unit in self.units:
+            unit.drop_partition(partition)
+        self.controller.finish_delete(partition)
+
+    async def stats(self, partition: str) -> PartitionStats:
+        return self.controller.stats(partition)
+
+    # -- writes --------------------------------------------------------------------------------
+    async def put(
+        self,
+        partition: str,
+        data: Mapping[str, Sequence[CellValue] | torch.Tensor],
+        *,
+        rows: Sequence[int] | None = None,
+        tags: Sequence[Tags] | None = None,
+        overwrite: bool = False,
+        timeout: float | None = DEFAULT_GET_TIMEOUT_S,
+    ) -> tuple[int, ...]:
+        _check_timeout(timeout)
+        prep = _prepare_put(partition, data, self.copy_on_put)
+        if rows is not None:
+            rows = _int_rows(rows)
+            if len(rows) != prep.n:
+                raise BadRequestError(
+                    f"put into {partition!r}: {len(rows)} rows given for {prep.n} values per field"
+                )
+        if tags is not None:
+            tags = list(tags)
+            if len(tags) != prep.n or not all(isinstance(t, Tags) for t in tags):
+                raise BadRequestError(
+                    f"put into {partition!r}: tags must be {prep.n} Tags objects (one per row)"
+                )
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            generation = self.controller.generation
+            ticket = self.controller.begin_put(
+                partition, prep.schemas, prep.row_bytes, prep.n, rows, tags, overwrite
+            )
+            if ticket is not None:
+                break
+            if until is not None and time.monotonic() >= until:
+                s = self.controller.stats(partition)
+                raise StoreTimeoutError(
+                    f"put of {prep.n} new rows into {partition!r} waited {timeout} s for "
+                    f"capacity ({s.rows_live} rows / {s.bytes_live} bytes live, bound "
+                    f"{s.capacity}); nothing was written. Consumers must ack rows (and every "
+                    f"registered task {list(s.tasks)} consume them) to free space"
+                )
+            await self._wait_for_change(generation, until)
+        try:
+            self._write(ticket, prep.cells)
+        except BaseException:
+            self.controller.abort_put(ticket)
+            raise
+        self.controller.commit_put(ticket)
+        return ticket.rows
+
+    def _write(self, ticket: PutTicket, cells: Mapping[str, list[CellValue]]) -> None:
+        n_units = len(self.units)
+        if n_units == 1:
+            self.units[0].write(
+                ticket.partition,
+                {f: dict(zip(ticket.rows, v, strict=True)) for f, v in cells.items()},
+            )
+            return
+        per_unit: list[dict[str, dict[int, CellValue]]] = [{} for _ in range(n_units)]
+        for f, values in cells.items():
+            for row, v in zip(ticket.rows, values, strict=True):
+                per_unit[row % n_units].setdefault(f, {})[row] = v
+        for unit, part in zip(self.units, per_unit, strict=True):
+            if part:
+                unit.write(ticket.partition, part)
+
+    # -- reads ---------------------------------------------------------------------------------
+    async def get_meta(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: Scheduler | None = None,
+        timeout: float | None = DEFAULT_GET_TIMEOUT_S,
+        lease_s: float = DEFAULT_LEASE_S,
+        current_version: Version | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        member: int = 0,
+    ) -> BatchMeta:
+        _check_timeout(timeout)
+        if isinstance(fields, str) or not fields:
+            raise BadRequestError(f"fields must be a non-empty list of field names, got {fields!r}")
+        sampler = sampler if sampler is not None else SequentialSampler()
+        until = None if timeout is None else time.monotonic() + timeout
+        while True:
+            generation = self.controller.generation
+            meta = self.controller.try_get_meta(
+                partition,
+                task,
+                list(fields),
+                batch_size,
+                sampler,
+                lease_s=lease_s,
+                current_version=current_version,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                member=member,
+            )
+            self._free_reclaimed()
+            if meta is not None:
+                return meta
+            if until is not None and time.monotonic() >= until:
+                raise StoreTimeoutError(
+                    self._explain_wait(partition, task, fields, batch_size, timeout)
+                )
+            await self._wait_for_change(generation, self._lease_wake(partition, until))
+
+    def _explain_wait(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float | None,
+    ) -> str:
+        s = self.controller.stats(partition)
+        ready = ", ".join(f"{f}={s.ready[f]}" for f in fields)
+        return (
+            f"get_meta({partition!r}, task={task!r}, batch_size={batch_size}) waited {timeout} s; "
+            f"{s.rows_live} live rows, ready per field: {ready}; task consumed "
+            f"{s.consumed.get(task, 0)}, leased {s.leased.get(task, 0)}, held back "
+            f"{s.held.get(task, 0)}; closed={s.closed}. Nothing was leased. Raise the timeout, "
+            "check the producers of those fields, or close() the partition so a short final "
+            "batch is handed out"
+        )
+
+    async def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        layout: Layout = "padded",
+        pad_value: float = 0,
+    ) -> Batch:
+        if not isinstance(meta, BatchMeta):
+            raise BadRequestError(f"get_data takes the BatchMeta from get_meta, got {meta!r:.80}")
+        if layout not in _LAYOUTS:
+            raise BadRequestError(f"layout must be one of {list(_LAYOUTS)}, got {layout!r}")
+        names = list(meta.fields if fields is None else fields)
+        if not meta.rows:
+            return Batch((), {}, {}, ())
+        schemas = self.controller.check_readable(meta.partition, meta.rows, names)
+        values = self._read(meta.partition, meta.rows, names)
+        batch = Batch(meta.rows, {}, {}, meta.tags)
+        for f in names:
+            _assemble(batch, f, schemas[f], values[f], layout, pad_value)
+        return batch
+
+    def _read(
+        self, partition: str, rows: Sequence[int], fields: Sequence[str]
+    ) -> dict[str, list[CellValue]]:
+        n_units = len(self.units)
+        try:
+            if n_units == 1:
+                return self.units[0].read(partition, rows, fields)
+            by_unit: list[list[int]] = [[] for _ in range(n_units)]
+            for r in rows:
+                by_unit[r % n_units].append(r)
+            got = [
+                u.read(partition, rs, fields) if rs else {}
+                for u, rs in zip(self.units, by_unit, strict=True)
+            ]
+        except StorageUnitError as e:
+            raise UnknownRowError(str(e)) from None
+        out: dict[str, list[CellValue]] = {}
+        cursors = [0] * n_units
+        order = [r % n_units for r in rows]
+        for f in fields:
+            cols = [g.get(f, []) for g in got]
+            cursors = [0] * n_units
+            col_out: list[CellValue] = []
+            for u in order:
+                col_out.append(cols[u][cursors[u]])
+                cursors[u] += 1
+            out[f] = col_out
+        return out
+
+    # -- consumption ---------------------------------------------------------------------------
+    async def ack(self, meta: BatchMeta) -> None:
+        self.controller.ack(meta)
+        self._free_reclaimed()
+
+    async def nack(self, meta: BatchMeta) -> None:
+        self.controller.nack(meta)
+
+    def _free_reclaimed(self) -> None:
+        freed = self.controller.take_reclaimed()
+        for partition, rows in freed.items():
+            n_units = len(self.units)
+            for u, unit in enumerate(self.units):
+                mine = [r for r in rows if r % n_units == u]
+                if mine:
+                    unit.delete_rows(partition, mine)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout >= 0:
+        raise BadRequestError(
+            f"timeout must be >= 0 seconds or None (wait forever), got {timeout!r}"
+        )
+
+
+def _int_rows(rows: Sequence[int]) -> list[int]:
+    out = []
+    for r in rows:
+        if isinstance(r, bool) or not isinstance(r, int):
+            try:
+                r = int(r)  # numpy / torch integer scalars
+            except (TypeError, ValueError):
+                raise BadRequestError(f"row ids must be ints, got {r!r}") from None
+        out.append(r)
+    return out
+
+
+def _assemble(
+    batch: Batch,
+    name: str,
+    schema: FieldSchema,
+    values: list[CellValue],
+    layout: Layout,
+    pad_value: float,
+) -> None:
+    if not schema.is_tensor:
+        batch.data[name] = values
+        return
+    tensors: list[torch.Tensor] = values  # type: ignore[assignment]  # schema says tensors
+    if layout == "list":
+        batch.data[name] = tensors
+        if schema.ndim:
+            batch.lengths[name] = torch.tensor([t.shape[0] for t in tensors], dtype=torch.long)
+        return
+    if schema.ndim == 0:
+        batch.data[name] = torch.stack(tensors)
+        return
+    batch.lengths[name] = torch.tensor([t.shape[0] for t in tensors], dtype=torch.long)
+    if layout == "nested":
+        batch.data[name] = torch.nested.nested_tensor(tensors, layout=torch.jagged)
+        return
+    trailing = tensors[0].shape[1:]
+    if any(t.shape[1:] != trailing for t in tensors):
+        raise BadRequestError(
+            f"field {name!r}: rows differ beyond dim 0, so they cannot be padded into one "
+            "tensor; read it with layout='list'"
+        )
+    first = tensors[0].shape
+    if all(t.shape == first for t in tensors):
+        batch.data[name] = torch.stack(tensors)
+    else:
+        batch.data[name] = torch.nn.utils.rnn.pad_sequence(
+            tensors, batch_first=True, padding_value=pad_value
+        )
