@@ -208,8 +208,16 @@ class BatchMeta:
             tags = tuple(self.tags[position[r]] for r in mb) if self.tags else ()
             parts.append(
                 BatchMeta(
-                    self.partition, self.task, mb, self.fields, tags, self.lease_id,
-                    self.deadline, None, self.member, False,
+                    self.partition,
+                    self.task,
+                    mb,
+                    self.fields,
+                    tags,
+                    self.lease_id,
+                    self.deadline,
+                    None,
+                    self.member,
+                    False,
                 )
             )
         return parts
@@ -298,9 +306,15 @@ class DataStore(Protocol):
     """
 
     async def create_partition(
-        self, name: str, fields: Sequence[str], *, capacity: Capacity | None = None
+        self,
+        name: str,
+        fields: Sequence[str],
+        *,
+        capacity: Capacity | None = None,
+        tasks: Sequence[str] = (),
     ) -> None:
-        """Create an empty partition with these field names. ``PartitionExistsError`` if taken."""
+        """Create an empty partition with these field names and consumer ``tasks`` (more can be
+        registered later). ``PartitionExistsError`` if the name is taken."""
 
     async def register_task(self, partition: str, task: str) -> None:
         """Declare a consumer task (idempotent). Reclamation waits for every registered task."""

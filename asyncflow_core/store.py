@@ -58,11 +58,38 @@ class StorageUnit:
         self._lock = threading.Lock()
         self._data: dict[str, dict[str, dict[int, CellValue]]] = {}
 
-    def write(self, partition: str, cells: Mapping[str, Mapping[int, CellValue]]) -> None:
+    def write(
+        self, partition: str, cells: Mapping[str, Mapping[int, CellValue]]
+    ) -> dict[str, dict[int, CellValue]]:
+        """Store the cells; return the values they replaced (for ``undo``)."""
         with self._lock:
             part = self._data.setdefault(partition, {})
+            replaced: dict[str, dict[int, CellValue]] = {}
             for field_name, values in cells.items():
-                part.setdefault(field_name, {}).update(values)
+                col = part.setdefault(field_name, {})
+                old = {r: col[r] for r in values if r in col}
+                if old:
+                    replaced[field_name] = old
+                col.update(values)
+            return replaced
+
+    def undo(
+        self,
+        partition: str,
+        cells: Mapping[str, Mapping[int, CellValue]],
+        replaced: Mapping[str, Mapping[int, CellValue]],
+    ) -> None:
+        """Revert a ``write`` of ``cells`` that returned ``replaced``."""
+        with self._lock:
+            part = self._data.get(partition, {})
+            for field_name, values in cells.items():
+                col = part.get(field_name, {})
+                old = replaced.get(field_name, {})
+                for r in values:
+                    if r in old:
+                        col[r] = old[r]
+                    else:
+                        col.pop(r, None)
 
     def read(
         self, partition: str, rows: Sequence[int], fields: Sequence[str]
@@ -336,20 +363,24 @@ class InProcessDataStore:
         return ticket.rows
 
     def _write(self, ticket: PutTicket, cells: Mapping[str, list[CellValue]]) -> None:
+        """Write every unit's share; if one fails, undo the others so nothing changed."""
         n_units = len(self.units)
-        if n_units == 1:
-            self.units[0].write(
-                ticket.partition,
-                {f: dict(zip(ticket.rows, v, strict=True)) for f, v in cells.items()},
-            )
-            return
         per_unit: list[dict[str, dict[int, CellValue]]] = [{} for _ in range(n_units)]
-        for f, values in cells.items():
-            for row, v in zip(ticket.rows, values, strict=True):
-                per_unit[row % n_units].setdefault(f, {})[row] = v
-        for unit, part in zip(self.units, per_unit, strict=True):
-            if part:
-                unit.write(ticket.partition, part)
+        if n_units == 1:
+            per_unit[0] = {f: dict(zip(ticket.rows, v, strict=True)) for f, v in cells.items()}
+        else:
+            for f, values in cells.items():
+                for row, v in zip(ticket.rows, values, strict=True):
+                    per_unit[row % n_units].setdefault(f, {})[row] = v
+        done: list[tuple[StorageUnit, dict[str, dict[int, CellValue]], Any]] = []
+        try:
+            for unit, part in zip(self.units, per_unit, strict=True):
+                if part:
+                    done.append((unit, part, unit.write(ticket.partition, part)))
+        except BaseException:
+            for unit, part, replaced in done:
+                unit.undo(ticket.partition, part, replaced)
+            raise
 
     # -- reads ---------------------------------------------------------------------------------
     async def get_meta(

@@ -1,0 +1,289 @@
+"""Tests of the in-process store's own mechanics (the generic contract is in the conformance
+suite, run by test_datastore_conformance.py): sharding, window compaction, rank replay,
+thread-safety, storage failures, byte capacity, and wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+from asyncflow_core.errors import (
+    CapacityError,
+    LeaseError,
+    StorageUnitError,
+    StoreTimeoutError,
+    UnknownPartitionError,
+)
+from asyncflow_core.protocols import Capacity, CellValue, Tags
+from asyncflow_core.scheduling import (
+    GroupSampler,
+    RankAwareSampler,
+    StalenessSampler,
+    TokenBalancedSampler,
+)
+from asyncflow_core.store import InProcessDataStore, StorageUnit
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_rows_are_sharded_over_units() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(3)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        rows = await store.put("p", {"x": [torch.full((i + 1,), float(i)) for i in range(9)]})
+        assert [u.num_cells("p") for u in store.units] == [3, 3, 3]
+        meta = await store.get_meta("p", "t", ["x"], 9)
+        batch = await store.get_data(meta, layout="list")
+        for r, t in zip(rows, batch["x"], strict=True):
+            assert t.shape == (r + 1,) and bool((t == r).all())
+
+    run(go())
+
+
+def test_window_compacts_when_rows_are_reclaimed() -> None:
+    """A long stream keeps the metadata arrays bounded by the live rows, not the total."""
+
+    async def go() -> None:
+        store = InProcessDataStore(2)
+        await store.create_partition("p", ["x"], tasks=["a", "b"])
+        for step in range(200):
+            rows = await store.put("p", {"x": torch.arange(50).reshape(50, 1) + step * 50})
+            for task in ("a", "b"):
+                meta = await store.get_meta("p", task, ["x"], 50)
+                assert meta.rows == rows
+                batch = await store.get_data(meta)
+                assert batch["x"][:, 0].tolist() == list(range(step * 50, step * 50 + 50))
+                await store.ack(meta)
+        part = store.controller._parts["p"]
+        stats = await store.stats("p")
+        assert stats.rows_created == 10_000 and stats.rows_live == 0
+        assert stats.reclaimed == 10_000
+        assert part.cap <= 128, part.cap
+        assert sum(u.num_cells("p") for u in store.units) == 0
+
+    run(go())
+
+
+def test_rank_aware_replays_batch_to_every_member() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(1)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        await store.put("p", {"x": list(range(8))})
+        sampler = RankAwareSampler(members_per_rank=2)
+        m0 = await store.get_meta("p", "t", ["x"], 4, sampler=sampler, member=0)
+        m1 = await store.get_meta("p", "t", ["x"], 4, sampler=sampler, member=1)
+        assert m0.rows == m1.rows == (0, 1, 2, 3) and m0.lease_id == m1.lease_id
+        # another DP rank gets different rows
+        r1 = await store.get_meta("p", "t", ["x"], 4, sampler=sampler, dp_rank=1, dp_size=2)
+        assert r1.rows == (4, 5, 6, 7)
+        await store.ack(m0)
+        assert (await store.stats("p")).consumed["t"] == 0  # member 1 has not acked yet
+        await store.ack(m1)
+        assert (await store.stats("p")).consumed["t"] == 4
+        with pytest.raises(LeaseError, match="already acked"):
+            await store.ack(m1)
+        # a nack by one member ends the shared lease for all
+        await store.nack(r1)
+        with pytest.raises(LeaseError, match="nacked by member 0"):
+            await store.nack(r1)
+
+    run(go())
+
+
+class _FailingUnit(StorageUnit):
+    fail = True
+
+    def write(
+        self, partition: str, cells: Mapping[str, Mapping[int, CellValue]]
+    ) -> dict[str, dict[int, CellValue]]:
+        if self.fail:
+            raise StorageUnitError(f"unit {self.unit_id} is down")
+        return super().write(partition, cells)
+
+
+def test_failed_storage_write_leaves_store_unchanged() -> None:
+    async def go() -> None:
+        bad = _FailingUnit(1)
+        store = InProcessDataStore(units=[StorageUnit(0), bad])
+        await store.create_partition("p", ["x", "y"], tasks=["t"], capacity=Capacity(max_rows=4))
+        await store.put("p", {"x": [torch.zeros(2)]})  # row 0 lives on unit 0
+        before = await store.stats("p")
+        schema_before = store.controller.schema("p")
+        with pytest.raises(StorageUnitError, match="unit 1 is down"):
+            await store.put("p", {"x": [torch.ones(2)] * 2, "y": [1, 2]})
+        assert await store.stats("p") == before
+        assert store.controller.schema("p") == schema_before  # y's schema was not fixed
+        assert store.units[0].num_cells("p") == 1  # unit 0's share (row 2) was undone
+        bad.fail = False
+        rows = await store.put("p", {"x": [torch.ones(2)] * 2, "y": ["a", "b"]})
+        assert rows == (1, 2)  # the aborted ids are reused: no hole in the numbering
+
+    run(go())
+
+
+def test_byte_capacity_back_pressure_and_impossible_put() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(2)
+        await store.create_partition("p", ["x"], tasks=["t"], capacity=Capacity(max_bytes=4 * 1024))
+        with pytest.raises(CapacityError, match="max_bytes=4096"):
+            await store.put("p", {"x": [torch.zeros(2048)]})  # 8 KiB can never fit
+        await store.put("p", {"x": [torch.zeros(512)] * 2})  # 4 KiB: full
+        with pytest.raises(StoreTimeoutError, match="capacity"):
+            await store.put("p", {"x": [torch.zeros(1)]}, timeout=0.05)
+        blocked = asyncio.create_task(store.put("p", {"x": [torch.zeros(256)]}))
+        await asyncio.sleep(0.02)
+        assert not blocked.done()
+        meta = await store.get_meta("p", "t", ["x"], 1)
+        await store.ack(meta)  # frees 2 KiB
+        assert await asyncio.wait_for(blocked, 2) == (2,)
+        assert (await store.stats("p")).bytes_live == 2048 + 1024
+
+    run(go())
+
+
+def test_put_from_other_threads_wakes_waiting_consumer() -> None:
+    """Producers in other threads (each with its own event loop) feed one consumer; every row
+    arrives exactly once."""
+
+    async def go() -> None:
+        store = InProcessDataStore(2)
+        await store.create_partition("p", ["x"], tasks=["t"])
+
+        def producer(k: int) -> None:
+            async def produce() -> None:
+                for i in range(25):
+                    await store.put("p", {"x": [k * 1000 + i]})
+
+            asyncio.run(produce())
+
+        threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+        for th in threads:
+            th.start()
+        seen: list[int] = []
+        while len(seen) < 100:
+            meta = await store.get_meta("p", "t", ["x"], 7, timeout=10)
+            if len(meta) < 7:
+                pytest.fail("sequential sampler handed out a short batch before close")
+            seen += (await store.get_data(meta))["x"]
+            await store.ack(meta)
+            if len(seen) == 98:
+                for th in threads:
+                    th.join()
+                await store.close("p")
+                last = await store.get_meta("p", "t", ["x"], 7)
+                seen += (await store.get_data(last))["x"]
+                await store.ack(last)
+        assert sorted(seen) == sorted(k * 1000 + i for k in range(4) for i in range(25))
+
+    run(go())
+
+
+def test_delete_partition_wakes_waiters_with_clear_error() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(2)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x"], 1, timeout=5))
+        await asyncio.sleep(0.01)
+        await store.delete_partition("p")
+        with pytest.raises(UnknownPartitionError, match="'p' does not exist"):
+            await asyncio.wait_for(waiter, 2)
+        await store.create_partition("p", ["x"])  # the name is free again
+
+    run(go())
+
+
+def test_waiting_consumer_wakes_when_a_lease_expires() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(1)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        await store.put("p", {"x": [1, 2]})
+        first = await store.get_meta("p", "t", ["x"], 2, lease_s=0.1)
+        t0 = time.monotonic()
+        again = await store.get_meta("p", "t", ["x"], 2, timeout=5)
+        assert again.rows == first.rows
+        assert 0.05 < time.monotonic() - t0 < 2
+
+    run(go())
+
+
+def test_timeout_message_explains_what_is_missing() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(1)
+        await store.create_partition("p", ["prompt", "reward"], tasks=["train"])
+        await store.put("p", {"prompt": ["a", "b", "c"]})
+        with pytest.raises(StoreTimeoutError) as e:
+            await store.get_meta("p", "train", ["prompt", "reward"], 2, timeout=0.01)
+        assert "prompt=3" in str(e.value) and "reward=0" in str(e.value)
+        assert (await store.stats("p")).leased["train"] == 0
+
+    run(go())
+
+
+def test_token_balanced_micro_batches_split_meta() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(1)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        lengths = [50, 10, 40, 20, 30, 30, 5, 15]
+        await store.put(
+            "p",
+            {"x": [torch.zeros(n) for n in lengths]},
+            tags=[Tags(tokens=n) for n in lengths],
+        )
+        meta = await store.get_meta("p", "t", ["x"], 8, sampler=TokenBalancedSampler(), dp_size=2)
+        parts = meta.split()
+        assert len(parts) == 2 and sorted(r for p in parts for r in p.rows) == list(range(8))
+        sums = [p.tokens for p in parts]
+        assert sums[0] + sums[1] == 200 and abs(sums[0] - sums[1]) <= 10
+        assert all(p.lease_id == meta.lease_id for p in parts)
+        batch = await store.get_data(parts[0])
+        assert batch["x"].shape[0] == 4
+
+    run(go())
+
+
+def test_group_sampler_and_staleness_drop_through_store() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(2)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        # group 0 made by version 0, group 1 by version 3
+        await store.put(
+            "p",
+            {"x": list(range(8))},
+            tags=[Tags(group=i // 4, versions=(0 if i < 4 else 3,)) for i in range(8)],
+        )
+        stale = StalenessSampler(max_lag=1, policy="drop", inner=GroupSampler(4))
+        meta = await store.get_meta("p", "t", ["x"], 4, sampler=stale, current_version=3)
+        assert meta.rows == (4, 5, 6, 7)
+        stats = await store.stats("p")
+        assert stats.dropped["t"] == 4 and stats.reclaimed == 4  # t was the only task
+        assert [t.group for t in meta.tags] == [1] * 4
+
+    run(go())
+
+
+def test_tags_merge_on_later_puts() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(1)
+        await store.create_partition("p", ["prompt", "response"], tasks=["t"])
+        rows = await store.put("p", {"prompt": ["q"]}, tags=[Tags(group="g", tokens=3)])
+        await store.put(
+            "p", {"response": [torch.ones(5)]}, rows=rows, tags=[Tags(versions=(2, 1), tokens=8)]
+        )
+        await store.put(
+            "p",
+            {"response": [torch.ones(6)]},
+            rows=rows,
+            tags=[Tags(versions=(3,))],
+            overwrite=True,
+        )
+        meta = await store.get_meta("p", "t", ["prompt", "response"], 1)
+        assert meta.tags == (Tags(group="g", versions=(1, 2, 3), tokens=8),)
+
+    run(go())
