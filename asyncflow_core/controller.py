@@ -70,13 +70,12 @@ class PutTicket:
 @dataclass(slots=True)
 class _PendingPut:
     ticket: PutTicket
-    slots: IntArray
+    rows: IntArray  # row ids, not slots: the window may shift while the put is pending
     cols: IntArray
     old_bytes: np.ndarray[Any, np.dtype[np.int64]]
     new_bytes: np.ndarray[Any, np.dtype[np.int64]]
     schemas_set: list[str]
     tags: Sequence[Tags] | None
-    was_ready: np.ndarray[Any, np.dtype[np.bool_]]
 
 
 @dataclass(slots=True)
@@ -127,8 +126,9 @@ class _Partition:
         self.vmax = np.zeros(0, dtype=np.int64)
         self.tags: dict[int, Tags] = {}
         self.group_codes: dict[int | str, int] = {}
-        self.group_count: dict[int, int] = {}
-        self.next_code = 0
+        self.code_group: list[int | str | None] = []
+        self.group_count = np.zeros(0, dtype=np.int64)  # live rows per group code
+        self.free_codes: list[int] = []
         self.tasks: dict[str, _TaskState] = {}
         self.leases: dict[str, _Lease] = {}
         self.replay: dict[tuple[str, int], list[str]] = {}
@@ -199,42 +199,54 @@ class _Partition:
 
     # -- tags ----------------------------------------------------------------------------------
     def group_code(self, group: int | str | None) -> int:
+        """A dense int code per live group (codes of finished groups are recycled), so
+        samplers compare ints and group sizes are one array lookup."""
         if group is None:
             return -1
         code = self.group_codes.get(group)
         if code is None:
-            code = self.next_code
-            self.next_code += 1
+            if self.free_codes:
+                code = self.free_codes.pop()
+            else:
+                code = len(self.code_group)
+                self.code_group.append(None)
+                if code >= self.group_count.shape[0]:
+                    grown = np.zeros(max(64, 2 * self.group_count.shape[0]), dtype=np.int64)
+                    grown[: self.group_count.shape[0]] = self.group_count
+                    self.group_count = grown
             self.group_codes[group] = code
+            self.code_group[code] = group
         return code
 
     def set_tags(self, row: int, slot: int, new: Tags) -> None:
         old = self.tags.get(row)
         merged = old.merged(new) if old is not None else new
-        old_code = int(self.group[slot]) if old is not None else -1
-        code = self.group_code(merged.group)
-        if old is not None and old_code >= 0:
-            self._dec_group(old_code)
-        if code >= 0:
-            self.group_count[code] = self.group_count.get(code, 0) + 1
+        if old is None or merged.group != old.group:
+            code = self.group_code(merged.group)
+            if code >= 0:
+                self.group_count[code] += 1
+            if old is not None:
+                self._dec_group(int(self.group[slot]))
+            self.group[slot] = code
         self.tags[row] = merged
-        self.group[slot] = code
         self.tokens[slot] = merged.tokens
         self.vmin[slot] = merged.min_version
         self.vmax[slot] = merged.max_version
 
     def _dec_group(self, code: int) -> None:
-        left = self.group_count[code] - 1
-        if left:
-            self.group_count[code] = left
-        else:
-            del self.group_count[code]
+        if code < 0:
+            return
+        self.group_count[code] -= 1
+        if self.group_count[code] == 0:
+            group = self.code_group[code]
+            assert group is not None  # a live code always names its group
+            self.code_group[code] = None
+            del self.group_codes[group]
+            self.free_codes.append(code)
 
     def drop_row_tags(self, row: int, slot: int) -> None:
         self.tags.pop(row, None)
-        code = int(self.group[slot])
-        if code >= 0:
-            self._dec_group(code)
+        self._dec_group(int(self.group[slot]))
         self.group[slot] = -1
 
 
@@ -441,13 +453,12 @@ class Controller:
                 if p.schema[fname] is None:
                     p.schema[fname] = sch
                     schemas_set.append(fname)
-            was_ready = p.ready[np.ix_(slots, cols)].copy()
             p.writing[np.ix_(slots, cols)] = True
             p.bytes_live += total_new_bytes - int(old.sum())
             p.cell_bytes[np.ix_(slots, cols)] = nb
             ticket = PutTicket(partition, next(self._ids), new_rows, tuple(fields), rows is None)
             p.pending[ticket.ticket_id] = _PendingPut(
-                ticket, slots, cols, old, nb, schemas_set, tags, was_ready
+                ticket, slots + p.base, cols, old, nb, schemas_set, tags
             )
             return ticket
 
@@ -474,11 +485,12 @@ class Controller:
         with self._lock:
             p = self._part(ticket.partition)
             pend = p.pending.pop(ticket.ticket_id)
-            grid = np.ix_(pend.slots, pend.cols)
+            slots = pend.rows - p.base
+            grid = np.ix_(slots, pend.cols)
             p.writing[grid] = False
             p.ready[grid] = True
             if pend.tags is not None or ticket.new_rows:
-                for k, (row, slot) in enumerate(zip(ticket.rows, pend.slots.tolist(), strict=True)):
+                for k, (row, slot) in enumerate(zip(ticket.rows, slots.tolist(), strict=True)):
                     t = pend.tags[k] if pend.tags is not None else Tags()
                     p.set_tags(row, slot, t)
         self._changed()
@@ -492,12 +504,13 @@ class Controller:
             pend = p.pending.pop(ticket.ticket_id, None)
             if pend is None:
                 return
-            grid = np.ix_(pend.slots, pend.cols)
+            slots = pend.rows - p.base
+            grid = np.ix_(slots, pend.cols)
             p.writing[grid] = False
             p.cell_bytes[grid] = pend.old_bytes
             p.bytes_live -= int(pend.new_bytes.sum()) - int(pend.old_bytes.sum())
             if ticket.new_rows:
-                p.alive[pend.slots] = False
+                p.alive[slots] = False
                 p.rows_live -= len(ticket.rows)
                 if p.end == ticket.rows[-1] + 1:  # nobody allocated after us: reuse the ids
                     p.end = ticket.rows[0]
@@ -620,11 +633,10 @@ class Controller:
         if not slots.size:
             return Candidates.empty()
         groups = p.group[slots]
-        counts = p.group_count
-        if counts:
-            sizes = np.fromiter((counts.get(int(g), -1) for g in groups), np.int64, len(groups))
+        if p.group_count.size:
+            sizes = np.where(groups >= 0, p.group_count[np.maximum(groups, 0)], -1)
         else:
-            sizes = np.full(len(groups), -1, dtype=np.int64)
+            sizes = np.full(groups.shape[0], -1, dtype=np.int64)
         return Candidates(
             rows=slots + p.base,
             groups=groups,

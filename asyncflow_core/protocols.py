@@ -100,7 +100,8 @@ class FieldSchema:
 class Candidates:
     """The rows a sampler may choose from, columnar (numpy arrays of equal length).
 
-    ``rows``: row indices in ascending order. ``groups``: group id codes (-1 = none; equal
+    ``rows``: row indices, in the order the sampler should prefer (the store passes them
+    ascending, i.e. oldest first; a wrapping sampler may pass a reordered subset). ``groups``: group id codes (-1 = none; equal
     codes mean equal ``Tags.group``). ``group_sizes``: how many live rows of the partition
     carry that row's group (ready or not, consumed or not; -1 if no group) — a sampler uses it
     to know whether a group can still complete. ``min_versions`` / ``max_versions``: as in
@@ -143,8 +144,12 @@ class SampleRequest:
     except by a nack or lease expiry, so a sampler should hand out a short batch (or drop rows
     it will never take) rather than wait for rows that will not come.
     ``current_version`` is the consumer's (trainer's) weight version, for staleness policies.
-    ``dp_rank``/``dp_size`` name the data-parallel consumer; ``member``/``members`` the peer
-    inside one DP group (tensor/pipeline parallel ranks that must see identical rows).
+    ``dp_rank``/``dp_size`` name the data-parallel consumer. Two models are supported: one
+    fetcher asks for the whole step's batch with ``dp_size`` = number of ranks and a sampler
+    that splits it into ``micro_batches`` (``TokenBalancedSampler``; ``BatchMeta.split()``), or
+    each rank asks for its own rows with its ``dp_rank``. ``member`` numbers the peers inside one
+    DP rank (tensor/pipeline-parallel ranks that must see identical rows; see
+    ``SupportsRankReplay``).
     """
 
     partition: str
@@ -162,8 +167,11 @@ class Selection:
     """A sampler's answer. ``rows``: rows to lease to the consumer, a duplicate-free subset of
     the candidates (may be empty: "wait for more"). ``dropped``: candidates to mark consumed for
     this task *without* delivering them (e.g. too stale), counted in the store's stats; disjoint
-    from ``rows``. ``micro_batches``: optional partition of ``rows`` into parts (e.g. one per DP
-    rank, token-balanced). ``held``: how many candidates the policy held back (stats only)."""
+    from ``rows``. The store leases ``rows`` in the order given. ``micro_batches``: optional
+    partition of ``rows`` into parts (e.g. one per DP rank, token-balanced; a part may be empty
+    when there are fewer rows than parts). ``held``: how many candidates the policy held back
+    (reported by ``stats().held`` as the latest value, not a running total). Row ids may be
+    any ints (numpy ints included)."""
 
     rows: tuple[int, ...] = ()
     dropped: tuple[int, ...] = ()

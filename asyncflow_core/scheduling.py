@@ -7,12 +7,12 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
 from .errors import BadRequestError, EngineError, SamplerError
-from .protocols import NO_VERSION, Candidates, SampleRequest, Scheduler, Selection
+from .protocols import NO_VERSION, Candidates, IntArray, SampleRequest, Scheduler, Selection
 
 __all__ = [
     "GroupSampler",
@@ -36,7 +36,7 @@ def _check_batch_size(sampler: str, request: SampleRequest) -> None:
         )
 
 
-def _rows(array: Any) -> tuple[int, ...]:
+def _rows(array: IntArray) -> tuple[int, ...]:
     """Plain-int tuple of a numpy int array (numpy ints would leak into the store's metadata)."""
     values: list[int] = array.tolist()  # int64 -> Python ints
     return tuple(values)
@@ -220,7 +220,8 @@ class TokenBalancedSampler:
     sums (``Candidates.tokens``) are balanced by ``karmarkar_karp(equal_size=True)``: every part
     gets the same number of rows when ``parts`` divides the batch, else sizes differ by at most
     one (with fewer rows than parts, some parts are empty: there are always exactly ``parts``).
-    Rows inside a part keep the order ``inner`` returned; parts are ordered by their first row.
+    Rows inside a part keep the order ``inner`` returned them in, and parts are ordered by where
+    their first row stands in that order.
     ``Selection.rows``, ``dropped`` and ``held`` are ``inner``'s; its ``micro_batches`` are
     replaced. Only the chosen batch is partitioned, so the cost is independent of the number of
     candidates.
@@ -318,8 +319,9 @@ class StalenessSampler:
     dropped rows and held counts of both added up.
 
     ``whole_groups=True`` (for GRPO, with a ``GroupSampler`` inner) judges and orders a row by
-    the oldest ``min_version`` among its group's candidates, so a group is held or dropped as a
-    whole and never left unable to complete; untagged rows (group -1) are judged alone.
+    the oldest ``min_version`` among its group's candidates, so the candidate rows of a group
+    are held or dropped together, never some of them (which would leave the rest unable to ever
+    form a complete group); untagged rows (group -1) are judged alone.
     """
 
     def __init__(
@@ -347,9 +349,9 @@ class StalenessSampler:
             f"inner={self.inner!r}, whole_groups={self.whole_groups})"
         )
 
-    def _age_keys(self, candidates: Candidates) -> Any:
+    def _age_keys(self, candidates: Candidates) -> IntArray:
         mins = candidates.min_versions
-        key = np.where(mins == NO_VERSION, _FRESH, mins)
+        key: IntArray = np.where(mins <= NO_VERSION, _FRESH, mins).astype(np.int64, copy=False)
         if self.whole_groups:
             tagged = np.flatnonzero(candidates.groups >= 0)
             if tagged.size:

@@ -287,3 +287,31 @@ def test_tags_merge_on_later_puts() -> None:
         assert meta.tags == (Tags(group="g", versions=(1, 2, 3), tokens=8),)
 
     run(go())
+
+
+def test_pending_put_survives_window_compaction() -> None:
+    """A put that is between begin and commit while another put compacts the window still
+    marks its own rows ready (regression: pending puts used to hold stale slots)."""
+    from asyncflow_core.controller import Controller
+    from asyncflow_core.protocols import FieldSchema
+    from asyncflow_core.scheduling import SequentialSampler
+
+    ctrl = Controller()
+    ctrl.create_partition("p", ["x"], tasks=["t"])
+    plain = {"x": FieldSchema(None, 0)}
+    for _ in range(2):  # fill the first 64-row window, consume and reclaim most of it
+        ticket = ctrl.begin_put("p", plain, {"x": [8] * 32}, 32)
+        assert ticket is not None
+        ctrl.commit_put(ticket)
+    pending = ctrl.begin_put("p", plain, {"x": [8] * 1}, 1)  # row 64 needs room: grows
+    assert pending is not None
+    meta = ctrl.try_get_meta("p", "t", ["x"], 64, SequentialSampler(), lease_s=60)
+    assert meta is not None and len(meta) == 64
+    ctrl.ack(meta)  # rows 0..63 reclaimed
+    other = ctrl.begin_put("p", plain, {"x": [8] * 100}, 100)  # compacts: base moves to 64
+    assert other is not None
+    assert ctrl._parts["p"].base == 64
+    ctrl.commit_put(pending)
+    ctrl.commit_put(other)
+    meta = ctrl.try_get_meta("p", "t", ["x"], 101, SequentialSampler(), lease_s=60)
+    assert meta is not None and meta.rows == tuple(range(64, 165))
