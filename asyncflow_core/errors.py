@@ -77,7 +77,9 @@ class SamplerError(DataStoreError):
 
 
 class StoreTimeoutError(DataStoreError, TimeoutError):
-    """A wait (get_meta for data, put for capacity) passed its timeout; nothing was changed."""
+    """A wait (get_meta for data, put for capacity) passed its timeout. Nothing was leased or
+    written; rows the sampler chose to drop while it waited stay dropped (a policy decision,
+    not part of the rejected call)."""
 
 
 class StorageUnitError(DataStoreError):

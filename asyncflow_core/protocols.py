@@ -367,7 +367,8 @@ class DataStore(Protocol):
         them to ``task`` for ``lease_s`` seconds and return their metadata. After ``close``,
         once rows stop arriving, the sampler may return a short final batch; when the task has
         consumed every row, returns ``end_of_stream``. Raises ``StoreTimeoutError`` after
-        ``timeout`` seconds (``None`` = wait forever) without leasing anything."""
+        ``timeout`` seconds (``None`` = wait forever) without leasing anything; rows the
+        sampler dropped meanwhile (``Selection.dropped``) stay dropped."""
         ...
 
     async def get_data(

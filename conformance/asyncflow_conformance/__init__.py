@@ -1,1 +1,50 @@
-"""Conformance."""
+"""Conformance suite for AsyncFlow backends: pytest classes to subclass, hypothesis state
+machines, and a pytest plugin (``-p asyncflow_conformance``) for profiles and report headers.
+
+Names are imported lazily: pytest imports this package in every run (it holds the plugin), so
+importing it must not pull in torch or hypothesis.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncflow_conformance.datastore import DataStoreConformance, FakeClock, StoreFactory
+    from asyncflow_conformance.scheduler import SchedulerConformance
+    from asyncflow_conformance.stateful import (
+        DataStoreStateMachine,
+        make_datastore_state_machine,
+    )
+
+_EXPORTS = {
+    "DataStoreConformance": "asyncflow_conformance.datastore",
+    "FakeClock": "asyncflow_conformance.datastore",
+    "StoreFactory": "asyncflow_conformance.datastore",
+    "DataStoreStateMachine": "asyncflow_conformance.stateful",
+    "make_datastore_state_machine": "asyncflow_conformance.stateful",
+    "SchedulerConformance": "asyncflow_conformance.scheduler",
+}
+
+__all__ = [
+    "DataStoreConformance",
+    "DataStoreStateMachine",
+    "FakeClock",
+    "SchedulerConformance",
+    "StoreFactory",
+    "make_datastore_state_machine",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

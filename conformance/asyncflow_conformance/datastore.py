@@ -1,0 +1,1673 @@
+"""The DataStore conformance suite: one pytest class that a backend author subclasses.
+
+Usage::
+
+    import pytest
+    from asyncflow_conformance import DataStoreConformance
+
+    class TestMyStore(DataStoreConformance):
+        supports_fake_clock = True  # optional: store_factory accepts clock=
+
+        @pytest.fixture
+        def store_factory(self):
+            return lambda clock=None: MyStore(clock=clock or time.monotonic)
+
+Each test checks one law of the ``DataStore`` protocol (asyncflow_core.protocols; its
+docstrings are the contract) on a fresh store, and every rejected call is checked three ways:
+it raises the named ``AsyncFlowError`` subclass, its message names the offending value, and the
+store is exactly as before (``stats()`` and the stored values compared, then the next valid call
+behaves as if the rejected one never happened). ``test_state_machine`` runs the hypothesis
+state machine of ``asyncflow_conformance.stateful`` on the same factory.
+
+Optional abilities, declared as class attributes (a test that needs a missing one is skipped
+with the ability's name in the reason):
+
+``supports_fake_clock``
+    ``store_factory`` returns a callable accepting ``clock=`` (a zero-arg callable giving
+    seconds, monotonic), which the store uses for lease deadlines. Without it, lease-expiry
+    tests use real leases of ``real_lease_s`` seconds and tests of exact deadlines are skipped.
+``supports_direct_read``
+    The subclass overrides ``direct_read`` to read a stored cell without the API under test,
+    an independent oracle for "ragged tensors are stored unpadded".
+
+The suite reads data with ``get_data`` and hand-built ``BatchMeta(partition, task, rows,
+fields)`` (no lease), so a backend's ``get_data`` must accept any meta naming live rows whose
+fields are ready, as the protocol says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, ClassVar, ParamSpec, TypeVar
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow_core.errors import (
+    AsyncFlowError,
+    BadRequestError,
+    CapacityError,
+    CellAlreadyWrittenError,
+    DataStoreError,
+    LeaseError,
+    LeaseExpiredError,
+    PartitionClosedError,
+    PartitionExistsError,
+    SamplerError,
+    SchemaError,
+    StoreTimeoutError,
+    UnknownFieldError,
+    UnknownPartitionError,
+    UnknownRowError,
+    UnknownTaskError,
+)
+from asyncflow_core.protocols import (
+    Batch,
+    BatchMeta,
+    Candidates,
+    Capacity,
+    CellValue,
+    DataStore,
+    Layout,
+    PartitionStats,
+    SampleRequest,
+    Selection,
+    Tags,
+)
+from asyncflow_core.scheduling import GroupSampler, RankAwareSampler, SequentialSampler
+
+__all__ = [
+    "WAIT_S",
+    "DataStoreConformance",
+    "FakeClock",
+    "StoreFactory",
+    "async_test",
+    "cell_key",
+    "snapshot",
+    "unpack",
+]
+
+StoreFactory = Callable[..., DataStore]
+"""Builds a fresh, empty store: ``factory()``, or ``factory(clock=...)`` for a backend that
+declares ``supports_fake_clock``."""
+
+WAIT_S = 5.0
+"""The longest a test waits for something that should happen at once; a broken backend fails
+a test after this long instead of hanging the run."""
+
+P = ParamSpec("P")
+E = TypeVar("E", bound=AsyncFlowError)
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told to: ``clock()`` reads, ``advance`` moves."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a monotonic clock cannot go back {seconds} s")
+        self.now += seconds
+
+    def __repr__(self) -> str:
+        return f"FakeClock(now={self.now})"
+
+
+def async_test(fn: Callable[P, Coroutine[Any, Any, None]]) -> Callable[P, None]:
+    """Run an async test body with ``asyncio.run`` (no pytest-asyncio needed); pytest still
+    sees the body's parameters as the fixtures to pass."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        asyncio.run(fn(*args, **kwargs))
+
+    return run
+
+
+async def settle() -> None:
+    """Let every runnable coroutine on this loop run until it blocks (no sleeping)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Values and snapshots
+# --------------------------------------------------------------------------------------------
+def cell_key(value: Any) -> Any:
+    """A comparable, hashable-free stand-in for a cell: tensors by dtype, shape and values."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.tolist())
+    return ("plain", value)
+
+
+def unpack(batch: Batch, field: str, layout: Layout, ndim: int | None) -> list[Any]:
+    """The per-row values of ``field`` in ``batch``, undoing ``layout``. ``ndim`` is the field's
+    per-row tensor ndim (None for a plain field). Checks the layout's shape rules on the way."""
+    data = batch[field]
+    n = len(batch.rows)
+    if ndim is None or layout == "list":
+        assert isinstance(data, list), f"field {field!r} ({layout}): expected a list, got {data!r}"
+        assert len(data) == n, f"field {field!r}: {len(data)} values for {n} rows"
+        return list(data)
+    assert isinstance(data, torch.Tensor), f"field {field!r} ({layout}): expected a tensor"
+    if ndim == 0:
+        assert tuple(data.shape) == (n,), (
+            f"field {field!r} ({layout}): 0-dim rows must stack into [{n}], got {data.shape}"
+        )
+        return list(data.unbind(0))
+    if layout == "nested":
+        assert data.is_nested, f"field {field!r}: layout 'nested' gave a non-nested tensor"
+        rows = list(data.unbind())
+        assert len(rows) == n
+        return rows
+    lengths = batch.lengths.get(field)
+    assert lengths is not None, f"field {field!r}: layout 'padded' must fill Batch.lengths"
+    assert data.shape[0] == n and lengths.shape == (n,)
+    assert data.shape[1] == (int(lengths.max()) if n else 0), "padded to more than max length"
+    return [data[i, : int(length)] for i, length in enumerate(lengths.tolist())]
+
+
+async def snapshot(
+    store: DataStore, partition: str, cells: Mapping[str, Sequence[int]]
+) -> tuple[PartitionStats, dict[str, list[Any]]]:
+    """``stats(partition)`` plus the values of ``cells`` (field -> rows), read with
+    ``get_data`` through a hand-built meta: what "the store is unchanged" compares."""
+    stats = await store.stats(partition)
+    values: dict[str, list[Any]] = {}
+    task = stats.tasks[0] if stats.tasks else ""
+    for field, rows in cells.items():
+        if rows:
+            meta = BatchMeta(partition, task, tuple(rows), (field,))
+            batch = await store.get_data(meta, layout="list")
+            values[field] = [cell_key(v) for v in batch[field]]
+    return stats, values
+
+
+async def expect_rejected(
+    store: DataStore,
+    call: Callable[[], Awaitable[Any]],
+    error: type[E],
+    *mentions: str,
+    partition: str = "p",
+    cells: Mapping[str, Sequence[int]] | None = None,
+) -> E:
+    """Assert ``call()`` raises ``error`` whose message contains every ``mentions`` string, and
+    that ``partition``'s stats and ``cells`` values are the same before and after."""
+    before = await snapshot(store, partition, cells or {})
+    with pytest.raises(error) as info:
+        await call()
+    message = str(info.value)
+    for m in mentions:
+        assert m in message, f"{type(info.value).__name__} message does not name {m!r}: {message}"
+    after = await snapshot(store, partition, cells or {})
+    assert after[0] == before[0], (
+        f"a rejected call ({type(info.value).__name__}) changed stats:\n"
+        f"before {before[0]}\nafter  {after[0]}"
+    )
+    assert after[1] == before[1], f"a rejected call ({type(info.value).__name__}) changed data"
+    return info.value
+
+
+async def new_partition(
+    store: DataStore,
+    name: str = "p",
+    fields: Sequence[str] = ("x", "y"),
+    tasks: Sequence[str] = ("t",),
+    capacity: Capacity | None = None,
+) -> None:
+    await store.create_partition(name, list(fields), capacity=capacity)
+    for task in tasks:
+        await store.register_task(name, task)
+
+
+def ragged(lengths: Sequence[int], start: int = 0, dtype: torch.dtype = torch.float32) -> list[Any]:
+    """One 1-d tensor per length, each with distinct values."""
+    return [(torch.arange(n) + start + 100 * i).to(dtype) for i, n in enumerate(lengths)]
+
+
+def same(a: Any, b: Any) -> bool:
+    return bool(cell_key(a) == cell_key(b))
+
+
+class FixedSampler:
+    """A sampler that answers the same whatever the candidates: ``rows``, or a whole
+    ``Selection`` (to test the store's validation and its handling of drops and holds)."""
+
+    def __init__(self, rows: Sequence[int] = (), selection: Selection | None = None) -> None:
+        self.selection = selection if selection is not None else Selection(rows=tuple(rows))
+
+    def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
+        return self.selection
+
+
+class SpySampler:
+    """The sequential sampler, recording the candidates and requests it was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Candidates, SampleRequest]] = []
+
+    def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
+        self.seen.append((candidates, request))
+        return SequentialSampler().select(candidates, request)
+
+
+# --------------------------------------------------------------------------------------------
+# The suite
+# --------------------------------------------------------------------------------------------
+class DataStoreConformance:
+    """Every law of the ``DataStore`` protocol; subclass it and override ``store_factory``."""
+
+    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [pytest.mark.conformance]
+
+    backend_name: ClassVar[str] = ""
+    """Shown in the report header (default: the subclass's name)."""
+    supports_fake_clock: ClassVar[bool] = False
+    """``store_factory(clock=FakeClock())`` makes the store use that clock for leases."""
+    supports_direct_read: ClassVar[bool] = False
+    """``direct_read`` is overridden (reads a stored cell bypassing ``get_data``)."""
+    real_lease_s: ClassVar[float] = 0.05
+    """Lease length for expiry tests when there is no fake clock (real seconds)."""
+
+    @classmethod
+    def describe_backend(cls) -> str:
+        name = cls.backend_name or cls.__qualname__
+        clock = "yes" if cls.supports_fake_clock else f"no (real {cls.real_lease_s} s leases)"
+        direct = "yes" if cls.supports_direct_read else "no"
+        return f"{name} [{cls.__module__}]: fake clock {clock}, direct read {direct}"
+
+    # -- hooks for the backend author --------------------------------------------------------
+    @pytest.fixture
+    def store_factory(self) -> StoreFactory:
+        raise NotImplementedError(
+            f"{type(self).__name__} must override the store_factory fixture: "
+            "@pytest.fixture\ndef store_factory(self): return lambda: MyStore()"
+        )
+
+    def direct_read(self, store: DataStore, partition: str, row: int, field: str) -> CellValue:
+        """The stored value of one cell, read without ``get_data`` (see
+        ``supports_direct_read``)."""
+        raise NotImplementedError
+
+    # -- fixtures ----------------------------------------------------------------------------
+    @pytest.fixture
+    def clock(self) -> FakeClock | None:
+        return FakeClock() if self.supports_fake_clock else None
+
+    @pytest.fixture
+    def store(self, store_factory: StoreFactory, clock: FakeClock | None) -> DataStore:
+        return store_factory(clock=clock) if clock is not None else store_factory()
+
+    def lease_s(self, clock: FakeClock | None) -> float:
+        """A lease length that ``expire`` can end."""
+        return 30.0 if clock is not None else self.real_lease_s
+
+    async def expire(self, clock: FakeClock | None, lease_s: float) -> None:
+        """Let every lease of ``lease_s`` taken so far pass its deadline."""
+        if clock is not None:
+            clock.advance(lease_s + 1.0)
+        else:
+            await asyncio.sleep(2 * lease_s + 0.02)  # real time: the store's own clock
+
+    def need_fake_clock(self) -> None:
+        if not self.supports_fake_clock:
+            pytest.skip(
+                f"{type(self).__name__} lacks the ability supports_fake_clock (a store_factory "
+                "accepting clock=): exact lease deadlines cannot be tested on a real clock"
+            )
+
+    # ========================================================================================
+    # Partitions
+    # ========================================================================================
+    @async_test
+    async def test_new_partition_is_empty(self, store: DataStore) -> None:
+        await new_partition(store, tasks=("a", "b"))
+        s = await store.stats("p")
+        assert s.name == "p"
+        assert tuple(s.fields) == ("x", "y")
+        assert set(s.tasks) == {"a", "b"}
+        assert not s.closed
+        assert (s.rows_created, s.rows_live, s.bytes_live, s.reclaimed) == (0, 0, 0, 0)
+        assert dict(s.ready) == {"x": 0, "y": 0}
+        assert dict(s.consumed) == {"a": 0, "b": 0}
+        assert dict(s.leased) == {"a": 0, "b": 0}
+        assert s.capacity == Capacity()
+
+    @async_test
+    async def test_partitions_are_independent(self, store: DataStore) -> None:
+        await new_partition(store, "p")
+        await new_partition(store, "q", fields=("x",))
+        assert await store.put("p", {"x": [1, 2, 3]}) == (0, 1, 2)
+        assert await store.put("q", {"x": ["a"]}) == (0,)
+        meta = await store.get_meta("q", "t", ["x"], 1, timeout=WAIT_S)
+        assert meta.rows == (0,)
+        assert (await store.get_data(meta))["x"] == ["a"]
+        await store.ack(meta)
+        p, q = await store.stats("p"), await store.stats("q")
+        assert (p.rows_live, dict(p.consumed)) == (3, {"t": 0})
+        assert q.rows_live == 0 and q.reclaimed == 1
+
+    @async_test
+    async def test_create_existing_partition_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [1]})
+        await expect_rejected(
+            store,
+            lambda: store.create_partition("p", ["z"]),
+            PartitionExistsError,
+            "'p'",
+            cells={"x": [0]},
+        )
+        # the old partition, with its fields, is still there
+        await expect_rejected(
+            store, lambda: store.put("p", {"z": [1]}), UnknownFieldError, "'z'", cells={"x": [0]}
+        )
+        assert await store.put("p", {"y": [2]}, rows=[0]) == (0,)
+
+    @async_test
+    async def test_delete_partition_drops_it(self, store: DataStore) -> None:
+        await new_partition(store)
+        await new_partition(store, "q")
+        await store.put("p", {"x": [1, 2]})
+        await store.put("q", {"x": [3]})
+        await store.delete_partition("p")
+        with pytest.raises(UnknownPartitionError, match="'p'"):
+            await store.stats("p")
+        assert (await store.stats("q")).rows_live == 1
+        await new_partition(store, "p", fields=("z",))
+        s = await store.stats("p")
+        assert (s.rows_created, s.rows_live, tuple(s.fields)) == (0, 0, ("z",))
+        assert await store.put("p", {"z": [7]}) == (0,)
+
+    @async_test
+    async def test_delete_partition_wakes_waiters(self, store: DataStore) -> None:
+        await new_partition(store)
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S))
+        await settle()
+        assert not waiter.done()
+        await store.delete_partition("p")
+        with pytest.raises(UnknownPartitionError):
+            await asyncio.wait_for(waiter, WAIT_S)
+
+    @async_test
+    async def test_register_task_is_idempotent(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [1, 2]})
+        meta = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)
+        await store.ack(meta)
+        await store.register_task("p", "t")
+        s = await store.stats("p")
+        assert list(s.tasks).count("t") == 1 and s.consumed["t"] == 1
+        again = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)
+        assert again.rows == (1,)
+
+    # ========================================================================================
+    # Rows x fields
+    # ========================================================================================
+    @async_test
+    async def test_new_rows_are_numbered_in_creation_order(self, store: DataStore) -> None:
+        await new_partition(store)
+        assert await store.put("p", {"x": [1, 2, 3]}) == (0, 1, 2)
+        assert await store.put("p", {"x": [4, 5]}) == (3, 4)
+        s = await store.stats("p")
+        assert (s.rows_created, s.rows_live, dict(s.ready)) == (5, 5, {"x": 5, "y": 0})
+
+    @async_test
+    async def test_put_into_existing_rows_fills_their_cells(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [10, 11, 12]})
+        assert await store.put("p", {"y": ["c", "a"]}, rows=[2, 0]) == (2, 0)
+        assert dict((await store.stats("p")).ready) == {"x": 3, "y": 2}
+        batch = await store.get_data(BatchMeta("p", "t", (0, 2), ("x", "y")))
+        assert batch["x"] == [10, 12] and batch["y"] == ["a", "c"]
+
+    @async_test
+    async def test_a_tensor_is_split_along_dim_0(self, store: DataStore) -> None:
+        await new_partition(store)
+        rows = await store.put("p", {"x": torch.arange(6).reshape(3, 2)})
+        assert rows == (0, 1, 2)
+        batch = await store.get_data(BatchMeta("p", "t", rows, ("x",)), layout="list")
+        assert [t.tolist() for t in batch["x"]] == [[0, 1], [2, 3], [4, 5]]
+
+    @async_test
+    async def test_get_data_reads_meta_fields_by_default(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [1, 2], "y": [3, 4]})
+        meta = await store.get_meta("p", "t", ["y"], 2, timeout=WAIT_S)
+        batch = await store.get_data(meta)
+        assert batch.rows == (0, 1) and "y" in batch and "x" not in batch
+        assert batch["y"] == [3, 4]
+        both = await store.get_data(meta, ["x", "y"])
+        assert both["x"] == [1, 2] and both["y"] == [3, 4]
+
+    # ========================================================================================
+    # Layouts
+    # ========================================================================================
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+    @async_test
+    async def test_ragged_tensors_round_trip_unpadded(
+        self, store: DataStore, dtype: torch.dtype
+    ) -> None:
+        values = ragged([3, 0, 5, 1], dtype=dtype)
+        await new_partition(store)
+        rows = await store.put("p", {"x": values})
+        batch = await store.get_data(BatchMeta("p", "t", rows, ("x",)), layout="list")
+        for got, want in zip(batch["x"], values, strict=True):
+            assert got.dtype == dtype and same(got, want)
+
+    @async_test
+    async def test_ragged_cells_are_stored_unpadded(self, store: DataStore) -> None:
+        if not self.supports_direct_read:
+            pytest.skip(
+                f"{type(self).__name__} lacks the ability supports_direct_read "
+                "(override direct_read to read a cell bypassing get_data)"
+            )
+        values = ragged([2, 7, 0])
+        await new_partition(store)
+        rows = await store.put("p", {"x": values})
+        for row, want in zip(rows, values, strict=True):
+            assert same(self.direct_read(store, "p", row, "x"), want)
+
+    @pytest.mark.parametrize("pad_value", [0, -7])
+    @async_test
+    async def test_padded_layout_pads_and_reports_lengths(
+        self, store: DataStore, pad_value: float
+    ) -> None:
+        values = ragged([3, 0, 5, 1], start=1)
+        await new_partition(store)
+        rows = await store.put("p", {"x": values})
+        batch = await store.get_data(
+            BatchMeta("p", "t", rows, ("x",)), layout="padded", pad_value=pad_value
+        )
+        data = batch["x"]
+        assert tuple(data.shape) == (4, 5) and data.dtype == torch.float32
+        assert batch.lengths["x"].tolist() == [3, 0, 5, 1]
+        for i, v in enumerate(values):
+            assert same(data[i, : len(v)], v)
+            assert bool((data[i, len(v) :] == pad_value).all())
+
+    @async_test
+    async def test_padded_layout_keeps_trailing_dims(self, store: DataStore) -> None:
+        values = [torch.ones(2, 3), torch.full((4, 3), 2.0)]
+        await new_partition(store)
+        rows = await store.put("p", {"x": values})
+        batch = await store.get_data(BatchMeta("p", "t", rows, ("x",)), layout="padded")
+        assert tuple(batch["x"].shape) == (2, 4, 3)
+        for got, want in zip(unpack(batch, "x", "padded", 2), values, strict=True):
+            assert same(got, want)
+
+    @async_test
+    async def test_nested_layout_round_trips_rows(self, store: DataStore) -> None:
+        values = ragged([2, 0, 4], dtype=torch.int64)
+        await new_partition(store)
+        rows = await store.put("p", {"x": values})
+        batch = await store.get_data(BatchMeta("p", "t", rows, ("x",)), layout="nested")
+        for got, want in zip(unpack(batch, "x", "nested", 1), values, strict=True):
+            assert same(got, want)
+
+    @pytest.mark.parametrize("layout", ["padded", "nested", "list"])
+    @async_test
+    async def test_zero_dim_tensors(self, store: DataStore, layout: Layout) -> None:
+        values = [torch.tensor(1.5), torch.tensor(-2.0), torch.tensor(0.0)]
+        await new_partition(store)
+        rows = await store.put("p", {"x": values})
+        batch = await store.get_data(BatchMeta("p", "t", rows, ("x",)), layout=layout)
+        got = unpack(batch, "x", layout, 0)
+        if layout == "list":
+            assert all(t.ndim == 0 for t in got)
+        assert [cell_key(t) for t in got] == [cell_key(t) for t in values]
+
+    @pytest.mark.parametrize("layout", ["padded", "nested", "list"])
+    @async_test
+    async def test_plain_values_round_trip(self, store: DataStore, layout: Layout) -> None:
+        values: list[Any] = ["text", 3, 2.5, True, None, [1, "a"], {"k": [1, 2], "n": None}]
+        await new_partition(store)
+        rows = await store.put("p", {"y": values})
+        batch = await store.get_data(BatchMeta("p", "t", rows, ("y",)), layout=layout)
+        assert unpack(batch, "y", layout, None) == values
+
+    @async_test
+    async def test_tensor_and_plain_fields_in_one_batch(self, store: DataStore) -> None:
+        await new_partition(store)
+        values = ragged([1, 3])
+        await store.put("p", {"x": values, "y": ["a", "b"]})
+        meta = await store.get_meta("p", "t", ["x", "y"], 2, timeout=WAIT_S)
+        batch = await store.get_data(meta)
+        assert batch["y"] == ["a", "b"]
+        got = unpack(batch, "x", "padded", 1)
+        assert all(same(g, w) for g, w in zip(got, values, strict=True))
+
+    # ========================================================================================
+    # Readiness and waiting
+    # ========================================================================================
+    @async_test
+    async def test_readiness_is_per_row_and_field(self, store: DataStore) -> None:
+        await new_partition(store, tasks=("a", "b"))
+        await store.put("p", {"x": [0, 1, 2]})
+        await store.put("p", {"y": ["one"]}, rows=[1])
+        assert dict((await store.stats("p")).ready) == {"x": 3, "y": 1}
+        both = await store.get_meta("p", "a", ["x", "y"], 1, timeout=WAIT_S)
+        assert both.rows == (1,)
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "a", ["x", "y"], 1, timeout=0)
+        only_x = await store.get_meta("p", "b", ["x"], 3, timeout=WAIT_S)
+        assert only_x.rows == (0, 1, 2)
+
+    @async_test
+    async def test_consumer_waits_for_every_requested_field(self, store: DataStore) -> None:
+        await new_partition(store)
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x", "y"], 1, timeout=WAIT_S))
+        (row,) = await store.put("p", {"x": [5]})
+        await settle()
+        assert not waiter.done(), "served a row whose field 'y' was not written"
+        await store.put("p", {"y": [6]}, rows=[row])
+        meta = await asyncio.wait_for(waiter, WAIT_S)
+        assert meta.rows == (row,)
+
+    @async_test
+    async def test_get_meta_waits_then_wakes_when_data_arrives(self, store: DataStore) -> None:
+        await new_partition(store)
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S))
+        await settle()
+        assert not waiter.done()
+        await store.put("p", {"x": [1]})
+        await settle()
+        assert not waiter.done(), "served a short batch before close"
+        await store.put("p", {"x": [2]})
+        meta = await asyncio.wait_for(waiter, WAIT_S)
+        assert meta.rows == (0, 1)
+
+    @async_test
+    async def test_a_waiter_in_another_thread_wakes_on_put(self, store: DataStore) -> None:
+        """Engines run in worker threads, each with its own event loop: a put here must wake a
+        get_meta waiting there."""
+        await new_partition(store)
+        ready = threading.Event()
+        result: list[BatchMeta | BaseException] = []
+
+        async def wait_there() -> None:
+            task = asyncio.create_task(store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S))
+            await settle()
+            ready.set()
+            result.append(await task)
+
+        def thread_main() -> None:
+            try:
+                asyncio.run(wait_there())
+            except BaseException as e:  # reported by the test thread
+                result.append(e)
+                ready.set()
+
+        thread = threading.Thread(target=thread_main, daemon=True)
+        thread.start()
+        assert await asyncio.to_thread(ready.wait, WAIT_S)
+        assert not result, f"get_meta returned before any put: {result}"
+        await store.put("p", {"x": [7]})
+        await asyncio.to_thread(thread.join, WAIT_S)
+        assert result and isinstance(result[0], BatchMeta), f"the waiter was not woken: {result}"
+        assert result[0].rows == (0,)
+
+    @async_test
+    async def test_timeout_raises_and_leases_nothing(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [1, 2]})
+        for timeout in (0, 0.05):
+            err = await expect_rejected(
+                store,
+                functools.partial(store.get_meta, "p", "t", ["x"], 3, timeout=timeout),
+                StoreTimeoutError,
+                "'p'",
+                cells={"x": [0, 1]},
+            )
+            assert isinstance(err, TimeoutError)
+        await store.put("p", {"x": [3]})
+        meta = await store.get_meta("p", "t", ["x"], 3, timeout=0)
+        assert meta.rows == (0, 1, 2)
+
+    @async_test
+    async def test_timeout_zero_serves_a_ready_batch(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [1, 2, 3]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=0)
+        assert meta.rows == (0, 1) and not meta.end_of_stream
+
+    # ========================================================================================
+    # Consumption per task
+    # ========================================================================================
+    @async_test
+    async def test_each_task_gets_every_row_once(self, store: DataStore) -> None:
+        await new_partition(store, tasks=("a", "b"))
+        await store.put("p", {"x": list(range(7))})
+        await store.close("p")
+        for task in ("a", "b"):
+            got: list[int] = []
+            values: list[Any] = []
+            for _ in range(8):  # 4 batches and the end; a few more to report a broken store
+                meta = await store.get_meta("p", task, ["x"], 2, timeout=WAIT_S)
+                if meta.end_of_stream:
+                    assert meta.rows == ()
+                    break
+                again = set(got) & set(meta.rows)
+                assert not again, f"rows {sorted(again)} delivered to {task!r} twice"
+                got += meta.rows
+                values += (await store.get_data(meta))["x"]
+                await store.ack(meta)
+            else:
+                pytest.fail(f"task {task!r} got no end of stream after 8 batches")
+            assert got == list(range(7)) and values == list(range(7))
+        s = await store.stats("p")
+        assert dict(s.consumed) == {"a": 7, "b": 7} and s.rows_live == 0
+
+    @async_test
+    async def test_concurrent_consumers_of_a_task_get_disjoint_rows(self, store: DataStore) -> None:
+        await new_partition(store)
+        got: list[int] = []
+
+        async def consume() -> None:
+            while True:
+                meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+                if meta.end_of_stream:
+                    return
+                again = set(got) & set(meta.rows)
+                assert not again, f"rows {sorted(again)} delivered twice"
+                got.extend(meta.rows)
+                await settle()
+                await store.ack(meta)
+
+        consumers = [asyncio.create_task(consume()) for _ in range(3)]
+        for start in range(0, 12, 3):
+            await store.put("p", {"x": list(range(start, start + 3))})
+            await settle()
+        await store.close("p")
+        await asyncio.wait_for(asyncio.gather(*consumers), WAIT_S)
+        assert sorted(got) == list(range(12))
+
+    @async_test
+    async def test_default_sampler_serves_lowest_rows_first(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3, 4]})
+        first = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        second = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert (first.rows, second.rows) == ((0, 1), (2, 3))
+        assert first.lease_id and second.lease_id and first.lease_id != second.lease_id
+        assert (first.partition, first.task, first.fields) == ("p", "t", ("x",))
+
+    # ========================================================================================
+    # Close and end of stream
+    # ========================================================================================
+    @async_test
+    async def test_close_gives_short_final_batch_then_end(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3, 4]})
+        first = await store.get_meta("p", "t", ["x"], 3, timeout=WAIT_S)
+        await store.ack(first)
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 3, timeout=0)
+        await store.close("p")
+        assert (await store.stats("p")).closed
+        last = await store.get_meta("p", "t", ["x"], 3, timeout=WAIT_S)
+        assert last.rows == (3, 4) and not last.end_of_stream
+        await store.ack(last)
+        for _ in range(2):  # the end repeats
+            end = await store.get_meta("p", "t", ["x"], 3, timeout=WAIT_S)
+            assert end.end_of_stream and end.rows == ()
+
+    @async_test
+    async def test_close_wakes_a_waiter_with_the_short_batch(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x"], 3, timeout=WAIT_S))
+        await settle()
+        assert not waiter.done()
+        await store.close("p")
+        meta = await asyncio.wait_for(waiter, WAIT_S)
+        assert meta.rows == (0, 1)
+
+    @async_test
+    async def test_close_wakes_a_waiter_with_end_of_stream(self, store: DataStore) -> None:
+        await new_partition(store, tasks=("a", "b"))
+        waiters = [
+            asyncio.create_task(store.get_meta("p", task, ["x"], 2, timeout=WAIT_S))
+            for task in ("a", "a", "b")
+        ]
+        await settle()
+        assert not any(w.done() for w in waiters)
+        await store.close("p")
+        for meta in await asyncio.wait_for(asyncio.gather(*waiters), WAIT_S):
+            assert meta.end_of_stream and meta.rows == ()
+
+    @async_test
+    async def test_no_end_of_stream_while_rows_are_leased(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await store.close("p")
+        meta = await store.get_meta("p", "t", ["x"], 5, timeout=WAIT_S)
+        assert meta.rows == (0, 1)
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 5, timeout=0)
+        await store.nack(meta)
+        again = await store.get_meta("p", "t", ["x"], 5, timeout=WAIT_S)
+        assert again.rows == (0, 1)
+        await store.ack(again)
+        end = await store.get_meta("p", "t", ["x"], 5, timeout=WAIT_S)
+        assert end.end_of_stream
+
+    @async_test
+    async def test_closed_partition_keeps_existing_rows_writable(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await store.close("p")
+        assert await store.put("p", {"y": ["a", "b"]}, rows=[0, 1]) == (0, 1)
+        meta = await store.get_meta("p", "t", ["x", "y"], 2, timeout=WAIT_S)
+        assert (await store.get_data(meta))["y"] == ["a", "b"]
+
+    # ========================================================================================
+    # Ack and nack
+    # ========================================================================================
+    @async_test
+    async def test_ack_commits_rows(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert dict((await store.stats("p")).leased) == {"t": 2}
+        await store.ack(meta)
+        s = await store.stats("p")
+        assert (dict(s.leased), dict(s.consumed)) == ({"t": 0}, {"t": 2})
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 2, timeout=0)
+        await store.close("p")
+        last = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert last.rows == (2,)
+
+    @async_test
+    async def test_nack_redelivers_rows(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        await store.nack(meta)
+        s = await store.stats("p")
+        assert (dict(s.leased), dict(s.consumed)) == ({"t": 0}, {"t": 0})
+        again = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert again.rows == meta.rows and again.lease_id != meta.lease_id
+        await store.ack(again)
+        assert dict((await store.stats("p")).consumed) == {"t": 2}
+
+    @async_test
+    async def test_unexpired_lease_is_not_redelivered(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 1, timeout=0.05)
+
+    @async_test
+    async def test_nack_wakes_a_waiter(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        held = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S))
+        await settle()
+        assert not waiter.done()
+        await store.nack(held)
+        assert (await asyncio.wait_for(waiter, WAIT_S)).rows == (0, 1)
+
+    # ========================================================================================
+    # Lease expiry
+    # ========================================================================================
+    @async_test
+    async def test_lease_expiry_redelivers_rows(
+        self, store: DataStore, clock: FakeClock | None
+    ) -> None:
+        lease_s = self.lease_s(clock)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=lease_s)
+        await self.expire(clock, lease_s)
+        assert dict((await store.stats("p")).leased) == {"t": 0}
+        again = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert again.rows == meta.rows and again.lease_id != meta.lease_id
+
+    @async_test
+    async def test_late_ack_raises_and_does_not_double_deliver(
+        self, store: DataStore, clock: FakeClock | None
+    ) -> None:
+        lease_s = self.lease_s(clock)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        late = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=lease_s)
+        await self.expire(clock, lease_s)
+        again = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert again.rows == late.rows
+        assert late.lease_id is not None
+        await expect_rejected(
+            store, lambda: store.ack(late), LeaseExpiredError, late.lease_id, cells={"x": [0, 1]}
+        )
+        await store.ack(again)
+        await store.close("p")
+        end = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert end.end_of_stream
+        assert dict((await store.stats("p")).consumed) == {"t": 2}
+
+    @pytest.mark.parametrize("verb", ["ack", "nack"])
+    @async_test
+    async def test_ack_or_nack_after_expiry_raises_lease_expired(
+        self, store: DataStore, clock: FakeClock | None, verb: str
+    ) -> None:
+        lease_s = self.lease_s(clock)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=lease_s)
+        await self.expire(clock, lease_s)
+        assert meta.lease_id is not None
+        call = store.ack if verb == "ack" else store.nack
+        await expect_rejected(
+            store, lambda: call(meta), LeaseExpiredError, meta.lease_id, cells={"x": [0, 1]}
+        )
+        again = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert again.rows == (0, 1)
+        await store.ack(again)
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 1, timeout=0)
+
+    @async_test
+    async def test_a_waiter_gets_rows_when_a_lease_expires(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """Nothing but time passes: the waiter must notice the deadline by itself. Runs on a
+        real clock (``store_factory()``), as a fake clock's advance is no event a store sees."""
+        store = store_factory()
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=self.real_lease_s)
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S))
+        assert (await asyncio.wait_for(waiter, WAIT_S)).rows == (0, 1)
+
+    @async_test
+    async def test_lease_deadline_is_on_the_store_clock(
+        self, store: DataStore, clock: FakeClock | None
+    ) -> None:
+        self.need_fake_clock()
+        assert clock is not None
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=10.0)
+        assert meta.deadline == pytest.approx(clock() + 10.0)
+        clock.advance(9.5)  # just before the deadline: still held
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 1, timeout=0)
+        await store.ack(meta)
+        assert dict((await store.stats("p")).consumed) == {"t": 2}
+
+    @async_test
+    async def test_expiry_hands_back_only_expired_leases(
+        self, store: DataStore, clock: FakeClock | None
+    ) -> None:
+        self.need_fake_clock()
+        assert clock is not None
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3]})
+        short = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=5.0)
+        long = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=50.0)
+        clock.advance(6.0)
+        again = await store.get_meta("p", "t", ["x"], 2, timeout=0, lease_s=50.0)
+        assert again.rows == short.rows == (0, 1)
+        await store.ack(long)
+        await store.ack(again)
+        assert dict((await store.stats("p")).consumed) == {"t": 4}
+
+    # ========================================================================================
+    # Capacity and reclamation
+    # ========================================================================================
+    @async_test
+    async def test_capacity_back_pressure_until_every_task_acks(self, store: DataStore) -> None:
+        await new_partition(store, fields=("x",), tasks=("a", "b"), capacity=Capacity(max_rows=2))
+        await store.put("p", {"x": [0, 1]})
+        producer = asyncio.create_task(store.put("p", {"x": [2]}, timeout=WAIT_S))
+        await settle()
+        assert not producer.done(), "a put of new rows went past max_rows"
+        meta_a = await store.get_meta("p", "a", ["x"], 2, timeout=WAIT_S)
+        await store.ack(meta_a)
+        await settle()
+        assert not producer.done(), "rows were freed before task 'b' consumed them"
+        assert (await store.stats("p")).rows_live == 2
+        meta_b = await store.get_meta("p", "b", ["x"], 2, timeout=WAIT_S)
+        await store.ack(meta_b)
+        assert await asyncio.wait_for(producer, WAIT_S) == (2,)
+        s = await store.stats("p")
+        assert s.rows_live == 1 and s.rows_live <= 2
+        await store.close("p")
+        for task in ("a", "b"):  # nothing was dropped: the blocked row reaches every task
+            meta = await store.get_meta("p", task, ["x"], 2, timeout=WAIT_S)
+            assert meta.rows == (2,)
+            assert (await store.get_data(meta))["x"] == [2]
+
+    @async_test
+    async def test_full_partition_put_times_out_and_changes_nothing(self, store: DataStore) -> None:
+        await new_partition(store, fields=("x",), capacity=Capacity(max_rows=2))
+        await store.put("p", {"x": [0, 1]})
+        for timeout in (0, 0.05):
+            await expect_rejected(
+                store,
+                functools.partial(store.put, "p", {"x": [2]}, timeout=timeout),
+                StoreTimeoutError,
+                "'p'",
+                cells={"x": [0, 1]},
+            )
+        meta = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)
+        await store.ack(meta)
+        assert await store.put("p", {"x": [2]}, timeout=0) == (2,)
+
+    @async_test
+    async def test_put_bigger_than_capacity_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store, fields=("x",), capacity=Capacity(max_rows=2))
+        await store.put("p", {"x": [0]})
+        await expect_rejected(
+            store, lambda: store.put("p", {"x": [1, 2, 3]}), CapacityError, "2", cells={"x": [0]}
+        )
+        assert await store.put("p", {"x": [1]}) == (1,)
+
+    @async_test
+    async def test_byte_capacity_back_pressure(self, store: DataStore) -> None:
+        await new_partition(store, capacity=Capacity(max_bytes=1000))
+        await store.put("p", {"x": [torch.zeros(100), torch.ones(100)]})  # 400 bytes each
+        assert (await store.stats("p")).bytes_live >= 800
+        await expect_rejected(
+            store,
+            lambda: store.put("p", {"x": [torch.zeros(100)]}, timeout=0),
+            StoreTimeoutError,
+            "'p'",
+            cells={"x": [0, 1]},
+        )
+        await expect_rejected(
+            store,
+            lambda: store.put("p", {"x": [torch.zeros(300)]}),
+            CapacityError,
+            "1000",
+            cells={"x": [0, 1]},
+        )
+        # a write into an existing row is never blocked, but counts
+        before = (await store.stats("p")).bytes_live
+        await store.put("p", {"y": [torch.zeros(50)]}, rows=[0], timeout=0)
+        assert (await store.stats("p")).bytes_live > before
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        await store.ack(meta)
+        assert (await store.stats("p")).bytes_live == 0
+        assert await store.put("p", {"x": [torch.zeros(100)]}, timeout=0) == (2,)
+
+    @async_test
+    async def test_writes_into_existing_rows_ignore_capacity(self, store: DataStore) -> None:
+        await new_partition(store, capacity=Capacity(max_rows=2))
+        await store.put("p", {"x": [0, 1]})
+        assert await store.put("p", {"y": ["a", "b"]}, rows=[0, 1], timeout=0) == (0, 1)
+        assert await store.put("p", {"y": ["c"]}, rows=[1], overwrite=True, timeout=0) == (1,)
+
+    @async_test
+    async def test_rows_are_reclaimed_once_every_task_consumed(self, store: DataStore) -> None:
+        await new_partition(store, tasks=("a", "b"))
+        await store.put("p", {"x": [0, 1, 2]})
+        meta_a = await store.get_meta("p", "a", ["x"], 2, timeout=WAIT_S)
+        await store.ack(meta_a)
+        s = await store.stats("p")
+        assert (s.rows_live, s.reclaimed) == (3, 0)
+        meta_b = await store.get_meta("p", "b", ["x"], 2, timeout=WAIT_S)
+        await store.ack(meta_b)
+        s = await store.stats("p")
+        assert (s.rows_live, s.reclaimed, s.rows_created) == (1, 2, 3)
+        assert dict(s.ready) == {"x": 1, "y": 0}
+        await expect_rejected(
+            store,
+            lambda: store.get_data(BatchMeta("p", "a", (0, 1), ("x",))),
+            UnknownRowError,
+            "0",
+            cells={"x": [2]},
+        )
+        await expect_rejected(
+            store,
+            lambda: store.put("p", {"y": ["late"]}, rows=[1]),
+            UnknownRowError,
+            "1",
+            cells={"x": [2]},
+        )
+
+    @async_test
+    async def test_a_later_task_blocks_reclamation_and_sees_old_rows(
+        self, store: DataStore
+    ) -> None:
+        await new_partition(store, tasks=("a",))
+        await store.put("p", {"x": [0, 1]})
+        await store.register_task("p", "b")
+        meta_a = await store.get_meta("p", "a", ["x"], 2, timeout=WAIT_S)
+        await store.ack(meta_a)
+        assert (await store.stats("p")).rows_live == 2
+        meta_b = await store.get_meta("p", "b", ["x"], 2, timeout=WAIT_S)
+        assert meta_b.rows == (0, 1)
+        await store.ack(meta_b)
+        assert (await store.stats("p")).rows_live == 0
+
+    # ========================================================================================
+    # Tags and samplers
+    # ========================================================================================
+    @async_test
+    async def test_tags_are_visible_in_batch_meta(self, store: DataStore) -> None:
+        await new_partition(store)
+        tags = [Tags(group="g0", versions=(3,), tokens=7), Tags(), Tags(group=5, tokens=2)]
+        await store.put("p", {"x": [0, 1, 2]}, tags=tags)
+        meta = await store.get_meta("p", "t", ["x"], 3, timeout=WAIT_S)
+        assert meta.tags == tuple(tags)
+        assert meta.tokens == 9
+
+    @async_test
+    async def test_tags_merge_on_later_puts(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]}, tags=[Tags(group=1, versions=(2,), tokens=5)])
+        await store.put("p", {"y": [0]}, rows=[0], tags=[Tags(versions=(0, 4))])
+        await store.put("p", {"x": [9]}, rows=[0], overwrite=True, tags=[Tags(group=8, tokens=3)])
+        meta = await store.get_meta("p", "t", ["x", "y"], 1, timeout=WAIT_S)
+        assert meta.tags == (Tags(group=8, versions=(0, 2, 4), tokens=3),)
+
+    @async_test
+    async def test_samplers_see_tags_as_candidates(self, store: DataStore) -> None:
+        await new_partition(store)
+        tags = [
+            Tags(group="a", versions=(1, 3), tokens=10),
+            Tags(group="b", tokens=20),
+            Tags(group="a", versions=(2,), tokens=30),
+            Tags(),
+        ]
+        await store.put("p", {"x": [0, 1, 2, 3]}, tags=tags)
+        await store.put("p", {"y": ["not a candidate"]}, tags=[Tags(group="a")])
+        spy = SpySampler()
+        meta = await store.get_meta("p", "t", ["x"], 4, sampler=spy, timeout=WAIT_S)
+        assert meta.rows == (0, 1, 2, 3)
+        cand, request = spy.seen[-1]
+        assert (request.partition, request.task, request.batch_size) == ("p", "t", 4)
+        assert cand.rows.tolist() == [0, 1, 2, 3]
+        g = cand.groups.tolist()
+        assert g[0] == g[2] >= 0 and g[1] >= 0 and g[1] != g[0] and g[3] == -1
+        assert cand.group_sizes.tolist() == [3, 1, 3, -1]  # row 4 counts, though not ready
+        assert cand.min_versions.tolist() == [1, -1, 2, -1]
+        assert cand.max_versions.tolist() == [3, -1, 2, -1]
+        assert cand.tokens.tolist() == [10, 20, 30, 0]
+
+    @async_test
+    async def test_group_sampler_gets_whole_groups(self, store: DataStore) -> None:
+        await new_partition(store)
+        groups = ["A", "B", "A", "B", "A"]
+        await store.put("p", {"x": list(range(5))}, tags=[Tags(group=g) for g in groups])
+        sampler = GroupSampler(3)
+        meta = await store.get_meta("p", "t", ["x"], 3, sampler=sampler, timeout=WAIT_S)
+        assert meta.rows == (0, 2, 4)
+        assert {t.group for t in meta.tags} == {"A"}
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 3, sampler=sampler, timeout=0)
+        await store.put("p", {"x": [5]}, tags=[Tags(group="B")])
+        meta = await store.get_meta("p", "t", ["x"], 3, sampler=sampler, timeout=WAIT_S)
+        assert meta.rows == (1, 3, 5)
+
+    @async_test
+    async def test_sampler_sees_the_consumer_request(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await store.put("p", {"x": [2]})  # y of rows 0..2 unwritten: y-readers must wait
+        spy = SpySampler()
+        meta = await store.get_meta(
+            "p", "t", ["x"], 2, sampler=spy, timeout=0, current_version=5, dp_rank=1, dp_size=2
+        )
+        assert meta.rows == (0, 1)
+        request = spy.seen[-1][1]
+        assert (request.current_version, request.dp_rank, request.dp_size) == (5, 1, 2)
+        assert (request.member, request.final) == (0, False)
+        await store.close("p")
+        meta = await store.get_meta("p", "t", ["x"], 2, sampler=spy, timeout=WAIT_S)
+        assert meta.rows == (2,) and spy.seen[-1][1].final, "closed, all free rows ready: final"
+        await store.nack(meta)
+        with pytest.raises(StoreTimeoutError):  # free row 2 has no y yet: not final for x+y
+            await store.get_meta("p", "t", ["x", "y"], 3, sampler=spy, timeout=0)
+        assert not spy.seen[-1][1].final
+
+    @async_test
+    async def test_micro_batches_reach_the_meta(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3]})
+        parts = ((2, 0), (3, 1))
+        chooser = FixedSampler(selection=Selection(rows=(2, 0, 3, 1), micro_batches=parts))
+        meta = await store.get_meta("p", "t", ["x"], 4, sampler=chooser, timeout=WAIT_S)
+        assert meta.rows == (2, 0, 3, 1), "rows are leased in the order the sampler gave"
+        assert meta.micro_batches == parts
+        assert [m.rows for m in meta.split()] == [(2, 0), (3, 1)]
+        assert (await store.get_data(meta.split()[1]))["x"] == [3, 1]
+
+    @async_test
+    async def test_sampler_may_answer_numpy_ints(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2]})
+        chooser = FixedSampler(selection=Selection(rows=tuple(np.asarray([2, 0]))))
+        meta = await store.get_meta("p", "t", ["x"], 2, sampler=chooser, timeout=WAIT_S)
+        assert meta.rows == (2, 0) and all(type(r) is int for r in meta.rows), meta.rows
+        assert (await store.get_data(meta))["x"] == [2, 0]
+
+    @async_test
+    async def test_a_failing_sampler_changes_nothing(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2]}, tags=[Tags(group=1), Tags(), Tags(group=1)])
+        await expect_rejected(  # GroupSampler refuses untagged row 1, naming it
+            store,
+            lambda: store.get_meta("p", "t", ["x"], 2, sampler=GroupSampler(2), timeout=0),
+            BadRequestError,
+            "row 1",
+            cells={"x": [0, 1, 2]},
+        )
+        assert (await store.get_meta("p", "t", ["x"], 3, timeout=0)).rows == (0, 1, 2)
+
+    @async_test
+    async def test_rank_replay_gives_every_member_one_lease(self, store: DataStore) -> None:
+        """``SupportsRankReplay``: the peers of one DP rank share the batch and its lease;
+        the rows count as consumed once every peer acked."""
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3]})
+        sampler = RankAwareSampler(members_per_rank=2)
+        first = await store.get_meta("p", "t", ["x"], 2, sampler=sampler, member=0, timeout=0)
+        peer = await store.get_meta("p", "t", ["x"], 2, sampler=sampler, member=1, timeout=0)
+        assert first.rows == peer.rows == (0, 1)
+        assert first.lease_id == peer.lease_id and (first.member, peer.member) == (0, 1)
+        await store.ack(first)
+        assert (await store.stats("p")).consumed["t"] == 0, "committed before every peer acked"
+        await expect_rejected(
+            store, lambda: store.ack(first), LeaseError, str(first.lease_id), cells={"x": [0, 1]}
+        )
+        await store.ack(peer)
+        assert (await store.stats("p")).consumed["t"] == 2
+        later = await store.get_meta("p", "t", ["x"], 2, sampler=sampler, member=1, timeout=0)
+        assert later.rows == (2, 3)
+        await expect_rejected(
+            store,
+            lambda: store.get_meta("p", "t", ["x"], 2, sampler=sampler, member=2, timeout=0),
+            BadRequestError,
+            "member",
+            cells={"x": [2, 3]},
+        )
+
+    @async_test
+    async def test_dropped_rows_are_consumed_but_never_delivered(self, store: DataStore) -> None:
+        await new_partition(store, tasks=("a", "b"))
+        await store.put("p", {"x": [0, 1, 2]})
+        dropper = FixedSampler(selection=Selection(rows=(1,), dropped=(0,), held=1))
+        meta = await store.get_meta("p", "a", ["x"], 2, sampler=dropper, timeout=WAIT_S)
+        assert meta.rows == (1,)
+        s = await store.stats("p")
+        assert (s.dropped["a"], s.consumed["a"], s.leased["a"], s.held["a"]) == (1, 1, 1, 1)
+        await store.ack(meta)
+        await store.close("p")
+        rest = await store.get_meta("p", "a", ["x"], 2, timeout=WAIT_S)
+        assert rest.rows == (2,), "a dropped row was delivered"
+        assert (await store.stats("p")).held["a"] == 0  # the latest selection held nothing
+        await store.ack(rest)
+        assert (await store.get_meta("p", "a", ["x"], 2, timeout=WAIT_S)).end_of_stream
+        # a drop is per task: b still gets every row
+        everything = await store.get_meta("p", "b", ["x"], 3, timeout=WAIT_S)
+        assert everything.rows == (0, 1, 2)
+        await store.ack(everything)
+        s = await store.stats("p")
+        assert (s.rows_live, s.reclaimed, dict(s.dropped)) == (0, 3, {"a": 1, "b": 0})
+
+    # ========================================================================================
+    # Overwrite
+    # ========================================================================================
+    @async_test
+    async def test_overwrite_replaces_the_value(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": ragged([3, 2])})
+        assert await store.put("p", {"x": [torch.ones(6)]}, rows=[1], overwrite=True) == (1,)
+        batch = await store.get_data(BatchMeta("p", "t", (0, 1), ("x",)), layout="list")
+        assert same(batch["x"][0], ragged([3])[0]) and same(batch["x"][1], torch.ones(6))
+        assert dict((await store.stats("p")).ready) == {"x": 2, "y": 0}
+
+    @async_test
+    async def test_overwrite_is_atomic_for_concurrent_readers(self, store: DataStore) -> None:
+        """A thread reads a large cell in a loop while this coroutine overwrites it with
+        constant tensors of alternating length; every read must be one whole version."""
+        n = 1 << 20
+        await new_partition(store, fields=("x",))
+        await store.put("p", {"x": [torch.zeros(n)]})
+        meta = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)
+        length_of = {0.0: n}  # value -> length written with it
+        started, stop = threading.Event(), threading.Event()
+        reads: list[tuple[int, float, float]] = []
+        failures: list[BaseException] = []
+
+        async def hammer() -> None:
+            layouts: tuple[Layout, Layout] = ("list", "padded")
+            while not stop.is_set():
+                batch = await store.get_data(meta, layout=layouts[len(reads) % 2])
+                cell = unpack(batch, "x", layouts[len(reads) % 2], 1)[0]
+                reads.append((int(cell.shape[0]), float(cell.min()), float(cell.max())))
+                started.set()
+
+        def reader() -> None:
+            try:
+                asyncio.run(hammer())
+            except BaseException as e:  # reported by the test thread
+                failures.append(e)
+                started.set()
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        try:
+            assert started.wait(WAIT_S), "the reader thread never read"
+            for k in range(1, 41):
+                length = n if (k // 2) % 2 else n // 2  # pairs of equal shape, then a change
+                length_of[float(k)] = length
+                await store.put(
+                    "p", {"x": [torch.full((length,), float(k))]}, rows=[0], overwrite=True
+                )
+                await asyncio.sleep(0)
+        finally:
+            stop.set()
+            thread.join(WAIT_S)
+        assert not failures, f"the reader thread failed: {failures[0]!r}"
+        assert reads
+        for length, lo, hi in reads:
+            assert lo == hi and length_of.get(lo) == length, (
+                f"a read saw a mix of versions: length {length}, values {lo}..{hi}"
+            )
+
+    # ========================================================================================
+    # Rejected calls: the named error, a message naming the value, the store unchanged
+    # ========================================================================================
+    @pytest.mark.parametrize(
+        "op",
+        [
+            "put",
+            "put_rows",
+            "get_meta",
+            "get_data",
+            "ack",
+            "nack",
+            "close",
+            "register_task",
+            "stats",
+            "delete_partition",
+        ],
+    )
+    @async_test
+    async def test_unknown_partition_is_rejected(self, store: DataStore, op: str) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        meta = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)
+        ghost = BatchMeta("nope", "t", (0,), ("x",), lease_id=meta.lease_id)
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "put": lambda: store.put("nope", {"x": [1]}),
+            "put_rows": lambda: store.put("nope", {"x": [1]}, rows=[0]),
+            "get_meta": lambda: store.get_meta("nope", "t", ["x"], 1, timeout=0),
+            "get_data": lambda: store.get_data(ghost),
+            "ack": lambda: store.ack(ghost),
+            "nack": lambda: store.nack(ghost),
+            "close": lambda: store.close("nope"),
+            "register_task": lambda: store.register_task("nope", "t"),
+            "stats": lambda: store.stats("nope"),
+            "delete_partition": lambda: store.delete_partition("nope"),
+        }
+        await expect_rejected(store, calls[op], UnknownPartitionError, "'nope'", cells={"x": [0]})
+        await store.ack(meta)  # the real lease is still held
+
+    @pytest.mark.parametrize("op", ["put", "put_rows", "get_meta", "get_data"])
+    @async_test
+    async def test_unknown_field_is_rejected(self, store: DataStore, op: str) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "put": lambda: store.put("p", {"y": ["ok"], "zz": [1]}),
+            "put_rows": lambda: store.put("p", {"y": ["ok"], "zz": [1]}, rows=[0]),
+            "get_meta": lambda: store.get_meta("p", "t", ["x", "zz"], 1, timeout=0),
+            "get_data": lambda: store.get_data(BatchMeta("p", "t", (0,), ("x", "zz"))),
+        }
+        await expect_rejected(store, calls[op], UnknownFieldError, "'zz'", cells={"x": [0]})
+        assert await store.put("p", {"y": ["ok"]}, rows=[0]) == (0,)
+        assert await store.put("p", {"x": [1]}) == (1,)
+
+    @async_test
+    async def test_unknown_task_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        await expect_rejected(
+            store,
+            lambda: store.get_meta("p", "ghost", ["x"], 1, timeout=0),
+            UnknownTaskError,
+            "'ghost'",
+            cells={"x": [0]},
+        )
+        assert (await store.get_meta("p", "t", ["x"], 1, timeout=0)).rows == (0,)
+
+    @pytest.mark.parametrize("target", ["new_rows", "existing_rows"])
+    @async_test
+    async def test_dtype_change_is_rejected(self, store: DataStore, target: str) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": ragged([2])})
+        rows = None if target == "new_rows" else [0]
+        bad = {"y": ["fine"], "x": ragged([2], dtype=torch.int64)}
+        await expect_rejected(
+            store, lambda: store.put("p", bad, rows=rows), SchemaError, "int64", cells={"x": [0]}
+        )
+        assert await store.put("p", {"x": ragged([4])}) == (1,)
+
+    @async_test
+    async def test_ndim_change_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": ragged([2])})
+        await expect_rejected(
+            store,
+            lambda: store.put("p", {"x": [torch.zeros(2, 2)]}),
+            SchemaError,
+            "ndim=2",
+            cells={"x": [0]},
+        )
+        assert await store.put("p", {"x": ragged([1])}) == (1,)
+
+    @pytest.mark.parametrize("direction", ["plain_into_tensor", "tensor_into_plain"])
+    @async_test
+    async def test_kind_change_is_rejected(self, store: DataStore, direction: str) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": ragged([2]), "y": ["plain"]})
+        if direction == "plain_into_tensor":
+            bad: dict[str, Any] = {"x": ["plain"]}
+            mention = "plain"
+        else:
+            bad = {"y": ragged([2])}
+            mention = "float32"
+        await expect_rejected(
+            store,
+            lambda: store.put("p", bad, rows=[0], overwrite=True),
+            SchemaError,
+            mention,
+            cells={"x": [0], "y": [0]},
+        )
+
+    @async_test
+    async def test_mixed_dtypes_in_one_put_are_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        mixed = [torch.zeros(2), torch.zeros(2, dtype=torch.int64)]
+        await expect_rejected(store, lambda: store.put("p", {"x": mixed}), SchemaError, "int64")
+        assert await store.put("p", {"x": [torch.zeros(2, dtype=torch.int64)]}) == (0,)
+
+    @async_test
+    async def test_rejected_first_write_does_not_fix_a_schema(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"y": ["plain"]})
+        bad = {"x": ragged([2]), "y": ragged([2])}  # x would be fixed to float32; y is wrong
+        await expect_rejected(
+            store, lambda: store.put("p", bad), SchemaError, "'y'", cells={"y": [0]}
+        )
+        # x was never written, so its first write may still choose any kind
+        assert await store.put("p", {"x": ["plain after all"], "y": ["b"]}) == (1,)
+
+    @async_test
+    async def test_unstorable_value_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        unstorable: list[Any] = [object()]
+        await expect_rejected(
+            store, lambda: store.put("p", {"y": unstorable}), SchemaError, "object"
+        )
+        assert await store.put("p", {"y": [1]}) == (0,)
+
+    @async_test
+    async def test_writing_a_ready_cell_twice_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await store.put("p", {"y": ["b"]}, rows=[1])
+        cells = {"x": [0, 1], "y": [1]}
+        err = await expect_rejected(
+            store,
+            lambda: store.put("p", {"y": ["a", "again"]}, rows=[0, 1]),
+            CellAlreadyWrittenError,
+            "1",
+            cells=cells,
+        )
+        assert "'y'" in str(err)
+        # nothing of the rejected put landed: row 0's y is still unwritten
+        assert dict((await store.stats("p")).ready) == {"x": 2, "y": 1}
+        assert await store.put("p", {"y": ["a"]}, rows=[0]) == (0,)
+        assert await store.put("p", {"y": ["b2"]}, rows=[1], overwrite=True) == (1,)
+        batch = await store.get_data(BatchMeta("p", "t", (0, 1), ("y",)))
+        assert batch["y"] == ["a", "b2"]
+
+    @async_test
+    async def test_put_of_new_rows_after_close_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        await store.close("p")
+        await expect_rejected(
+            store, lambda: store.put("p", {"x": [1]}), PartitionClosedError, "'p'", cells={"x": [0]}
+        )
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert meta.rows == (0,)
+
+    @pytest.mark.parametrize("batch_size", [0, -1])
+    @async_test
+    async def test_bad_batch_size_is_rejected(self, store: DataStore, batch_size: int) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        err = await expect_rejected(
+            store,
+            lambda: store.get_meta("p", "t", ["x"], batch_size, timeout=0),
+            BadRequestError,
+            str(batch_size),
+            cells={"x": [0]},
+        )
+        assert "batch_size" in str(err)
+        assert (await store.get_meta("p", "t", ["x"], 1, timeout=0)).rows == (0,)
+
+    @pytest.mark.parametrize(
+        ("kwargs", "mention"),
+        [
+            ({"lease_s": 0.0}, "lease_s"),
+            ({"lease_s": -5.0}, "-5.0"),
+            ({"dp_rank": 2, "dp_size": 2}, "dp_rank"),
+            ({"dp_size": 0}, "dp_size"),
+            ({"member": -1}, "member"),
+            ({"fields": []}, "fields"),
+        ],
+        ids=["lease_zero", "lease_negative", "dp_rank", "dp_size", "member", "no_fields"],
+    )
+    @async_test
+    async def test_bad_get_meta_arguments_are_rejected(
+        self, store: DataStore, kwargs: dict[str, Any], mention: str
+    ) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        args: dict[str, Any] = {"fields": ["x"], "timeout": 0, **kwargs}
+        fields = args.pop("fields")
+        await expect_rejected(
+            store,
+            lambda: store.get_meta("p", "t", fields, 1, **args),
+            BadRequestError,
+            mention,
+            cells={"x": [0]},
+        )
+        assert (await store.get_meta("p", "t", ["x"], 1, timeout=0)).rows == (0,)
+
+    @pytest.mark.parametrize("op", ["get_meta", "put"])
+    @async_test
+    async def test_negative_timeout_is_rejected(self, store: DataStore, op: str) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "get_meta": lambda: store.get_meta("p", "t", ["x"], 1, timeout=-1.5),
+            "put": lambda: store.put("p", {"x": [1]}, timeout=-1.5),
+        }
+        await expect_rejected(store, calls[op], BadRequestError, "-1.5", cells={"x": [0]})
+        assert await store.put("p", {"x": [1]}) == (1,)
+
+    @async_test
+    async def test_put_into_unknown_rows_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        await expect_rejected(
+            store,
+            lambda: store.put("p", {"y": ["a", "b"]}, rows=[0, 42]),
+            UnknownRowError,
+            "42",
+            cells={"x": [0]},
+        )
+        assert dict((await store.stats("p")).ready) == {"x": 1, "y": 0}
+        assert await store.put("p", {"x": [1]}) == (1,)
+
+    @pytest.mark.parametrize(
+        ("data", "mention"),
+        [({}, "{}"), ({"x": [0, 1], "y": ["a"]}, "'y': 1"), ({"x": []}, "'x'")],
+        ids=["empty", "counts", "no_rows"],
+    )
+    @async_test
+    async def test_malformed_put_is_rejected(
+        self, store: DataStore, data: dict[str, list[Any]], mention: str
+    ) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        await expect_rejected(
+            store, lambda: store.put("p", data), BadRequestError, mention, cells={"x": [0]}
+        )
+        assert await store.put("p", {"x": [1]}) == (1,)
+
+    @async_test
+    async def test_tags_count_mismatch_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        await expect_rejected(
+            store,
+            lambda: store.put("p", {"x": [1, 2]}, tags=[Tags(group=1)]),
+            BadRequestError,
+            "2",
+            cells={"x": [0]},
+        )
+        assert await store.put("p", {"x": [1]}) == (1,)
+
+    @async_test
+    async def test_rows_and_values_count_mismatch_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await expect_rejected(
+            store,
+            lambda: store.put("p", {"y": ["a"]}, rows=[0, 1]),
+            BadRequestError,
+            "2",
+            cells={"x": [0, 1]},
+        )
+
+    @pytest.mark.parametrize("case", ["forged", "other_task", "acked", "nacked"])
+    @async_test
+    async def test_ack_or_nack_of_a_lease_not_held_is_rejected(
+        self, store: DataStore, case: str
+    ) -> None:
+        await new_partition(store, tasks=("t", "u"))
+        await store.put("p", {"x": [0, 1]})
+        meta = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)
+        assert meta.lease_id is not None
+        bad = meta
+        if case == "forged":
+            bad = BatchMeta("p", "t", (1,), ("x",), lease_id="forged-lease-7")
+        elif case == "other_task":
+            bad = BatchMeta("p", "u", meta.rows, meta.fields, lease_id=meta.lease_id)
+        elif case == "acked":
+            await store.ack(meta)
+        else:
+            await store.nack(meta)
+        for call in (store.ack, store.nack):
+            err = await expect_rejected(
+                store,
+                functools.partial(call, bad),
+                LeaseError,
+                str(bad.lease_id),
+                cells={"x": [0, 1]},
+            )
+            assert not isinstance(err, LeaseExpiredError), "the lease did not expire"
+        if case in ("forged", "other_task"):
+            await store.ack(meta)  # the real lease is still held by "t"
+        s = await store.stats("p")
+        assert dict(s.consumed) == {"t": 1 if case != "nacked" else 0, "u": 0}
+
+    @pytest.mark.parametrize(
+        "case", ["not_ready", "consumed", "leased", "never_created", "duplicate", "too_many"]
+    )
+    @async_test
+    async def test_sampler_choosing_non_candidates_is_rejected(
+        self, store: DataStore, case: str
+    ) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3], "y": ["a", "b", "c", "d"]})
+        await store.put("p", {"x": [4]})  # row 4 has no y: not a candidate for [x, y]
+        consumed = await store.get_meta("p", "t", ["x", "y"], 1, timeout=WAIT_S)
+        await store.ack(consumed)  # row 0
+        leased = await store.get_meta("p", "t", ["x", "y"], 1, timeout=WAIT_S)  # row 1
+        rows, mention = {
+            "not_ready": ((2, 4), "4"),
+            "consumed": ((0,), "0"),
+            "leased": ((1, 2), "1"),
+            "never_created": ((2, 99), "99"),
+            "duplicate": ((2, 2), "2"),
+            "too_many": ((2, 3), "2"),
+        }[case]
+        batch_size = 1 if case == "too_many" else 2
+        await expect_rejected(
+            store,
+            lambda: store.get_meta(
+                "p", "t", ["x", "y"], batch_size, sampler=FixedSampler(rows), timeout=0
+            ),
+            SamplerError,
+            mention,
+            cells={"x": [1, 2, 3, 4], "y": [1, 2, 3]},  # row 0 was reclaimed
+        )
+        meta = await store.get_meta("p", "t", ["x", "y"], 2, timeout=0)
+        assert meta.rows == (2, 3)
+        await store.ack(leased)
+
+    @async_test
+    async def test_get_data_of_an_unwritten_field_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        await store.put("p", {"y": ["b"]}, rows=[1])
+        await expect_rejected(
+            store,
+            lambda: store.get_data(BatchMeta("p", "t", (1, 0), ("x", "y"))),
+            DataStoreError,
+            "'y'",
+            cells={"x": [0, 1], "y": [1]},
+        )
+        batch = await store.get_data(BatchMeta("p", "t", (1,), ("x", "y")))
+        assert (batch["x"], batch["y"]) == ([1], ["b"])
+
+    @async_test
+    async def test_unknown_layout_is_rejected(self, store: DataStore) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0]})
+        await expect_rejected(
+            store,
+            lambda: store.get_data(BatchMeta("p", "t", (0,), ("x",)), layout="sparse"),  # type: ignore[arg-type]
+            BadRequestError,
+            "'sparse'",
+            cells={"x": [0]},
+        )
+
+    # ========================================================================================
+    # The state machine
+    # ========================================================================================
+    @pytest.mark.slow
+    def test_state_machine(self, store_factory: StoreFactory) -> None:
+        """The hypothesis state machine (asyncflow_conformance.stateful) on this backend, sized
+        by the selected profile (``--asyncflow-profile``)."""
+        from hypothesis.stateful import run_state_machine_as_test
+
+        from asyncflow_conformance.plugin import active_settings
+        from asyncflow_conformance.stateful import make_datastore_state_machine
+
+        machine = make_datastore_state_machine(
+            store_factory,
+            supports_fake_clock=self.supports_fake_clock,
+            name=f"{type(self).__name__}StateMachine",
+        )
+        run_state_machine_as_test(machine, settings=active_settings())
