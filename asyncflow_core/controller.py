@@ -34,6 +34,7 @@ from asyncflow_core.errors import (
     UnknownTaskError,
 )
 from asyncflow_core.protocols import (
+    NO_VERSION,
     BatchMeta,
     Candidates,
     Capacity,
@@ -47,6 +48,7 @@ from asyncflow_core.protocols import (
     Tags,
 )
 
+_NO_TAGS = Tags()
 _ENDED_LEASES_KEPT = 100_000  # how many ended lease ids we remember to explain a late ack
 
 
@@ -220,7 +222,7 @@ class _Partition:
 
     def set_tags(self, row: int, slot: int, new: Tags) -> None:
         old = self.tags.get(row)
-        merged = old.merged(new) if old is not None else new
+        merged = (old or _NO_TAGS).merged(new)
         if old is None or merged.group != old.group:
             code = self.group_code(merged.group)
             if code >= 0:
@@ -489,10 +491,14 @@ class Controller:
             grid = np.ix_(slots, pend.cols)
             p.writing[grid] = False
             p.ready[grid] = True
-            if pend.tags is not None or ticket.new_rows:
-                for k, (row, slot) in enumerate(zip(ticket.rows, slots.tolist(), strict=True)):
-                    t = pend.tags[k] if pend.tags is not None else Tags()
+            if pend.tags is not None:
+                for row, slot, t in zip(ticket.rows, slots.tolist(), pend.tags, strict=True):
                     p.set_tags(row, slot, t)
+            elif ticket.new_rows:  # untagged new rows: no group, no version, 0 tokens
+                p.group[slots] = -1
+                p.tokens[slots] = 0
+                p.vmin[slots] = NO_VERSION
+                p.vmax[slots] = NO_VERSION
         self._changed()
 
     def abort_put(self, ticket: PutTicket) -> None:
@@ -652,7 +658,7 @@ class Controller:
             task=lease.task,
             rows=lease.rows,
             fields=lease.fields,
-            tags=tuple(p.tags.get(r, Tags()) for r in lease.rows),
+            tags=tuple(p.tags.get(r, _NO_TAGS) for r in lease.rows),
             lease_id=lease.lease_id,
             deadline=lease.deadline,
             micro_batches=lease.micro_batches,
@@ -861,7 +867,11 @@ def _validate_selection(
     if len(set(chosen)) != len(chosen):
         raise SamplerError(f"sampler {name} returned a row twice (in rows or dropped): {chosen}")
     if chosen:
-        bad = np.setdiff1d(np.asarray(chosen, dtype=np.int64), cand.rows)
+        # cand.rows is ascending (built by the controller), so membership is a binary search
+        arr = np.asarray(chosen, dtype=np.int64)
+        n = cand.rows.shape[0]
+        pos = np.minimum(np.searchsorted(cand.rows, arr), max(n - 1, 0))
+        bad = arr if n == 0 else arr[cand.rows[pos] != arr]
         if bad.size:
             raise SamplerError(
                 f"sampler {name} returned rows {_fmt_rows(bad.tolist())} that were not "

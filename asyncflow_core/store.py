@@ -43,6 +43,7 @@ from asyncflow_core.scheduling import SequentialSampler
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, list, dict)
 _LAYOUTS = ("padded", "nested", "list")
+_SMALL_ROWS_ELEMS = 2048  # mean row length below which padded reads concatenate first
 
 
 class StorageUnit:
@@ -162,7 +163,7 @@ def _prepare_put(partition: str, data: Mapping[str, Any], copy: bool) -> _Prepar
                     f"field {name!r}: a tensor value must have dim 0 = rows; wrap a single "
                     "row's scalar as tensor.reshape(1) or pass a list"
                 )
-            t = values.detach()
+            t = values.detach() if values.requires_grad else values
             t = t.clone(memory_format=torch.contiguous_format) if copy else t
             rows_t = list(t.unbind(0))
             out.schemas[name] = FieldSchema(str(t.dtype).removeprefix("torch."), t.ndim - 1)
@@ -189,7 +190,8 @@ def _prepare_put(partition: str, data: Mapping[str, Any], copy: bool) -> _Prepar
                             f"tensor(dtype={dtype}, ndim={ndim}); every row of a field must "
                             "share dtype and ndim"
                         )
-                    v = v.detach()
+                    if v.requires_grad:
+                        v = v.detach()
                     if copy:
                         v = v.clone(memory_format=torch.contiguous_format)
                     cells.append(v)
@@ -227,16 +229,17 @@ def _prepare_put(partition: str, data: Mapping[str, Any], copy: bool) -> _Prepar
 class InProcessDataStore:
     """The DataStore contract in one process: ``Controller`` + ``num_storage_units`` units.
 
-    ``copy_on_put`` (default True) clones tensors on put, so a caller that later modifies its
-    tensor in place cannot change stored data; pass False to store references (faster, but you
-    promise never to modify a tensor after putting it). ``clock`` is the lease clock.
+    The store keeps *references* to the tensors you put, as an in-process queue does: never
+    modify a tensor in place after putting it (engines return fresh tensors, so RL pipelines
+    don't). ``copy_on_put=True`` clones every tensor on put instead, for callers that reuse
+    buffers; it costs one extra copy of every byte. ``clock`` is the lease clock.
     """
 
     def __init__(
         self,
         num_storage_units: int = 2,
         *,
-        copy_on_put: bool = True,
+        copy_on_put: bool = False,
         clock: Callable[[], float] = time.monotonic,
         controller: Controller | None = None,
         units: Sequence[StorageUnit] | None = None,
@@ -368,6 +371,16 @@ class InProcessDataStore:
         per_unit: list[dict[str, dict[int, CellValue]]] = [{} for _ in range(n_units)]
         if n_units == 1:
             per_unit[0] = {f: dict(zip(ticket.rows, v, strict=True)) for f, v in cells.items()}
+        elif ticket.new_rows:  # consecutive ids: unit u holds every n-th row, from an offset
+            first = ticket.rows[0]
+            for u in range(n_units):
+                start = (u - first) % n_units
+                rows_u = ticket.rows[start::n_units]
+                if rows_u:
+                    per_unit[u] = {
+                        f: dict(zip(rows_u, v[start::n_units], strict=True))
+                        for f, v in cells.items()
+                    }
         else:
             for f, values in cells.items():
                 for row, v in zip(ticket.rows, values, strict=True):
@@ -568,10 +581,17 @@ def _assemble(
             f"field {name!r}: rows differ beyond dim 0, so they cannot be padded into one "
             "tensor; read it with layout='list'"
         )
-    first = tensors[0].shape
-    if all(t.shape == first for t in tensors):
+    lengths = batch.lengths[name]
+    max_len = int(lengths.max())
+    if bool((lengths == max_len).all()):
         batch.data[name] = torch.stack(tensors)
-    else:
+    elif int(lengths.sum()) < _SMALL_ROWS_ELEMS * len(tensors):
+        # many short rows: one concatenation and one masked scatter beat a per-row loop
+        out = torch.full((len(tensors), max_len, *trailing), pad_value, dtype=tensors[0].dtype)
+        mask = torch.arange(max_len)[None, :] < lengths[:, None]
+        out[mask] = torch.cat(tensors)
+        batch.data[name] = out
+    else:  # long rows: copy each row once, straight into place
         batch.data[name] = torch.nn.utils.rnn.pad_sequence(
             tensors, batch_first=True, padding_value=pad_value
         )
