@@ -584,12 +584,10 @@ class Controller:
                     meta = self._replay(p, task, tuple(fields), dp_rank, member)
                     if meta is not None:
                         return meta
-                used = p.end - p.base
-                alive = p.alive[:used]
-                unconsumed = alive & ~ts.consumed[:used]
-                if p.closed and not unconsumed.any() and not p.pending:
+                if _finished(p, ts):
                     return BatchMeta(partition, task, (), tuple(fields), end_of_stream=True)
-                free = unconsumed & ~ts.leased[:used]
+                used = p.end - p.base
+                free = p.alive[:used] & ~ts.consumed[:used] & ~ts.leased[:used]
                 ready_all = p.ready[:used][:, cols].all(axis=1)
                 mask = free & ready_all
                 final = p.closed and not p.pending and not (free & ~ready_all).any()
@@ -609,10 +607,8 @@ class Controller:
                     self._reclaim(p, dslots)
                     changed = True
                 if not rows:
-                    if dropped and p.closed:
-                        used = p.end - p.base
-                        if not (p.alive[:used] & ~ts.consumed[:used]).any() and not p.pending:
-                            return BatchMeta(partition, task, (), tuple(fields), end_of_stream=True)
+                    if dropped and _finished(p, ts):  # the drops consumed the last rows
+                        return BatchMeta(partition, task, (), tuple(fields), end_of_stream=True)
                     return None
                 lease = _Lease(
                     lease_id=f"{partition}/{task}/{next(self._ids)}",
@@ -823,6 +819,14 @@ class Controller:
                 reclaimed=p.reclaimed,
                 capacity=p.capacity,
             )
+
+
+def _finished(p: _Partition, ts: _TaskState) -> bool:
+    """End of stream for a task: closed, nothing in flight, every live row consumed by it."""
+    if not p.closed or p.pending:
+        return False
+    used = p.end - p.base
+    return not (p.alive[:used] & ~ts.consumed[:used]).any()
 
 
 def _members(sampler: Scheduler) -> int:
