@@ -30,3 +30,15 @@ def test_cli_selfcheck_streams_every_row() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "selfcheck ok: 320 rows" in proc.stdout
+
+
+def test_conformance_guide_example_passes() -> None:
+    """examples/conformance is the conformance guide's runnable example (conformance/README)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "asyncflow_conformance", "-p", "no:cacheprovider",
+         "-q", "examples/conformance", "--asyncflow-profile", "asyncflow-smoke"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert " passed" in out and "failed" not in out
