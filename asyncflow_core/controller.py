@@ -67,6 +67,7 @@ class PutTicket:
     rows: tuple[int, ...]
     fields: tuple[str, ...]
     new_rows: bool
+    storage_key: str  # where the storage units keep this partition's values (see _Partition)
 
 
 @dataclass(slots=True)
@@ -106,8 +107,11 @@ class _TaskState:
 class _Partition:
     """Row-state arrays over a sliding window of row ids [base, base + cap)."""
 
-    def __init__(self, name: str, fields: Sequence[str], capacity: Capacity) -> None:
+    def __init__(self, name: str, fields: Sequence[str], capacity: Capacity, key: str) -> None:
         self.name = name
+        # Storage units key values by this, not by the name: a partition deleted and created
+        # again under the same name never sees (or frees) the old one's cells.
+        self.key = key
         self.fields = tuple(fields)
         self.fidx = {f: i for i, f in enumerate(self.fields)}
         self.capacity = capacity
@@ -119,6 +123,7 @@ class _Partition:
         self.cap = 0
         nf = len(self.fields)
         self.alive = np.zeros(0, dtype=bool)
+        self.creating = np.zeros(0, dtype=bool)  # allocated by a put that has not committed
         self.ready = np.zeros((0, nf), dtype=bool)
         self.writing = np.zeros((0, nf), dtype=bool)
         self.cell_bytes = np.zeros((0, nf), dtype=np.int64)
@@ -141,7 +146,10 @@ class _Partition:
 
     # -- window management -------------------------------------------------------------------
     def _row_arrays(self) -> list[str]:
-        return ["alive", "ready", "writing", "cell_bytes", "group", "tokens", "vmin", "vmax"]
+        return [
+            "alive", "creating", "ready", "writing", "cell_bytes", "group", "tokens", "vmin",
+            "vmax",
+        ]  # fmt: skip
 
     def ensure_room(self, n_new: int) -> None:
         need = self.end + n_new - self.base
@@ -189,13 +197,14 @@ class _Partition:
         slots = arr - self.base
         in_window = (arr >= self.base) & (arr < self.end)
         ok = in_window.copy()
-        ok[in_window] = self.alive[slots[in_window]]
+        ok[in_window] = self.alive[slots[in_window]] & ~self.creating[slots[in_window]]
         if not ok.all():
             bad = arr[~ok].tolist()
             raise UnknownRowError(
                 f"partition {self.name!r} has no live rows {_fmt_rows(bad)}: rows are numbered "
-                f"from 0 in creation order ({self.end} created so far) and disappear once every "
-                "registered task consumed them; write to rows returned by put()"
+                f"from 0 in creation order ({self.end} allocated so far; a row exists once the "
+                "put creating it returned) and disappear once every registered task consumed "
+                "them; write to rows returned by put()"
             )
         return slots
 
@@ -343,7 +352,7 @@ class Controller:
                     f"partition {name!r} already exists; pick another name or "
                     "delete_partition() it first"
                 )
-            p = _Partition(name, fields, cap)
+            p = _Partition(name, fields, cap, f"{name}#{next(self._ids)}")
             for t in tasks:
                 p.tasks[t] = _TaskState(np.zeros(0, bool), np.zeros(0, bool))
             self._parts[name] = p
@@ -365,16 +374,27 @@ class Controller:
             self._part(partition).closed = True
         self._changed()
 
-    def begin_delete(self, partition: str) -> None:
-        """Step 1 of delete: the partition disappears for every caller (waiters wake and fail)."""
+    def begin_delete(self, partition: str) -> str:
+        """Step 1 of delete: the partition disappears for every caller (waiters wake and fail).
+        Returns its storage key, for step 2: the storage units drop that key."""
         with self._lock:
-            self._part(partition).deleting = True
+            p = self._part(partition)
+            p.deleting = True
+            self._to_free.pop(p.key, None)
         self._changed()
+        return p.key
 
     def finish_delete(self, partition: str) -> None:
         """Step 3 of delete, after storage dropped the values: forget the metadata."""
         with self._lock:
-            self._parts.pop(partition, None)
+            p = self._parts.get(partition)
+            if p is not None and p.deleting:
+                del self._parts[partition]
+
+    def storage_key(self, partition: str) -> str:
+        """The key the storage units file this partition's values under."""
+        with self._lock:
+            return self._part(partition).key
 
     def schema(self, partition: str) -> dict[str, FieldSchema | None]:
         with self._lock:
@@ -426,6 +446,7 @@ class Controller:
                 slots = np.arange(p.end - p.base, p.end - p.base + n, dtype=np.int64)
                 p.end += n
                 p.alive[slots] = True
+                p.creating[slots] = True
                 p.rows_live += n
                 old = np.zeros_like(nb)
             else:
@@ -458,7 +479,9 @@ class Controller:
             p.writing[np.ix_(slots, cols)] = True
             p.bytes_live += total_new_bytes - int(old.sum())
             p.cell_bytes[np.ix_(slots, cols)] = nb
-            ticket = PutTicket(partition, next(self._ids), new_rows, tuple(fields), rows is None)
+            ticket = PutTicket(
+                partition, next(self._ids), new_rows, tuple(fields), rows is None, p.key
+            )
             p.pending[ticket.ticket_id] = _PendingPut(
                 ticket, slots + p.base, cols, old, nb, schemas_set, tags
             )
@@ -491,6 +514,7 @@ class Controller:
             grid = np.ix_(slots, pend.cols)
             p.writing[grid] = False
             p.ready[grid] = True
+            p.creating[slots] = False
             if pend.tags is not None:
                 for row, slot, t in zip(ticket.rows, slots.tolist(), pend.tags, strict=True):
                     p.set_tags(row, slot, t)
@@ -499,6 +523,7 @@ class Controller:
                 p.tokens[slots] = 0
                 p.vmin[slots] = NO_VERSION
                 p.vmax[slots] = NO_VERSION
+            self._reclaim(p, slots)  # rows every task consumed while this put was writing
         self._changed()
 
     def abort_put(self, ticket: PutTicket) -> None:
@@ -515,11 +540,14 @@ class Controller:
             p.writing[grid] = False
             p.cell_bytes[grid] = pend.old_bytes
             p.bytes_live -= int(pend.new_bytes.sum()) - int(pend.old_bytes.sum())
-            if ticket.new_rows:
+            if ticket.new_rows:  # nobody else could write these rows (they were "creating")
                 p.alive[slots] = False
+                p.creating[slots] = False
                 p.rows_live -= len(ticket.rows)
                 if p.end == ticket.rows[-1] + 1:  # nobody allocated after us: reuse the ids
                     p.end = ticket.rows[0]
+            else:
+                self._reclaim(p, slots)  # rows every task consumed while this put was writing
             for fname in pend.schemas_set:
                 j = p.fidx[fname]
                 if not (p.ready[:, j].any() or p.writing[:, j].any()):
@@ -529,8 +557,9 @@ class Controller:
     # -- reads ---------------------------------------------------------------------------------
     def check_readable(
         self, partition: str, rows: Sequence[int], fields: Sequence[str]
-    ) -> dict[str, FieldSchema]:
-        """The schemas of ``fields`` if every (row, field) cell is ready; raises otherwise."""
+    ) -> tuple[str, dict[str, FieldSchema]]:
+        """The storage key and the schemas of ``fields`` if every (row, field) cell is ready;
+        raises otherwise."""
         with self._lock:
             p = self._part(partition)
             cols = self._fields(p, fields)
@@ -547,7 +576,7 @@ class Controller:
                 s = p.schema[f]
                 assert s is not None  # ready implies a schema
                 out[f] = s
-            return out
+            return p.key, out
 
     # -- consumption ---------------------------------------------------------------------------
     def try_get_meta(
@@ -592,7 +621,7 @@ class Controller:
                 mask = free & ready_all
                 final = p.closed and not p.pending and not (free & ~ready_all).any()
                 slots = np.flatnonzero(mask)
-                cand = self._candidates(p, slots)
+                cand = self._candidates(p, slots, ts)
                 request = SampleRequest(
                     partition, task, batch_size, final, current_version, dp_rank, dp_size, member
                 )
@@ -631,12 +660,18 @@ class Controller:
             if changed:
                 self._changed()
 
-    def _candidates(self, p: _Partition, slots: IntArray) -> Candidates:
+    def _candidates(self, p: _Partition, slots: IntArray, ts: _TaskState) -> Candidates:
         if not slots.size:
             return Candidates.empty()
         groups = p.group[slots]
-        if p.group_count.size:
-            sizes = np.where(groups >= 0, p.group_count[np.maximum(groups, 0)], -1)
+        if (groups >= 0).any():
+            # per task: rows of each group this task has not consumed (other tasks' progress
+            # and reclamation must not change what this task can still complete)
+            used = p.end - p.base
+            g = p.group[:used]
+            mine = g[p.alive[:used] & ~ts.consumed[:used] & (g >= 0)]
+            counts = np.bincount(mine, minlength=int(groups.max()) + 1)
+            sizes = np.where(groups >= 0, counts[np.maximum(groups, 0)], -1)
         else:
             sizes = np.full(groups.shape[0], -1, dtype=np.int64)
         return Candidates(
@@ -774,8 +809,11 @@ class Controller:
 
     def _reclaim(self, p: _Partition, slots: IntArray) -> None:
         """Rows consumed by every registered task are dropped from the metadata; their ids are
-        queued for the storage units (``take_reclaimed``)."""
-        done = p.alive[slots].copy()
+        queued for the storage units (``take_reclaimed``). A row with a cell being written
+        waits: the put's commit or abort reclaims it."""
+        if not p.tasks:
+            return
+        done = p.alive[slots] & ~p.writing[slots].any(axis=1)
         for ts in p.tasks.values():
             done &= ts.consumed[slots]
         gone = slots[done]
@@ -789,10 +827,10 @@ class Controller:
         p.reclaimed += int(gone.size)
         for s in gone.tolist():
             p.drop_row_tags(s + p.base, s)
-        self._to_free.setdefault(p.name, []).extend((gone + p.base).tolist())
+        self._to_free.setdefault(p.key, []).extend((gone + p.base).tolist())
 
     def take_reclaimed(self) -> dict[str, list[int]]:
-        """Rows reclaimed since the last call, per partition, for the storage units to drop."""
+        """Rows reclaimed since the last call, per storage key, for the storage units to drop."""
         with self._lock:
             out, self._to_free = self._to_free, {}
             return out

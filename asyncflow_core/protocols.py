@@ -103,9 +103,9 @@ class Candidates:
     ``rows``: row indices, in the order the sampler should prefer (the store passes them
     ascending, i.e. oldest first; a wrapping sampler may pass a reordered subset).
     ``groups``: group id codes (-1 = none; equal codes mean equal ``Tags.group``).
-    ``group_sizes``: how many live rows of the partition carry that row's group (ready or not,
-    consumed or not; -1 if no group) — a sampler uses it to know whether a group can still
-    complete. ``min_versions`` / ``max_versions``: as in
+    ``group_sizes``: how many live rows of that row's group the requesting task has not
+    consumed yet (ready or not, leased or not; -1 if no group) — a sampler uses it to know
+    whether a group can still complete for this task. ``min_versions`` / ``max_versions``: as in
     ``Tags`` (-1 = none). ``tokens``: token lengths.
     """
 

@@ -19,6 +19,7 @@ import torch
 
 from asyncflow_core.controller import Controller, PutTicket
 from asyncflow_core.errors import (
+    AsyncFlowError,
     BadRequestError,
     SchemaError,
     StorageUnitError,
@@ -307,10 +308,15 @@ class InProcessDataStore:
         self.controller.close(partition)
 
     async def delete_partition(self, partition: str) -> None:
-        self.controller.begin_delete(partition)
+        key = self.controller.begin_delete(partition)
         for unit in self.units:
-            unit.drop_partition(partition)
+            unit.drop_partition(key)
         self.controller.finish_delete(partition)
+
+    def storage_key(self, partition: str) -> str:
+        """Where the storage units keep ``partition``'s values (a partition created again
+        under the same name gets a new key)."""
+        return self.controller.storage_key(partition)
 
     async def stats(self, partition: str) -> PartitionStats:
         return self.controller.stats(partition)
@@ -358,15 +364,28 @@ class InProcessDataStore:
                 )
             await self._wait_for_change(generation, until)
         try:
-            self._write(ticket, prep.cells)
-        except BaseException:
-            self.controller.abort_put(ticket)
-            raise
-        self.controller.commit_put(ticket)
+            try:
+                written = self._write(ticket, prep.cells)
+            except BaseException as e:
+                self.controller.abort_put(ticket)
+                if isinstance(e, Exception) and not isinstance(e, AsyncFlowError):
+                    raise StorageUnitError(
+                        f"put into {partition!r} failed in a storage unit "
+                        f"({type(e).__name__}: {e}); nothing was written"
+                    ) from e
+                raise
+            try:
+                self.controller.commit_put(ticket)
+            except BaseException:  # e.g. the partition was deleted meanwhile: leave no cells
+                _undo(ticket.storage_key, written)
+                raise
+        finally:  # rows consumed by every task while this put wrote into them are freed now
+            self._free_reclaimed()
         return ticket.rows
 
-    def _write(self, ticket: PutTicket, cells: Mapping[str, list[CellValue]]) -> None:
-        """Write every unit's share; if one fails, undo the others so nothing changed."""
+    def _write(self, ticket: PutTicket, cells: Mapping[str, list[CellValue]]) -> _Written:
+        """Write every unit's share; if one fails, undo the others so nothing changed.
+        Returns what was written, so a failed commit can undo it too."""
         n_units = len(self.units)
         per_unit: list[dict[str, dict[int, CellValue]]] = [{} for _ in range(n_units)]
         if n_units == 1:
@@ -385,15 +404,15 @@ class InProcessDataStore:
             for f, values in cells.items():
                 for row, v in zip(ticket.rows, values, strict=True):
                     per_unit[row % n_units].setdefault(f, {})[row] = v
-        done: list[tuple[StorageUnit, dict[str, dict[int, CellValue]], Any]] = []
+        done: _Written = []
         try:
             for unit, part in zip(self.units, per_unit, strict=True):
                 if part:
-                    done.append((unit, part, unit.write(ticket.partition, part)))
+                    done.append((unit, part, unit.write(ticket.storage_key, part)))
         except BaseException:
-            for unit, part, replaced in done:
-                unit.undo(ticket.partition, part, replaced)
+            _undo(ticket.storage_key, done)
             raise
+        return done
 
     # -- reads ---------------------------------------------------------------------------------
     async def get_meta(
@@ -473,8 +492,8 @@ class InProcessDataStore:
         names = list(meta.fields if fields is None else fields)
         if not meta.rows:
             return Batch((), {}, {}, ())
-        schemas = self.controller.check_readable(meta.partition, meta.rows, names)
-        values = self._read(meta.partition, meta.rows, names)
+        key, schemas = self.controller.check_readable(meta.partition, meta.rows, names)
+        values = self._read(key, meta.rows, names)
         batch = Batch(meta.rows, {}, {}, meta.tags)
         for f in names:
             _assemble(batch, f, schemas[f], values[f], layout, pad_value)
@@ -496,6 +515,13 @@ class InProcessDataStore:
             ]
         except StorageUnitError as e:
             raise UnknownRowError(str(e)) from None
+        except AsyncFlowError:
+            raise
+        except Exception as e:
+            raise StorageUnitError(
+                f"reading rows of partition key {partition!r} failed in a storage unit "
+                f"({type(e).__name__}: {e})"
+            ) from e
         out: dict[str, list[CellValue]] = {}
         cursors = [0] * n_units
         order = [r % n_units for r in rows]
@@ -525,6 +551,16 @@ class InProcessDataStore:
                 mine = [r for r in rows if r % n_units == u]
                 if mine:
                     unit.delete_rows(partition, mine)
+
+
+_Written = list[
+    tuple["StorageUnit", dict[str, dict[int, CellValue]], dict[str, dict[int, CellValue]]]
+]
+
+
+def _undo(key: str, written: _Written) -> None:
+    for unit, part, replaced in written:
+        unit.undo(key, part, replaced)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

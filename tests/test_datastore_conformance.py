@@ -1,5 +1,5 @@
 """The DataStore conformance suite on the in-process store: one and three storage units (rows
-sharded differently) and once storing references instead of copies (``copy_on_put=False``)."""
+sharded differently) and once with defensive copies on put (``copy_on_put=True``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class _InProcess(DataStoreConformance):
     supports_fake_clock = True
     supports_direct_read = True
     num_storage_units: ClassVar[int] = 2
-    copy_on_put: ClassVar[bool] = True
+    copy_on_put: ClassVar[bool] = False  # the store's default
 
     @pytest.fixture
     def store_factory(self) -> StoreFactory:
@@ -32,7 +32,7 @@ class _InProcess(DataStoreConformance):
     def direct_read(self, store: DataStore, partition: str, row: int, field: str) -> CellValue:
         assert isinstance(store, InProcessDataStore)
         unit = store.units[row % len(store.units)]
-        return unit.read(partition, [row], [field])[field][0]
+        return unit.read(store.storage_key(partition), [row], [field])[field][0]
 
 
 class TestInProcessOneUnit(_InProcess):
@@ -45,6 +45,6 @@ class TestInProcessThreeUnits(_InProcess):
     num_storage_units = 3
 
 
-class TestInProcessNoCopy(_InProcess):
-    backend_name = "InProcessDataStore(copy_on_put=False)"
-    copy_on_put = False
+class TestInProcessCopyOnPut(_InProcess):
+    backend_name = "InProcessDataStore(copy_on_put=True)"
+    copy_on_put = True

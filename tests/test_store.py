@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from asyncflow_core.errors import (
     StorageUnitError,
     StoreTimeoutError,
     UnknownPartitionError,
+    UnknownRowError,
 )
 from asyncflow_core.protocols import Capacity, CellValue, Tags
 from asyncflow_core.scheduling import (
@@ -38,7 +40,7 @@ def test_rows_are_sharded_over_units() -> None:
         store = InProcessDataStore(3)
         await store.create_partition("p", ["x"], tasks=["t"])
         rows = await store.put("p", {"x": [torch.full((i + 1,), float(i)) for i in range(9)]})
-        assert [u.num_cells("p") for u in store.units] == [3, 3, 3]
+        assert [u.num_cells(store.storage_key("p")) for u in store.units] == [3, 3, 3]
         meta = await store.get_meta("p", "t", ["x"], 9)
         batch = await store.get_data(meta, layout="list")
         for r, t in zip(rows, batch["x"], strict=True):
@@ -66,7 +68,7 @@ def test_window_compacts_when_rows_are_reclaimed() -> None:
         assert stats.rows_created == 10_000 and stats.rows_live == 0
         assert stats.reclaimed == 10_000
         assert part.cap <= 128, part.cap
-        assert sum(u.num_cells("p") for u in store.units) == 0
+        assert sum(u.num_cells(store.storage_key("p")) for u in store.units) == 0
 
     run(go())
 
@@ -120,7 +122,9 @@ def test_failed_storage_write_leaves_store_unchanged() -> None:
             await store.put("p", {"x": [torch.ones(2)] * 2, "y": [1, 2]})
         assert await store.stats("p") == before
         assert store.controller.schema("p") == schema_before  # y's schema was not fixed
-        assert store.units[0].num_cells("p") == 1  # unit 0's share (row 2) was undone
+        assert (
+            store.units[0].num_cells(store.storage_key("p")) == 1
+        )  # unit 0's share (row 2) was undone
         bad.fail = False
         rows = await store.put("p", {"x": [torch.ones(2)] * 2, "y": ["a", "b"]})
         assert rows == (1, 2)  # the aborted ids are reused: no hole in the numbering
@@ -359,6 +363,150 @@ def test_controller_and_units_work_across_a_pickle_boundary() -> None:
             await store.ack(meta)
         stats = await store.stats("p")
         assert stats.rows_live == 0 and stats.reclaimed == 4
-        assert sum(u.num_cells("p") for u in store.units) == 0
+        assert sum(u.num_cells(store.storage_key("p")) for u in store.units) == 0
 
     run(go())
+
+
+# --- regressions found by review: puts racing with reclaim, delete and aborts -------------------
+class _GatedUnit(StorageUnit):
+    """A unit whose writes of ``field`` block until released (and may then fail)."""
+
+    def __init__(self, unit_id: int, field: str) -> None:
+        super().__init__(unit_id)
+        self.field = field
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.fail: Exception | None = None
+
+    def write(
+        self, partition: str, cells: Mapping[str, Mapping[int, CellValue]]
+    ) -> dict[str, dict[int, CellValue]]:
+        if self.gate is not None and self.field in cells:
+            self.entered.set()
+            self.gate.wait(10)
+            if self.fail is not None:
+                raise self.fail
+        return super().write(partition, cells)
+
+
+def _in_thread(
+    coro_fn: Callable[[], Coroutine[Any, Any, Any]],
+) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(coro_fn())
+        except BaseException as e:  # collected for the test to inspect
+            errors.append(e)
+
+    th = threading.Thread(target=target)
+    th.start()
+    return th, errors
+
+
+@pytest.mark.parametrize("fail", [None, RuntimeError("unit down")])
+def test_row_consumed_during_a_put_into_it_is_reclaimed_after_the_put(
+    fail: Exception | None,
+) -> None:
+    unit = _GatedUnit(0, "b")
+    store = InProcessDataStore(units=[unit])
+    run(store.create_partition("p", ["a", "b"], tasks=["t"]))
+    run(store.put("p", {"a": [torch.zeros(4)]}))
+    unit.gate, unit.fail = threading.Event(), fail
+    th, errors = _in_thread(lambda: store.put("p", {"b": [torch.zeros(100)]}, rows=[0]))
+    assert unit.entered.wait(5)
+
+    async def consume() -> None:
+        meta = await store.get_meta("p", "t", ["a"], 1, timeout=1)
+        await store.ack(meta)
+
+    run(consume())
+    assert run(store.stats("p")).rows_live == 1  # reclamation waits for the write
+    unit.gate.set()
+    th.join()
+    if fail is not None:  # a non-AsyncFlowError from a unit is reported as StorageUnitError
+        assert len(errors) == 1 and isinstance(errors[0], StorageUnitError)
+        assert "RuntimeError: unit down" in str(errors[0])
+    else:
+        assert errors == []
+    stats = run(store.stats("p"))
+    assert (stats.rows_live, stats.bytes_live, stats.reclaimed) == (0, 0, 1)
+    assert unit.num_cells(store.storage_key("p")) == 0
+
+
+def test_put_racing_with_delete_leaves_no_cells_and_recreated_name_is_clean() -> None:
+    unit = _GatedUnit(0, "x")
+    store = InProcessDataStore(units=[unit])
+    run(store.create_partition("p", ["x"], tasks=["t"]))
+    old_key = store.storage_key("p")
+    unit.gate = threading.Event()
+    th, errors = _in_thread(lambda: store.put("p", {"x": [torch.zeros(10)] * 10}))
+    assert unit.entered.wait(5)
+    run(store.delete_partition("p"))
+    unit.gate.set()
+    th.join()
+    assert len(errors) == 1 and isinstance(errors[0], UnknownPartitionError)
+    assert unit.num_cells(old_key) == 0
+    run(store.create_partition("p", ["x"], tasks=["t"]))
+    assert store.storage_key("p") != old_key and unit.num_cells(store.storage_key("p")) == 0
+
+
+def test_reclaimed_rows_of_a_deleted_partition_never_touch_its_successor() -> None:
+    async def go() -> None:
+        store = InProcessDataStore(2)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        await store.put("p", {"x": [torch.ones(2)] * 4})
+        meta = await store.get_meta("p", "t", ["x"], 4)
+        store.controller.ack(meta)  # reclaimed, storage not freed yet
+        await store.delete_partition("p")
+        await store.create_partition("p", ["x"], tasks=["t"])
+        await store.put("p", {"x": [torch.full((2,), 7.0)] * 4})
+        store._free_reclaimed()  # the old partition's queued ids must not hit the new one
+        meta = await store.get_meta("p", "t", ["x"], 4)
+        assert bool(((await store.get_data(meta))["x"] == 7).all())
+
+    run(go())
+
+
+def test_rows_being_created_cannot_be_written_by_another_put() -> None:
+    unit = _GatedUnit(0, "a")
+    store = InProcessDataStore(units=[unit])
+    run(store.create_partition("p", ["a", "b"], tasks=["t"]))
+    unit.gate, unit.fail = threading.Event(), StorageUnitError("unit 0 is down")
+    th, errors = _in_thread(lambda: store.put("p", {"a": [torch.zeros(1)]}))
+    assert unit.entered.wait(5)
+    with pytest.raises(UnknownRowError, match="no live rows"):
+        run(store.put("p", {"b": [torch.tensor([111.0])]}, rows=[0]))
+    unit.gate.set()
+    th.join()
+    assert len(errors) == 1 and isinstance(errors[0], StorageUnitError)
+    stats = run(store.stats("p"))
+    assert (stats.rows_live, stats.bytes_live) == (0, 0)
+    unit.gate = None
+    assert run(store.put("p", {"a": [torch.ones(1)]})) == (0,)
+    assert run(store.stats("p")).ready == {"a": 1, "b": 0}
+
+
+def test_group_completion_does_not_depend_on_other_tasks_progress() -> None:
+    """Task A's group of 6 (n=4) ends with 2 undeliverable rows dropped, whether or not task
+    B consumed (and so reclaimed) some of the group first."""
+
+    async def go(b_first: bool) -> None:
+        store = InProcessDataStore(1)
+        await store.create_partition("p", ["x"], tasks=["A", "B"])
+        await store.put("p", {"x": [torch.ones(1)] * 6}, tags=[Tags(group="g")] * 6)
+        sampler = GroupSampler(4)
+        meta = await store.get_meta("p", "A", ["x"], 4, sampler=sampler)
+        await store.ack(meta)
+        if b_first:
+            meta = await store.get_meta("p", "B", ["x"], 2)
+            await store.ack(meta)
+        await store.close("p")
+        end = await store.get_meta("p", "A", ["x"], 4, sampler=sampler, timeout=1)
+        assert end.end_of_stream
+        assert (await store.stats("p")).dropped["A"] == 2
+
+    run(go(False))
+    run(go(True))

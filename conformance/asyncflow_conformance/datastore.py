@@ -1097,6 +1097,24 @@ class DataStoreConformance:
         assert cand.tokens.tolist() == [10, 20, 30, 0]
 
     @async_test
+    async def test_group_sizes_count_what_this_task_has_not_consumed(
+        self, store: DataStore
+    ) -> None:
+        """``group_sizes`` is per task: this task's consumption lowers it, another task's
+        consumption (and the reclamation it causes) does not."""
+        await new_partition(store, tasks=("t", "u"))
+        await store.put("p", {"x": list(range(6))}, tags=[Tags(group="g")] * 6)
+        await store.ack(await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S))
+        await store.ack(await store.get_meta("p", "u", ["x"], 4, timeout=WAIT_S))
+        # rows 0 and 1 are now consumed by both tasks, so reclaimed
+        spy = SpySampler()
+        await store.get_meta("p", "t", ["x"], 1, sampler=spy, timeout=WAIT_S)
+        assert spy.seen[-1][0].group_sizes.tolist() == [4, 4, 4, 4]
+        spy_u = SpySampler()
+        await store.get_meta("p", "u", ["x"], 1, sampler=spy_u, timeout=WAIT_S)
+        assert spy_u.seen[-1][0].group_sizes.tolist() == [2, 2]
+
+    @async_test
     async def test_group_sampler_gets_whole_groups(self, store: DataStore) -> None:
         await new_partition(store)
         groups = ["A", "B", "A", "B", "A"]

@@ -440,7 +440,8 @@ class DataStoreStateMachine(RuleBasedStateMachine):
 
     def check_candidates(self, cand: Candidates, task: str, fields: Sequence[str]) -> None:
         """What a sampler is shown must match the model: the ready, free rows of ``task``
-        ascending, with their tags as columns and each group's live row count."""
+        ascending, with their tags as columns and, per group, the live rows the task has not
+        consumed."""
         _, ready = self.candidates(task, fields)
         assert cand.rows.tolist() == ready, f"candidates {cand.rows.tolist()}, model {ready}"
         tags = [self.tags[r] for r in ready]
@@ -453,8 +454,9 @@ class DataStoreStateMachine(RuleBasedStateMachine):
                     f"rows {ready[j]} and {ready[i]}: group codes {codes[j]}, {code} but groups "
                     f"{tags[j].group!r}, {tag.group!r}"
                 )
-        live_groups = [t.group for t in self.tags.values()]
-        sizes = [live_groups.count(t.group) if t.group is not None else -1 for t in tags]
+        # per task: the group's live rows this task has not consumed (ready or not)
+        mine = [t.group for r, t in self.tags.items() if r not in self.consumed[task]]
+        sizes = [mine.count(t.group) if t.group is not None else -1 for t in tags]
         assert cand.group_sizes.tolist() == sizes, (cand.group_sizes.tolist(), sizes)
         assert cand.min_versions.tolist() == [t.min_version for t in tags]
         assert cand.max_versions.tolist() == [t.max_version for t in tags]
