@@ -105,7 +105,10 @@ class _TaskState:
 
 
 class _Partition:
-    """Row-state arrays over a sliding window of row ids [base, base + cap)."""
+    """Row-state arrays, one slot per row that is (or recently was) live. Slots ``[0, used)``
+    hold rows in ascending row id (``row_id``); a row's slot is found by binary search.
+    Compaction squeezes out dead slots wherever they are, so the arrays (and every scan) stay
+    proportional to the live rows even when an old row lingers (e.g. held back as stale)."""
 
     def __init__(self, name: str, fields: Sequence[str], capacity: Capacity, key: str) -> None:
         self.name = name
@@ -118,10 +121,11 @@ class _Partition:
         self.schema: dict[str, FieldSchema | None] = dict.fromkeys(self.fields)
         self.closed = False
         self.deleting = False
-        self.base = 0
-        self.end = 0
+        self.end = 0  # the next new row id
+        self.used = 0  # slots in use
         self.cap = 0
         nf = len(self.fields)
+        self.row_id = np.zeros(0, dtype=np.int64)
         self.alive = np.zeros(0, dtype=bool)
         self.creating = np.zeros(0, dtype=bool)  # allocated by a put that has not committed
         self.ready = np.zeros((0, nf), dtype=bool)
@@ -144,39 +148,41 @@ class _Partition:
         self.bytes_live = 0
         self.reclaimed = 0
 
-    # -- window management -------------------------------------------------------------------
+    # -- slot management ---------------------------------------------------------------------
     def _row_arrays(self) -> list[str]:
         return [
-            "alive", "creating", "ready", "writing", "cell_bytes", "group", "tokens", "vmin",
-            "vmax",
+            "row_id", "alive", "creating", "ready", "writing", "cell_bytes", "group", "tokens",
+            "vmin", "vmax",
         ]  # fmt: skip
 
-    def ensure_room(self, n_new: int) -> None:
-        need = self.end + n_new - self.base
-        if need <= self.cap:
-            return
-        used = self.end - self.base
-        live = np.flatnonzero(self.alive[:used])
-        shift = int(live[0]) if live.size else used
-        if shift > 0:  # drop the reclaimed prefix of the window
-            self._shift(shift)
-            need = self.end + n_new - self.base
-            if need <= self.cap:
-                return
-        new_cap = max(64, self.cap)
-        while new_cap < need:
-            new_cap *= 2
-        self._resize(new_cap)
-
-    def _shift(self, shift: int) -> None:
-        used = self.end - self.base
+    def _all_arrays(self) -> list[np.ndarray[Any, Any]]:
         arrays: list[np.ndarray[Any, Any]] = [getattr(self, n) for n in self._row_arrays()]
         for ts in self.tasks.values():
             arrays += [ts.consumed, ts.leased]
-        for a in arrays:
-            a[: used - shift] = a[shift:used]
-            a[used - shift : used] = 0
-        self.base += shift
+        return arrays
+
+    def ensure_room(self, n_new: int) -> None:
+        """Room for ``n_new`` slots at the end: compact when at least half the slots are dead,
+        else grow (doubling)."""
+        if self.used + n_new <= self.cap:
+            return
+        live = int(self.alive[: self.used].sum())
+        if live <= self.used // 2:
+            self._compact()
+            if self.used + n_new <= self.cap:
+                return
+        new_cap = max(64, self.cap)
+        while new_cap < self.used + n_new:
+            new_cap *= 2
+        self._resize(new_cap)
+
+    def _compact(self) -> None:
+        keep = np.flatnonzero(self.alive[: self.used])
+        k = int(keep.size)
+        for a in self._all_arrays():
+            a[:k] = a[keep]
+            a[k : self.used] = 0
+        self.used = k
 
     def _resize(self, new_cap: int) -> None:
         def grow(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -191,13 +197,18 @@ class _Partition:
             ts.leased = grow(ts.leased)
         self.cap = new_cap
 
+    def lookup(self, rows: Sequence[int] | IntArray) -> IntArray:
+        """Slots of rows known to have one (leased, pending or candidate rows)."""
+        return np.searchsorted(self.row_id[: self.used], np.asarray(rows, dtype=np.int64))
+
     def slots_of(self, rows: Sequence[int]) -> IntArray:
         """Slots of existing, live rows; ``UnknownRowError`` naming the others."""
         arr = np.asarray(rows, dtype=np.int64)
-        slots = arr - self.base
-        in_window = (arr >= self.base) & (arr < self.end)
-        ok = in_window.copy()
-        ok[in_window] = self.alive[slots[in_window]] & ~self.creating[slots[in_window]]
+        slots = self.lookup(arr)
+        found = slots < self.used
+        ok = found.copy()
+        hit = slots[found]
+        ok[found] = (self.row_id[hit] == arr[found]) & self.alive[hit] & ~self.creating[hit]
         if not ok.all():
             bad = arr[~ok].tolist()
             raise UnknownRowError(
@@ -443,8 +454,10 @@ class Controller:
                     return None
                 p.ensure_room(n)
                 new_rows = tuple(range(p.end, p.end + n))
-                slots = np.arange(p.end - p.base, p.end - p.base + n, dtype=np.int64)
+                slots = np.arange(p.used, p.used + n, dtype=np.int64)
+                p.row_id[slots] = np.arange(p.end, p.end + n, dtype=np.int64)
                 p.end += n
+                p.used += n
                 p.alive[slots] = True
                 p.creating[slots] = True
                 p.rows_live += n
@@ -483,7 +496,7 @@ class Controller:
                 partition, next(self._ids), new_rows, tuple(fields), rows is None, p.key
             )
             p.pending[ticket.ticket_id] = _PendingPut(
-                ticket, slots + p.base, cols, old, nb, schemas_set, tags
+                ticket, p.row_id[slots].copy(), cols, old, nb, schemas_set, tags
             )
             return ticket
 
@@ -510,7 +523,7 @@ class Controller:
         with self._lock:
             p = self._part(ticket.partition)
             pend = p.pending.pop(ticket.ticket_id)
-            slots = pend.rows - p.base
+            slots = p.lookup(pend.rows)
             grid = np.ix_(slots, pend.cols)
             p.writing[grid] = False
             p.ready[grid] = True
@@ -535,7 +548,7 @@ class Controller:
             pend = p.pending.pop(ticket.ticket_id, None)
             if pend is None:
                 return
-            slots = pend.rows - p.base
+            slots = p.lookup(pend.rows)
             grid = np.ix_(slots, pend.cols)
             p.writing[grid] = False
             p.cell_bytes[grid] = pend.old_bytes
@@ -546,6 +559,10 @@ class Controller:
                 p.rows_live -= len(ticket.rows)
                 if p.end == ticket.rows[-1] + 1:  # nobody allocated after us: reuse the ids
                     p.end = ticket.rows[0]
+                    first = int(slots[0])
+                    for a in p._all_arrays():
+                        a[first : p.used] = 0
+                    p.used = first
             else:
                 self._reclaim(p, slots)  # rows every task consumed while this put was writing
             for fname in pend.schemas_set:
@@ -615,7 +632,7 @@ class Controller:
                         return meta
                 if _finished(p, ts):
                     return BatchMeta(partition, task, (), tuple(fields), end_of_stream=True)
-                used = p.end - p.base
+                used = p.used
                 free = p.alive[:used] & ~ts.consumed[:used] & ~ts.leased[:used]
                 ready_all = p.ready[:used][:, cols].all(axis=1)
                 mask = free & ready_all
@@ -629,7 +646,7 @@ class Controller:
                 rows, dropped = _validate_selection(sel, cand, batch_size, sampler)
                 ts.n_held = int(sel.held)
                 if dropped:
-                    dslots = np.asarray(dropped, dtype=np.int64) - p.base
+                    dslots = p.lookup(dropped)
                     ts.consumed[dslots] = True
                     ts.n_dropped += len(dropped)
                     ts.n_consumed += len(dropped)
@@ -650,7 +667,7 @@ class Controller:
                     members=members,
                     served={member},
                 )
-                ts.leased[np.asarray(rows, dtype=np.int64) - p.base] = True
+                ts.leased[p.lookup(rows)] = True
                 p.leases[lease.lease_id] = lease
                 if members > 1:
                     p.replay.setdefault((task, dp_rank), []).append(lease.lease_id)
@@ -667,7 +684,7 @@ class Controller:
         if (groups >= 0).any():
             # per task: rows of each group this task has not consumed (other tasks' progress
             # and reclamation must not change what this task can still complete)
-            used = p.end - p.base
+            used = p.used
             g = p.group[:used]
             mine = g[p.alive[:used] & ~ts.consumed[:used] & (g >= 0)]
             counts = np.bincount(mine, minlength=int(groups.max()) + 1)
@@ -675,7 +692,7 @@ class Controller:
         else:
             sizes = np.full(groups.shape[0], -1, dtype=np.int64)
         return Candidates(
-            rows=slots + p.base,
+            rows=p.row_id[slots],
             groups=groups,
             group_sizes=sizes,
             min_versions=p.vmin[slots],
@@ -727,7 +744,7 @@ class Controller:
             if len(lease.acked) < lease.members:
                 return
             ts = p.tasks[lease.task]
-            slots = np.asarray(lease.rows, dtype=np.int64) - p.base
+            slots = p.lookup(lease.rows)
             ts.leased[slots] = False
             ts.consumed[slots] = True
             ts.n_consumed += len(slots)
@@ -770,7 +787,7 @@ class Controller:
 
     def _release(self, p: _Partition, lease: _Lease, how: str) -> None:
         ts = p.tasks[lease.task]
-        ts.leased[np.asarray(lease.rows, dtype=np.int64) - p.base] = False
+        ts.leased[p.lookup(lease.rows)] = False
         self._end_lease(p, lease, how)
 
     def _end_lease(self, p: _Partition, lease: _Lease, how: str) -> None:
@@ -825,9 +842,10 @@ class Controller:
         p.bytes_live -= int(p.cell_bytes[gone].sum())
         p.cell_bytes[gone] = 0
         p.reclaimed += int(gone.size)
-        for s in gone.tolist():
-            p.drop_row_tags(s + p.base, s)
-        self._to_free.setdefault(p.key, []).extend((gone + p.base).tolist())
+        gone_rows = p.row_id[gone].tolist()
+        for row, slot in zip(gone_rows, gone.tolist(), strict=True):
+            p.drop_row_tags(row, slot)
+        self._to_free.setdefault(p.key, []).extend(gone_rows)
 
     def take_reclaimed(self) -> dict[str, list[int]]:
         """Rows reclaimed since the last call, per storage key, for the storage units to drop."""
@@ -839,7 +857,7 @@ class Controller:
         with self._lock:
             p = self._part(partition)
             self._expire(p)
-            used = p.end - p.base
+            used = p.used
             alive = p.alive[:used]
             return PartitionStats(
                 name=p.name,
@@ -863,7 +881,7 @@ def _finished(p: _Partition, ts: _TaskState) -> bool:
     """End of stream for a task: closed, nothing in flight, every live row consumed by it."""
     if not p.closed or p.pending:
         return False
-    used = p.end - p.base
+    used = p.used
     return not (p.alive[:used] & ~ts.consumed[:used]).any()
 
 

@@ -49,7 +49,7 @@ def test_rows_are_sharded_over_units() -> None:
     run(go())
 
 
-def test_window_compacts_when_rows_are_reclaimed() -> None:
+def test_slots_compact_when_rows_are_reclaimed() -> None:
     """A long stream keeps the metadata arrays bounded by the live rows, not the total."""
 
     async def go() -> None:
@@ -294,7 +294,7 @@ def test_tags_merge_on_later_puts() -> None:
 
 
 def test_pending_put_survives_window_compaction() -> None:
-    """A put that is between begin and commit while another put compacts the window still
+    """A put that is between begin and commit while another put compacts the slots still
     marks its own rows ready (regression: pending puts used to hold stale slots)."""
     from asyncflow_core.controller import Controller
     from asyncflow_core.protocols import FieldSchema
@@ -312,9 +312,9 @@ def test_pending_put_survives_window_compaction() -> None:
     meta = ctrl.try_get_meta("p", "t", ["x"], 64, SequentialSampler(), lease_s=60)
     assert meta is not None and len(meta) == 64
     ctrl.ack(meta)  # rows 0..63 reclaimed
-    other = ctrl.begin_put("p", plain, {"x": [8] * 100}, 100)  # compacts: base moves to 64
+    other = ctrl.begin_put("p", plain, {"x": [8] * 100}, 100)  # compacts the 64 dead slots
     assert other is not None
-    assert ctrl._parts["p"].base == 64
+    assert int(ctrl._parts["p"].row_id[0]) == 64
     ctrl.commit_put(pending)
     ctrl.commit_put(other)
     meta = ctrl.try_get_meta("p", "t", ["x"], 101, SequentialSampler(), lease_s=60)
@@ -510,3 +510,24 @@ def test_group_completion_does_not_depend_on_other_tasks_progress() -> None:
 
     run(go(False))
     run(go(True))
+
+
+def test_a_lingering_row_does_not_pin_the_metadata() -> None:
+    """A row that is never consumed (here: held back as stale) must not make the metadata, and
+    every get_meta scan, grow with the rows ever created."""
+
+    async def go() -> None:
+        store = InProcessDataStore(1)
+        await store.create_partition("p", ["x"], tasks=["t"])
+        await store.put("p", {"x": [0]}, tags=[Tags(versions=(0,))])  # row 0: stale forever
+        stale = StalenessSampler(max_lag=1, policy="hold")
+        for step in range(100):
+            await store.put("p", {"x": list(range(50))}, tags=[Tags(versions=(100,))] * 50)
+            meta = await store.get_meta("p", "t", ["x"], 50, sampler=stale, current_version=100)
+            assert 0 not in meta.rows and len(meta) == 50, step
+            await store.ack(meta)
+        stats = await store.stats("p")
+        assert stats.rows_live == 1 and stats.held["t"] == 1 and stats.rows_created == 5001
+        assert store.controller._parts["p"].cap <= 256
+
+    run(go())
