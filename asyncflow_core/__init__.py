@@ -17,10 +17,12 @@ from asyncflow_core.errors import (
     MissingExtraError,
     PartitionClosedError,
     PartitionExistsError,
+    PipelineError,
     SamplerError,
     SchemaError,
     StorageUnitError,
     StoreTimeoutError,
+    TaskFailedError,
     UnknownFieldError,
     UnknownPartitionError,
     UnknownRowError,
@@ -66,6 +68,7 @@ from asyncflow_core.scheduling import (
     karmarkar_karp,
 )
 from asyncflow_core.store import InProcessDataStore, StorageUnit
+from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
 __version__ = "0.1.0"
 
@@ -98,6 +101,9 @@ __all__ = [
     "PartitionClosedError",
     "PartitionExistsError",
     "PartitionStats",
+    "Pipeline",
+    "PipelineError",
+    "PipelineResult",
     "RankAwareSampler",
     "RequestRouter",
     "SampleRequest",
@@ -107,6 +113,7 @@ __all__ = [
     "SchemaError",
     "Selection",
     "SequentialSampler",
+    "Source",
     "StalenessSampler",
     "StorageUnit",
     "StorageUnitError",
@@ -116,6 +123,9 @@ __all__ = [
     "SupportsRankReplay",
     "SupportsSleep",
     "Tags",
+    "Task",
+    "TaskFailedError",
+    "TaskOutput",
     "TokenBalancedSampler",
     "TrainEngine",
     "TrainMetrics",

@@ -101,3 +101,16 @@ class ConfigError(AsyncFlowError, ValueError):
 
 class MissingExtraError(AsyncFlowError, ImportError):
     """An optional engine library is not installed; the message names the extra."""
+
+
+# --- workflow -------------------------------------------------------------------------------
+class PipelineError(AsyncFlowError):
+    """A pipeline that cannot run as declared (checked before it starts), or that stopped."""
+
+
+class TaskFailedError(PipelineError):
+    """A task raised, which stopped the pipeline; ``task`` names it, ``__cause__`` is the error."""
+
+    def __init__(self, task: str, message: str) -> None:
+        super().__init__(message)
+        self.task = task

@@ -1,0 +1,247 @@
+"""The pipeline composition API: validation before running, a real run over the store, and
+clean shutdown (a raising task names itself; cancel and Ctrl-C stop within 2 s, no thread
+left behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from asyncflow_core.errors import PipelineError, TaskFailedError
+from asyncflow_core.protocols import Batch, Tags
+from asyncflow_core.scheduling import GroupSampler
+from asyncflow_core.store import InProcessDataStore
+from asyncflow_core.workflow import Pipeline, Source, Task, TaskOutput
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def numbers(n: int, per_put: int = 4) -> Source:
+    def batches() -> Iterator[Mapping[str, Any]]:
+        for start in range(0, n, per_put):
+            yield {"x": [torch.tensor(float(i)) for i in range(start, min(n, start + per_put))]}
+
+    return Source("numbers", ("x",), batches)
+
+
+def square(batch: Batch) -> dict[str, Any]:
+    return {"sq": list(batch["x"] ** 2)}
+
+
+def noop(batch: Batch) -> None:
+    return None
+
+
+# --- validation ----------------------------------------------------------------------------
+def test_missing_producer_is_named_with_a_suggestion() -> None:
+    pipe = Pipeline(numbers(4), [Task("sum", noop, consumes=("sqr",))])
+    with pytest.raises(PipelineError, match=r"'sum' consumes 'sqr', which no task produces"):
+        pipe.validate()
+    pipe = Pipeline(numbers(4), [Task("a", square, ("x",), ("sq",)), Task("b", noop, ("sqr",))])
+    with pytest.raises(PipelineError, match=r"did you mean 'sq'\?"):
+        pipe.validate()
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    pipe = Pipeline(
+        numbers(4),
+        [
+            Task("a", square, ("x",), ("sq",), batch_size=0),
+            Task("a", square, ("x",), ("sq",), workers=-1),
+            Task("c", noop, ()),
+        ],
+    )
+    with pytest.raises(PipelineError) as e:
+        pipe.validate()
+    msg = str(e.value)
+    assert "'a' is used by 2 tasks" in msg
+    assert "batch_size must be an int >= 1, got 0" in msg
+    assert "workers must be an int >= 1, got -1" in msg
+    assert "field 'sq' is produced by both 'a' and 'a'" in msg
+    assert "task 'c' consumes no field" in msg
+
+
+def test_cycles_and_self_loops_are_rejected() -> None:
+    cycle = Pipeline(
+        numbers(4),
+        [Task("a", noop, ("x", "b_out"), ("a_out",)), Task("b", noop, ("a_out",), ("b_out",))],
+    )
+    with pytest.raises(PipelineError, match=r"cycle: a -> b -> a"):
+        cycle.validate()
+    selfish = Pipeline(numbers(4), [Task("a", noop, ("x", "y"), ("y",))])
+    with pytest.raises(PipelineError, match=r"'a' consumes 'y', which it produces itself"):
+        selfish.validate()
+
+
+# --- running -------------------------------------------------------------------------------
+def test_pipeline_runs_every_row_through_every_task_once() -> None:
+    seen: dict[str, list[float]] = {"square": [], "total": []}
+    lock = threading.Lock()
+
+    def record(task: str, values: list[float]) -> None:
+        with lock:
+            seen[task] += values
+
+    def square_rec(batch: Batch) -> TaskOutput:
+        record("square", batch["x"].tolist())
+        return TaskOutput({"sq": list(batch["x"] ** 2)}, tags=[Tags(tokens=1)] * len(batch))
+
+    def total(batch: Batch) -> dict[str, Any]:
+        record("total", (batch["x"] + batch["sq"]).tolist())
+        return {"total": list(batch["x"] + batch["sq"])}
+
+    pipe = Pipeline(
+        numbers(50, per_put=3),
+        [
+            Task("square", square_rec, ("x",), ("sq",), batch_size=4, workers=2),
+            Task("total", total, ("x", "sq"), ("total",), batch_size=5),
+        ],
+    )
+    store = InProcessDataStore(2)
+    result = pipe.run_sync(store)
+    assert result.rows == {"numbers": 50, "square": 50, "total": 50}
+    assert sorted(seen["square"]) == [float(i) for i in range(50)]
+    assert sorted(seen["total"]) == sorted(float(i + i * i) for i in range(50))
+    stats = asyncio.run(store.stats("pipeline"))
+    assert stats.rows_live == 0 and stats.reclaimed == 50  # every task consumed every row
+
+
+def test_sampler_factory_gives_each_worker_its_own_sampler() -> None:
+    made: list[GroupSampler] = []
+
+    def factory() -> GroupSampler:
+        made.append(GroupSampler(2))
+        return made[-1]
+
+    def pairs() -> Iterator[TaskOutput]:
+        for g in range(6):
+            yield TaskOutput({"x": [torch.tensor(1.0)] * 2}, tags=[Tags(group=g)] * 2)
+
+    groups: list[tuple[Any, ...]] = []
+
+    def whole(batch: Batch) -> None:
+        groups.append(tuple(t.group for t in batch.tags))
+
+    Pipeline(
+        Source("pairs", ("x",), pairs),
+        [Task("grpo", whole, ("x",), batch_size=2, workers=3, sampler=factory)],
+    ).run_sync()
+    assert len(made) == 3
+    assert sorted(groups) == [(g, g) for g in range(6)]
+
+
+# --- shutdown ------------------------------------------------------------------------------
+def _asyncflow_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("asyncflow-task")]
+
+
+def test_a_raising_task_stops_the_pipeline_with_its_name() -> None:
+    def boom(batch: Batch) -> None:
+        raise ValueError("bad reward model")
+
+    def forever() -> Iterator[dict[str, Any]]:
+        for i in itertools.count():
+            yield {"x": [torch.tensor(float(i))]}
+
+    pipe = Pipeline(
+        Source("forever", ("x",), forever),
+        [Task("ok", square, ("x",), ("sq",)), Task("reward", boom, ("sq",))],
+    )
+    t0 = time.monotonic()
+    with pytest.raises(TaskFailedError, match=r"task 'reward' raised ValueError: bad reward") as e:
+        pipe.run_sync()
+    assert time.monotonic() - t0 < 5
+    assert e.value.task == "reward" and isinstance(e.value.__cause__, ValueError)
+    assert _asyncflow_threads() == []
+
+
+def test_an_output_that_breaks_the_declaration_is_named() -> None:
+    def wrong(batch: Batch) -> dict[str, Any]:
+        return {"sq": [1.0] * len(batch), "extra": [0] * len(batch)}
+
+    def short(batch: Batch) -> dict[str, Any]:
+        return {"sq": [1.0]}
+
+    for fn, text in ((wrong, r"returned fields \['extra', 'sq'\]"), (short, "1 values")):
+        pipe = Pipeline(numbers(8), [Task("sq", fn, ("x",), ("sq",), batch_size=4)])
+        with pytest.raises(TaskFailedError, match=text):
+            pipe.run_sync()
+
+
+def test_cancel_stops_within_two_seconds_and_leaves_no_thread() -> None:
+    def slow(batch: Batch) -> dict[str, Any]:
+        time.sleep(0.05)
+        return {"sq": list(batch["x"])}
+
+    def forever() -> Iterator[dict[str, Any]]:
+        for i in itertools.count():
+            yield {"x": [torch.tensor(float(i))] * 4}
+
+    pipe = Pipeline(
+        Source("forever", ("x",), forever),
+        [Task("slow", slow, ("x",), ("sq",), batch_size=4, workers=3), Task("eat", noop, ("sq",))],
+        capacity=None,
+    )
+
+    async def go() -> float:
+        job = asyncio.create_task(pipe.run())
+        await asyncio.sleep(0.5)
+        assert _asyncflow_threads(), "the pipeline should be running in worker threads"
+        t0 = time.monotonic()
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        return time.monotonic() - t0
+
+    assert asyncio.run(go()) < 2.0
+    assert _asyncflow_threads() == []
+
+
+def test_ctrl_c_stops_a_running_pipeline_within_two_seconds() -> None:
+    script = textwrap.dedent(
+        """
+        import itertools, sys, time, torch
+        from asyncflow_core.workflow import Pipeline, Source, Task
+
+        def forever():
+            for i in itertools.count():
+                if i == 20:
+                    print("running", flush=True)
+                yield {"x": [torch.tensor(float(i))]}
+
+        def slow(batch):
+            time.sleep(0.05)
+            return {"y": list(batch["x"])}
+
+        try:
+            Pipeline(Source("s", ("x",), forever), [Task("slow", slow, ("x",), ("y",))]).run_sync()
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(3)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "running"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 2.0
+    assert rc == 3 and "interrupted" in proc.stdout.read()
