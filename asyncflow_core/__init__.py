@@ -68,6 +68,14 @@ from asyncflow_core.scheduling import (
     karmarkar_karp,
 )
 from asyncflow_core.store import InProcessDataStore, StorageUnit
+from asyncflow_core.weightsync import (
+    DiskWeightSync,
+    DistributedWeightReceiver,
+    DistributedWeightSync,
+    InProcessWeightSync,
+    bucketize,
+    read_weights,
+)
 from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
 __version__ = "0.1.0"
@@ -88,12 +96,16 @@ __all__ = [
     "Controller",
     "DataStore",
     "DataStoreError",
+    "DiskWeightSync",
+    "DistributedWeightReceiver",
+    "DistributedWeightSync",
     "EngineError",
     "FieldSchema",
     "GenerationRequest",
     "GenerationResult",
     "GroupSampler",
     "InProcessDataStore",
+    "InProcessWeightSync",
     "InferenceEngine",
     "LeaseError",
     "LeaseExpiredError",
@@ -138,5 +150,7 @@ __all__ = [
     "WeightSync",
     "WeightSyncError",
     "__version__",
+    "bucketize",
     "karmarkar_karp",
+    "read_weights",
 ]
