@@ -69,10 +69,14 @@ from asyncflow_core.scheduling import (
 )
 from asyncflow_core.store import InProcessDataStore, StorageUnit
 from asyncflow_core.weightsync import (
+    BlockingUpdate,
     DiskWeightSync,
     DistributedWeightReceiver,
     DistributedWeightSync,
+    HostBuffer,
     InProcessWeightSync,
+    StagedUpdate,
+    SyncTiming,
     bucketize,
     read_weights,
 )
@@ -88,6 +92,7 @@ __all__ = [
     "BadRequestError",
     "Batch",
     "BatchMeta",
+    "BlockingUpdate",
     "Candidates",
     "Capacity",
     "CapacityError",
@@ -104,6 +109,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "GroupSampler",
+    "HostBuffer",
     "InProcessDataStore",
     "InProcessWeightSync",
     "InferenceEngine",
@@ -126,6 +132,7 @@ __all__ = [
     "Selection",
     "SequentialSampler",
     "Source",
+    "StagedUpdate",
     "StalenessSampler",
     "StorageUnit",
     "StorageUnitError",
@@ -134,6 +141,7 @@ __all__ = [
     "SupportsPause",
     "SupportsRankReplay",
     "SupportsSleep",
+    "SyncTiming",
     "Tags",
     "Task",
     "TaskFailedError",

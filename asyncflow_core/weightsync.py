@@ -3,9 +3,10 @@ phases of the WeightSync protocol (init -> start -> update(bucket) x N -> finish
 in process, as a bucketed torch.distributed broadcast, or as safetensors files on disk.
 
 Every transport stages a sync's buckets and applies them to its targets only at
-``finish(version)``, so a target never holds a mix of two versions. *When* a target swaps
-(pause first, between decode steps, at the next safe point) is the strategy's business, not
-the transport's.
+``finish(version)``, so a target never holds a mix of two versions. *When* an engine swaps is
+the strategy's business: ``BlockingUpdate`` pauses the engines for the whole transfer,
+``StagedUpdate`` (the paper's delayed update) transfers into a host buffer while they keep
+generating and exposes only the swap at the next safe point.
 """
 
 from __future__ import annotations
@@ -13,15 +14,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from asyncflow_core.errors import WeightSyncError
-from asyncflow_core.protocols import SupportsLoadWeights, Version, WeightBucket
+from asyncflow_core.protocols import (
+    SupportsLoadWeights,
+    SupportsPause,
+    Version,
+    WeightBucket,
+    WeightSync,
+)
 
 Weights = list[tuple[str, torch.Tensor]]
 
@@ -417,3 +426,149 @@ def bucketize(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> l
     if tensors:
         buckets.append(WeightBucket(tuple(names), tuple(tensors)))
     return buckets
+
+
+# --------------------------------------------------------------------------------------------
+# Strategies: when the inference side swaps
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SyncTiming:
+    """Where a sync's time went: ``transfer_s`` moving buckets, ``swap_s`` loading them into
+    the engines, ``exposed_s`` the part during which the engines could not generate."""
+
+    version: Version
+    transfer_s: float
+    swap_s: float
+    exposed_s: float
+
+    @property
+    def hidden_s(self) -> float:
+        return self.transfer_s + self.swap_s - self.exposed_s
+
+
+class HostBuffer:
+    """A host-side staging target: keeps the latest complete set of weights a transport
+    delivered until ``take()`` hands it over (an older, untaken set is replaced)."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[Weights, Version] | None = None
+
+    async def load_weights(
+        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
+    ) -> None:
+        self._pending = (list(weights), version)
+
+    @property
+    def pending_version(self) -> Version | None:
+        return None if self._pending is None else self._pending[1]
+
+    def take(self) -> tuple[Weights, Version] | None:
+        pending, self._pending = self._pending, None
+        return pending
+
+
+Buckets = Iterable[WeightBucket] | AsyncIterable[WeightBucket]
+
+
+async def _send(transport: WeightSync, buckets: Buckets, version: Version) -> None:
+    await transport.start()
+    if isinstance(buckets, AsyncIterable):
+        async for bucket in buckets:
+            await transport.update(bucket)
+    else:
+        for bucket in buckets:
+            await transport.update(bucket)
+    await transport.finish(version)
+
+
+class BlockingUpdate:
+    """Pause every engine (``SupportsPause``, mode ``pause_mode``), move the weights straight
+    into them, resume: the whole sync is exposed. The baseline the staged update beats."""
+
+    def __init__(
+        self,
+        engines: Sequence[SupportsLoadWeights],
+        make_transport: Callable[[Sequence[SupportsLoadWeights]], WeightSync] = InProcessWeightSync,
+        pause_mode: Literal["abort", "keep"] = "keep",
+    ) -> None:
+        self.engines = list(engines)
+        self.transport = make_transport(self.engines)
+        self.pause_mode = pause_mode
+        self._ready = False
+
+    async def sync(self, buckets: Buckets, version: Version) -> SyncTiming:
+        if not self._ready:
+            await self.transport.init()
+            self._ready = True
+        t0 = time.perf_counter()
+        await _pause(self.engines, self.pause_mode)
+        try:
+            await _send(self.transport, buckets, version)
+        finally:
+            await _resume(self.engines)
+        total = time.perf_counter() - t0
+        return SyncTiming(version, transfer_s=total, swap_s=0.0, exposed_s=total)
+
+
+class StagedUpdate:
+    """AsyncFlow's delayed parameter update. ``sync`` moves the buckets into a ``HostBuffer``
+    while the engines keep generating with the old weights (hidden); ``apply`` — called by the
+    rollout loop at its next safe point, e.g. between batches — pauses the engines just long
+    enough to load the staged weights (exposed), then resumes them. ``apply`` with nothing
+    staged returns None at once."""
+
+    def __init__(
+        self,
+        engines: Sequence[SupportsLoadWeights],
+        make_transport: Callable[[Sequence[SupportsLoadWeights]], WeightSync] = InProcessWeightSync,
+        pause_mode: Literal["abort", "keep"] = "keep",
+    ) -> None:
+        self.engines = list(engines)
+        self.buffer = HostBuffer()
+        self.transport = make_transport([self.buffer])
+        self.pause_mode = pause_mode
+        self._ready = False
+        self._transfer_s: dict[Version, float] = {}
+
+    @property
+    def pending_version(self) -> Version | None:
+        return self.buffer.pending_version
+
+    async def sync(self, buckets: Buckets, version: Version) -> float:
+        """Stage ``version``; returns the transfer seconds (hidden from generation)."""
+        if not self._ready:
+            await self.transport.init()
+            self._ready = True
+        t0 = time.perf_counter()
+        await _send(self.transport, buckets, version)
+        self._transfer_s[version] = time.perf_counter() - t0
+        return self._transfer_s[version]
+
+    async def apply(self) -> SyncTiming | None:
+        staged = self.buffer.take()
+        if staged is None:
+            return None
+        weights, version = staged
+        t0 = time.perf_counter()
+        await _pause(self.engines, self.pause_mode)
+        try:
+            for engine in self.engines:
+                await engine.load_weights(weights, version)
+        finally:
+            await _resume(self.engines)
+        swap = time.perf_counter() - t0
+        transfer = self._transfer_s.pop(version, 0.0)
+        self._transfer_s = {v: s for v, s in self._transfer_s.items() if v > version}
+        return SyncTiming(version, transfer_s=transfer, swap_s=swap, exposed_s=swap)
+
+
+async def _pause(engines: Sequence[object], mode: Literal["abort", "keep"]) -> None:
+    for engine in engines:
+        if isinstance(engine, SupportsPause):
+            await engine.pause(mode)
+
+
+async def _resume(engines: Sequence[object]) -> None:
+    for engine in engines:
+        if isinstance(engine, SupportsPause):
+            await engine.resume()

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,9 +18,12 @@ import torch
 from asyncflow_core.errors import WeightSyncError
 from asyncflow_core.protocols import SupportsLoadWeights, WeightBucket, WeightSync
 from asyncflow_core.weightsync import (
+    BlockingUpdate,
     DiskWeightSync,
     DistributedWeightSync,
     InProcessWeightSync,
+    StagedUpdate,
+    SyncTiming,
     bucketize,
     read_weights,
 )
@@ -256,3 +259,97 @@ def test_transports_satisfy_the_protocol(tmp_path: Path) -> None:
     assert isinstance(DistributedWeightSync(), WeightSync)
     assert isinstance(Recorder(), SupportsLoadWeights)
     assert isinstance(bucketize(model_weights(), 10)[0], WeightBucket)
+
+
+# --- strategies ----------------------------------------------------------------------------
+class PausableEngine:
+    """A stand-in for an inference engine's control surface (the reference engine implements
+    the same abilities): it 'generates' a token per tick unless paused, and records loads."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.pauses = 0
+        self.tokens = 0
+        self.version = 0
+        self.loads: list[int] = []
+
+    async def pause(self, mode: str = "abort") -> None:
+        self.paused = True
+        self.pauses += 1
+
+    async def resume(self) -> None:
+        self.paused = False
+
+    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        assert self.paused, "weights must only be swapped while paused"
+        self.version = version
+        self.loads.append(version)
+
+    async def generate_forever(self) -> None:
+        while True:
+            if not self.paused:
+                self.tokens += 1
+            await asyncio.sleep(0.001)
+
+
+async def slow_buckets(delay: float = 0.02) -> AsyncIterator[WeightBucket]:
+    for bucket in bucketize(model_weights(), 1024):
+        await asyncio.sleep(delay)  # a slow link
+        yield bucket
+
+
+def test_staged_update_hides_the_transfer_and_exposes_only_the_swap() -> None:
+    engine = PausableEngine()
+    staged = StagedUpdate([engine])
+
+    async def go() -> SyncTiming | None:
+        gen = asyncio.create_task(engine.generate_forever())
+        before = engine.tokens
+        transfer = await staged.sync(slow_buckets(), version=1)
+        assert engine.pauses == 0 and engine.version == 0  # generation went on, old weights
+        assert engine.tokens - before > 20  # ~transfer_s / 1 ms ticks of generation
+        assert staged.pending_version == 1
+        timing = await staged.apply()
+        assert await staged.apply() is None  # nothing staged any more
+        gen.cancel()
+        assert transfer > 0.05
+        return timing
+
+    timing = asyncio.run(go())
+    assert timing is not None and timing.version == 1
+    assert engine.loads == [1] and engine.pauses == 1 and not engine.paused
+    assert timing.exposed_s == timing.swap_s < timing.transfer_s
+    assert timing.hidden_s == pytest.approx(timing.transfer_s)
+
+
+def test_blocking_update_pauses_generation_for_the_whole_transfer() -> None:
+    engine = PausableEngine()
+    blocking = BlockingUpdate([engine])
+
+    async def go() -> SyncTiming:
+        gen = asyncio.create_task(engine.generate_forever())
+        await asyncio.sleep(0.01)
+        before = engine.tokens
+        timing = await blocking.sync(slow_buckets(), version=1)
+        during = engine.tokens - before
+        gen.cancel()
+        assert during <= 1  # at most the tick already in flight when the pause came
+        return timing
+
+    timing = asyncio.run(go())
+    assert engine.loads == [1] and engine.pauses == 1 and not engine.paused
+    assert timing.exposed_s == timing.transfer_s > 0.05 and timing.hidden_s == 0.0
+
+
+def test_staged_update_keeps_only_the_newest_untaken_version() -> None:
+    engine = PausableEngine()
+    staged = StagedUpdate([engine])
+
+    async def go() -> None:
+        await staged.sync(bucketize(model_weights(), 1 << 20), version=1)
+        await staged.sync(bucketize(model_weights(), 1 << 20), version=2)
+        timing = await staged.apply()
+        assert timing is not None and timing.version == 2
+
+    asyncio.run(go())
+    assert engine.loads == [2]
