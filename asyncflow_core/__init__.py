@@ -67,6 +67,7 @@ from asyncflow_core.scheduling import (
     TokenBalancedSampler,
     karmarkar_karp,
 )
+from asyncflow_core.staleness import AdmissionController, AdmissionStats
 from asyncflow_core.store import InProcessDataStore, StorageUnit
 from asyncflow_core.weightsync import (
     BlockingUpdate,
@@ -88,6 +89,8 @@ __all__ = [
     "DEFAULT_GET_TIMEOUT_S",
     "DEFAULT_LEASE_S",
     "NO_VERSION",
+    "AdmissionController",
+    "AdmissionStats",
     "AsyncFlowError",
     "BadRequestError",
     "Batch",
