@@ -69,6 +69,7 @@ from asyncflow_core.scheduling import (
 )
 from asyncflow_core.staleness import AdmissionController, AdmissionStats
 from asyncflow_core.store import InProcessDataStore, StorageUnit
+from asyncflow_core.trace import Span, Tracer
 from asyncflow_core.weightsync import (
     BlockingUpdate,
     DiskWeightSync,
@@ -135,6 +136,7 @@ __all__ = [
     "Selection",
     "SequentialSampler",
     "Source",
+    "Span",
     "StagedUpdate",
     "StalenessSampler",
     "StorageUnit",
@@ -150,6 +152,7 @@ __all__ = [
     "TaskFailedError",
     "TaskOutput",
     "TokenBalancedSampler",
+    "Tracer",
     "TrainEngine",
     "TrainMetrics",
     "UnknownFieldError",

@@ -1,9 +1,12 @@
-"""The ``asyncflow`` command line: ``run`` (the main job), ``selfcheck`` (a streaming store run)."""
+"""The ``asyncflow`` command line: ``run`` (the main job), ``selfcheck`` (a streaming store run),
+``trace summarize FILE`` (the summary of a Chrome-trace file written by ``asyncflow_core.trace``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -11,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from asyncflow_core import __version__
+from asyncflow_core.errors import MissingExtraError
 from asyncflow_core.protocols import Capacity, Tags
 from asyncflow_core.scheduling import GroupSampler, TokenBalancedSampler
 from asyncflow_core.store import InProcessDataStore
@@ -85,10 +89,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--group", type=int, default=8)
         p.add_argument("--batch", type=int, default=64)
         p.add_argument("--seed", type=int, default=0)
+    trace = sub.add_parser("trace", help="read traces written by asyncflow_core.trace")
+    trace_sub = trace.add_subparsers(dest="trace_command", metavar="COMMAND", required=True)
+    summarize = trace_sub.add_parser(
+        "summarize", help="print the summary of a Chrome-trace JSON file (.json or .json.gz)"
+    )
+    summarize.add_argument("file", help="a trace written by Tracer.write_chrome_trace")
+    summarize.add_argument("--json", action="store_true", help="print the summary as JSON")
+    summarize.add_argument(
+        "--throughput-task", default=None, help="the task whose rows count as samples"
+    )
+    summarize.add_argument(
+        "--png", default=None, metavar="PATH", help="also draw a timeline (needs matplotlib)"
+    )
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "trace":
+        return _trace_summarize(args.file, args.json, args.throughput_task, args.png)
     if args.command == "run":
         print(
             "asyncflow run: the RL main job (async GRPO on the reference engines) is not built "
@@ -101,6 +120,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"task saw every row once, {result['reclaimed']:.0f} reclaimed, "
         f"{result['rows_per_s']:,.0f} rows/s ({result['wall_s']:.2f} s)"
     )
+    return 0
+
+
+def _trace_summarize(path: str, as_json: bool, throughput_task: str | None, png: str | None) -> int:
+    """``asyncflow trace summarize``: exit 2 with a message naming the file if it is unusable."""
+    from asyncflow_core.trace import TraceFormatError, format_summary, load
+
+    try:
+        tracer = load(path)
+    except OSError as e:
+        print(
+            f"asyncflow trace summarize: cannot read {path!r}: {e.strerror or e}", file=sys.stderr
+        )
+        return 2
+    except TraceFormatError as e:
+        print(f"asyncflow trace summarize: {e}", file=sys.stderr)
+        return 2
+    summary = tracer.summary(throughput_task=throughput_task)
+    print(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+    if png is not None:
+        try:
+            tracer.plot_timeline(png)
+        except MissingExtraError as e:
+            print(f"asyncflow trace summarize: {e}", file=sys.stderr)
+            return 2
+        print(f"timeline written to {png}", file=sys.stderr)
     return 0
 
 

@@ -6,6 +6,11 @@ calls' duration and leaves no thread behind).
 A ``Source`` creates rows; each ``Task`` pulls batches whose ``consumes`` fields are ready,
 runs its callable on them and writes its ``produces`` fields back into the same rows. The
 pipeline ends when the source is exhausted and every task has consumed every row.
+
+With a ``tracer`` (``asyncflow_core.trace.Tracer``) the runner records, per worker and
+iteration: a "wait" span around ``get_meta`` + ``get_data`` (rows leased), a "task" span around
+the callable (rows, tokens, weight versions), and for the source a "task" span per batch it
+generates and a "put" span per put of new rows (which may wait for capacity).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from asyncflow_core.errors import AsyncFlowError, PipelineError, TaskFailedError
 from asyncflow_core.protocols import (
     Batch,
+    BatchMeta,
     Capacity,
     CellValue,
     DataStore,
@@ -29,6 +35,7 @@ from asyncflow_core.protocols import (
     Scheduler,
     Tags,
 )
+from asyncflow_core.trace import Tracer
 
 FieldValues = Sequence[CellValue] | torch.Tensor
 
@@ -80,20 +87,26 @@ class Source:
 
 @dataclass(frozen=True, slots=True)
 class PipelineResult:
-    """Rows each task processed (and the source created), and the wall time."""
+    """Rows each task processed (and the source created), the wall time, and the pipeline's
+    tracer (None when it ran untraced)."""
 
     rows: Mapping[str, int]
     wall_s: float
+    tracer: Tracer | None = None
 
 
 @dataclass
 class Pipeline:
-    """A source and tasks over one partition of a store. ``validate()`` runs before ``run``."""
+    """A source and tasks over one partition of a store. ``validate()`` runs before ``run``.
+
+    ``tracer``: record spans of every iteration (see the module docstring); if its
+    ``throughput_task`` is unset, the last task is taken as the sample consumer."""
 
     source: Source
     tasks: Sequence[Task]
     partition: str = "pipeline"
     capacity: Capacity | None = None
+    tracer: Tracer | None = None
     _fields: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     # -- validation ----------------------------------------------------------------------------
@@ -172,6 +185,10 @@ class Pipeline:
         counts: dict[str, int] = {self.source.name: 0, **{t.name: 0 for t in self.tasks}}
         threads = sum(t.workers for t in self.tasks) + 1
         executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="asyncflow-task")
+        if self.tracer is not None:
+            self.tracer.set_default_throughput_task(
+                self.tasks[-1].name if self.tasks else self.source.name
+            )
         loop = asyncio.get_running_loop()
         jobs: dict[asyncio.Task[None], str] = {}
         t0 = time.perf_counter()
@@ -179,7 +196,7 @@ class Pipeline:
             jobs[asyncio.create_task(self._feed(store, executor, counts))] = self.source.name
             for task in self.tasks:
                 for w in range(task.workers):
-                    job = asyncio.create_task(self._work(store, task, executor, counts))
+                    job = asyncio.create_task(self._work(store, task, w, executor, counts))
                     job.set_name(f"{task.name}[{w}]")
                     jobs[job] = task.name
             pending: set[asyncio.Task[None]] = set(jobs)
@@ -202,7 +219,7 @@ class Pipeline:
             await loop.run_in_executor(
                 None, lambda: executor.shutdown(wait=True, cancel_futures=True)
             )
-        return PipelineResult(counts, time.perf_counter() - t0)
+        return PipelineResult(counts, time.perf_counter() - t0, self.tracer)
 
     def run_sync(self, store: DataStore | None = None) -> PipelineResult:
         return asyncio.run(self.run(store))
@@ -213,33 +230,68 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         batches: Iterator[TaskOutput | Mapping[str, FieldValues]] = iter(self.source.batches())
         done = object()
+        tracer, name = self.tracer, self.source.name
         while True:
+            t_start = tracer.now() if tracer is not None else 0.0
             item = await loop.run_in_executor(executor, next, batches, done)
             if item is done:
                 break
-            out = _normalize(self.source.name, self.source.produces, item, None)
+            out = _normalize(name, self.source.produces, item, None)
+            t_put = tracer.now() if tracer is not None else 0.0
             rows = await store.put(self.partition, out.data, tags=out.tags, timeout=None)
-            counts[self.source.name] += len(rows)
+            counts[name] += len(rows)
+            if tracer is not None:
+                tokens, versions = _tag_stats(out.tags or ())
+                tracer.record(
+                    "task", name, t_start, t_put, rows=len(rows), tokens=tokens,
+                    versions=versions,
+                )  # fmt: skip
+                tracer.record("put", name, t_put, tracer.now(), rows=len(rows))
         await store.close(self.partition)
 
     async def _work(
-        self, store: DataStore, task: Task, executor: ThreadPoolExecutor, counts: dict[str, int]
+        self,
+        store: DataStore,
+        task: Task,
+        worker: int,
+        executor: ThreadPoolExecutor,
+        counts: dict[str, int],
     ) -> None:
         loop = asyncio.get_running_loop()
+        tracer = self.tracer
         sampler = (
             task.sampler()
             if callable(task.sampler) and not hasattr(task.sampler, "select")
             else task.sampler
         )
         while True:
+            t_wait = tracer.now() if tracer is not None else 0.0
             meta = await store.get_meta(
                 self.partition, task.name, list(task.consumes), task.batch_size,
                 sampler=sampler, timeout=None,
             )  # fmt: skip
             if meta.end_of_stream:
+                if tracer is not None:
+                    tracer.record(
+                        "wait", task.name, t_wait, tracer.now(), worker=worker,
+                        end_of_stream=True,
+                    )  # fmt: skip
                 return
             batch = await store.get_data(meta, layout=task.layout)
-            result = await loop.run_in_executor(executor, task.fn, batch)
+            if tracer is None:
+                result = await loop.run_in_executor(executor, task.fn, batch)
+            else:
+                t_run = tracer.now()
+                tracer.record("wait", task.name, t_wait, t_run, worker=worker, rows=len(meta))
+                try:
+                    result = await loop.run_in_executor(executor, task.fn, batch)
+                except BaseException as e:
+                    tracer.record(
+                        "task", task.name, t_run, tracer.now(), worker=worker, rows=len(meta),
+                        error=type(e).__name__,
+                    )  # fmt: skip
+                    raise
+                _record_task(tracer, task.name, worker, t_run, tracer.now(), meta, result)
             if task.produces:
                 out = _normalize(task.name, task.produces, result, len(meta))
                 await store.put(self.partition, out.data, rows=meta.rows, tags=out.tags)
@@ -250,6 +302,36 @@ class Pipeline:
                 )
             await store.ack(meta)
             counts[task.name] += len(meta)
+
+
+def _tag_stats(tags: Iterable[Tags]) -> tuple[int, tuple[int, int] | None]:
+    """Total tokens of the rows and the (min, max) weight version over them (None if none)."""
+    tokens, lo, hi = 0, None, None
+    for t in tags:
+        tokens += t.tokens
+        if t.versions:
+            lo = t.min_version if lo is None else min(lo, t.min_version)
+            hi = t.max_version if hi is None else max(hi, t.max_version)
+    return tokens, (lo, hi) if lo is not None and hi is not None else None
+
+
+def _record_task(
+    tracer: Tracer, name: str, worker: int, start: float, end: float, meta: BatchMeta,
+    result: object,
+) -> None:  # fmt: skip
+    """Record a task iteration's span; its tokens and versions are those of the rows' tags
+    after the task's own tags are merged in (so a rollout counts the tokens it generated)."""
+    tags: Sequence[Tags] = meta.tags
+    out_tags = result.tags if isinstance(result, TaskOutput) else None
+    if out_tags is not None and len(out_tags) == len(meta):
+        if len(meta.tags) == len(meta):
+            tags = [a.merged(b) for a, b in zip(meta.tags, out_tags, strict=True)]
+        else:
+            tags = out_tags
+    tokens, versions = _tag_stats(tags)
+    tracer.record(
+        "task", name, start, end, worker=worker, rows=len(meta), tokens=tokens, versions=versions
+    )
 
 
 def _is_callable(value: object) -> bool:
