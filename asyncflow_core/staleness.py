@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 
 from asyncflow_core.errors import BadRequestError, StoreTimeoutError
+from asyncflow_core.notify import Waiters
 from asyncflow_core.protocols import Version
 
 
@@ -66,7 +67,7 @@ class AdmissionController:
         self._accepted = 0
         self._running = 0
         self._cancelled = 0
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._waiters = Waiters()
 
     # -- the rule ------------------------------------------------------------------------------
     def _capacity(self) -> int:
@@ -103,25 +104,20 @@ class AdmissionController:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            fut: asyncio.Future[None] = loop.create_future()
-            with self._lock:
-                if self._capacity() >= n:
-                    self._running += n
-                    return self._version
-                self._waiters.append((loop, fut))
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                self._forget(loop, fut)
-                raise StoreTimeoutError(
-                    f"admission of {n} samples waited {timeout} s: the trainer is at version "
-                    f"{self._version}, η={self.staleness}, batch_size={self.batch_size}, "
-                    f"{self._accepted} accepted + {self._running} running; generation is "
-                    "ahead by the staleness bound until the trainer steps"
-                )
-            try:
-                await asyncio.wait([fut], timeout=remaining)
-            finally:
-                self._forget(loop, fut)
+            with self._waiters.arm() as waiter:
+                with self._lock:
+                    if self._capacity() >= n:
+                        self._running += n
+                        return self._version
+                remaining = None if deadline is None else deadline - loop.time()
+                if remaining is not None and remaining <= 0:
+                    raise StoreTimeoutError(
+                        f"admission of {n} samples waited {timeout} s: the trainer is at version "
+                        f"{self._version}, η={self.staleness}, batch_size={self.batch_size}, "
+                        f"{self._accepted} accepted + {self._running} running; generation is "
+                        "ahead by the staleness bound until the trainer steps"
+                    )
+                await waiter.wait(remaining)
 
     def finish(self, n: int = 1) -> None:
         """``n`` admitted samples finished generating (they now count as accepted)."""
@@ -182,18 +178,4 @@ class AdmissionController:
         self._running -= n
 
     def _wake(self) -> None:
-        with self._lock:
-            waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(_resolve, fut)
-
-    def _forget(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
-        with self._lock:
-            if (loop, fut) in self._waiters:
-                self._waiters.remove((loop, fut))
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+        self._waiters.wake_all()

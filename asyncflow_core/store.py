@@ -8,8 +8,6 @@ the Ray runtime put each of them in another process unchanged.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +24,7 @@ from asyncflow_core.errors import (
     StoreTimeoutError,
     UnknownRowError,
 )
+from asyncflow_core.notify import Waiters
 from asyncflow_core.protocols import (
     DEFAULT_GET_TIMEOUT_S,
     DEFAULT_LEASE_S,
@@ -254,34 +253,15 @@ class InProcessDataStore:
         self.units = list(units)
         self.controller = controller if controller is not None else Controller(clock)
         self.copy_on_put = copy_on_put
-        self._wlock = threading.Lock()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-        self.controller.add_listener(self._wake)
+        self._waiters = Waiters()
+        self.controller.add_listener(self._waiters.wake_all)
 
     # -- waiting -------------------------------------------------------------------------------
-    def _wake(self) -> None:
-        with self._wlock:
-            waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            # a closed loop raises RuntimeError: nobody is waiting there any more
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_resolve, fut)
-
     async def _wait_for_change(self, generation: int, until: float | None) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        entry = (loop, fut)
-        with self._wlock:
-            self._waiters.append(entry)
-        try:
+        with self._waiters.arm() as waiter:
             if self.controller.generation != generation:
                 return
-            timeout = None if until is None else max(0.0, until - time.monotonic())
-            await asyncio.wait([fut], timeout=timeout)
-        finally:
-            with self._wlock:
-                if entry in self._waiters:
-                    self._waiters.remove(entry)
+            await waiter.wait(None if until is None else max(0.0, until - time.monotonic()))
 
     def _lease_wake(self, partition: str, until: float | None) -> float | None:
         nd = self.controller.next_deadline(partition)
@@ -561,11 +541,6 @@ _Written = list[
 def _undo(key: str, written: _Written) -> None:
     for unit, part, replaced in written:
         unit.undo(key, part, replaced)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _check_timeout(timeout: float | None) -> None:
