@@ -17,10 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import difflib
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import inspect
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +44,7 @@ from asyncflow_core.protocols import (
     Layout,
     Scheduler,
     Tags,
+    Version,
 )
 from asyncflow_core.trace import Tracer
 
@@ -49,19 +60,28 @@ class TaskOutput:
     tags: Sequence[Tags] | None = None
 
 
-TaskFn = Callable[[Batch], TaskOutput | Mapping[str, FieldValues] | None]
-"""A task's callable: gets the batch of its consumed fields, returns its produced fields."""
+TaskResult = TaskOutput | Mapping[str, FieldValues] | None
+TaskFn = Callable[[Batch], TaskResult | Awaitable[TaskResult]]
+"""A task's callable: gets the batch of its consumed fields, returns its produced fields. A
+coroutine function is awaited on the event loop (engine calls are async); a plain function runs
+in a worker thread."""
+
+SourceItem = TaskOutput | Mapping[str, FieldValues]
 
 
 @dataclass(frozen=True, slots=True)
 class Task:
     """One stage of a pipeline.
 
-    ``fn(batch)`` runs in a worker thread (engine calls release the GIL inside their kernels)
-    and returns the ``produces`` fields for ``batch.rows`` (a ``TaskOutput`` or a plain
-    mapping; ``None`` when it produces nothing). ``workers`` coroutines pull batches of
-    ``batch_size`` rows concurrently. ``sampler`` (a Scheduler, or a zero-argument factory
-    giving each worker its own) chooses the rows; default sequential.
+    ``fn(batch)`` returns the ``produces`` fields for ``batch.rows`` (a ``TaskOutput`` or a
+    plain mapping; ``None`` when it produces nothing). A plain function runs in a worker thread
+    (engine kernels release the GIL); an ``async def`` runs on the event loop (engines with an
+    async API, simulated engines). ``workers`` coroutines pull batches of ``batch_size`` rows
+    concurrently. ``sampler`` (a Scheduler, or a zero-argument factory giving each worker its
+    own) chooses the rows; default sequential. ``current_version`` (called before every pull)
+    is passed to the sampler, e.g. the trainer's weight version for a ``StalenessSampler``.
+    ``resource`` names what the task occupies in the trace (default: its name); tasks that
+    share devices, e.g. rollout and training when colocated, share a resource.
     """
 
     name: str
@@ -72,27 +92,33 @@ class Task:
     workers: int = 1
     sampler: Scheduler | Callable[[], Scheduler] | None = None
     layout: Layout = "padded"
+    current_version: Callable[[], Version] | None = None
+    resource: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """Creates the rows: ``batches()`` yields one ``TaskOutput`` (or mapping) per put of new
-    rows, holding every field in ``produces``. When it is exhausted the partition is closed,
-    so the tasks drain the remaining rows and stop."""
+    """Creates the rows: ``batches()`` yields (or, as an async generator, async-yields) one
+    ``TaskOutput`` (or mapping) per put of new rows, holding every field in ``produces``. A
+    plain iterator is advanced in a worker thread. When it is exhausted the partition is
+    closed, so the tasks drain the remaining rows and stop."""
 
     name: str
     produces: tuple[str, ...]
-    batches: Callable[[], Iterable[TaskOutput | Mapping[str, FieldValues]]]
+    batches: Callable[[], Iterable[SourceItem] | AsyncIterable[SourceItem]]
+    resource: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PipelineResult:
-    """Rows each task processed (and the source created), the wall time, and the pipeline's
-    tracer (None when it ran untraced)."""
+    """Rows each task processed (and the source created), the wall time (event-loop seconds:
+    virtual on a virtual clock), the pipeline's tracer (None when it ran untraced), and whether
+    it ended early through ``Pipeline.stop()``."""
 
     rows: Mapping[str, int]
     wall_s: float
     tracer: Tracer | None = None
+    stopped: bool = False
 
 
 @dataclass
@@ -108,6 +134,17 @@ class Pipeline:
     capacity: Capacity | None = None
     tracer: Tracer | None = None
     _fields: tuple[str, ...] = field(default=(), init=False, repr=False)
+    _stop: asyncio.Event | None = field(default=None, init=False, repr=False)
+    _stop_requested: bool = field(default=False, init=False, repr=False)
+
+    def stop(self) -> None:
+        """Ask the running pipeline to end now, e.g. once the trainer took its last step: every
+        worker is cancelled (rows in flight are left unacknowledged) and ``run`` returns a
+        result with ``stopped=True``. Call it from the event loop (a task's ``async`` fn); a
+        stop before ``run`` makes ``run`` return at once."""
+        self._stop_requested = True
+        if self._stop is not None:
+            self._stop.set()
 
     # -- validation ----------------------------------------------------------------------------
     def validate(self) -> None:
@@ -183,7 +220,7 @@ class Pipeline:
             tasks=[t.name for t in self.tasks],
         )  # fmt: skip
         counts: dict[str, int] = {self.source.name: 0, **{t.name: 0 for t in self.tasks}}
-        threads = sum(t.workers for t in self.tasks) + 1
+        threads = sum(t.workers for t in self.tasks if not _is_async(t.fn)) + 1
         executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="asyncflow-task")
         if self.tracer is not None:
             self.tracer.set_default_throughput_task(
@@ -191,7 +228,12 @@ class Pipeline:
             )
         loop = asyncio.get_running_loop()
         jobs: dict[asyncio.Task[None], str] = {}
-        t0 = time.perf_counter()
+        self._stop = asyncio.Event()
+        if self._stop_requested:
+            self._stop.set()
+        stopper = asyncio.create_task(self._stop.wait())
+        stopped = False
+        t0 = loop.time()
         try:
             jobs[asyncio.create_task(self._feed(store, executor, counts))] = self.source.name
             for task in self.tasks:
@@ -199,9 +241,12 @@ class Pipeline:
                     job = asyncio.create_task(self._work(store, task, w, executor, counts))
                     job.set_name(f"{task.name}[{w}]")
                     jobs[job] = task.name
-            pending: set[asyncio.Task[None]] = set(jobs)
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            pending: set[asyncio.Task[Any]] = {*jobs, stopper}
+            while pending - {stopper}:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if stopper in done:
+                    stopped = True
+                    break
                 for job in done:
                     err = job.exception()
                     if err is not None:
@@ -212,14 +257,17 @@ class Pipeline:
                             "was stopped",
                         ) from err
         finally:
+            stopper.cancel()
             for job in jobs:
                 job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
+            await asyncio.gather(stopper, *jobs, return_exceptions=True)
             # threads still inside a task's fn finish it; nothing new starts
             await loop.run_in_executor(
                 None, lambda: executor.shutdown(wait=True, cancel_futures=True)
             )
-        return PipelineResult(counts, time.perf_counter() - t0, self.tracer)
+            self._stop = None
+            self._stop_requested = False
+        return PipelineResult(counts, loop.time() - t0, self.tracer, stopped)
 
     def run_sync(self, store: DataStore | None = None) -> PipelineResult:
         return asyncio.run(self.run(store))
@@ -228,12 +276,24 @@ class Pipeline:
         self, store: DataStore, executor: ThreadPoolExecutor, counts: dict[str, int]
     ) -> None:
         loop = asyncio.get_running_loop()
-        batches: Iterator[TaskOutput | Mapping[str, FieldValues]] = iter(self.source.batches())
+        made = self.source.batches()
         done = object()
         tracer, name = self.tracer, self.source.name
+        resource = self.source.resource
+        sync_items: Iterator[SourceItem] | None = None
+        async_items: AsyncIterator[SourceItem] | None = None
+        if isinstance(made, AsyncIterable):
+            async_items = aiter(made)
+        else:
+            sync_items = iter(made)
         while True:
             t_start = tracer.now() if tracer is not None else 0.0
-            item = await loop.run_in_executor(executor, next, batches, done)
+            item: object
+            if async_items is not None:
+                item = await anext(async_items, done)
+            else:
+                assert sync_items is not None
+                item = await loop.run_in_executor(executor, _next_or, sync_items, done)
             if item is done:
                 break
             out = _normalize(name, self.source.produces, item, None)
@@ -243,10 +303,10 @@ class Pipeline:
             if tracer is not None:
                 tokens, versions = _tag_stats(out.tags or ())
                 tracer.record(
-                    "task", name, t_start, t_put, rows=len(rows), tokens=tokens,
-                    versions=versions,
+                    "task", name, t_start, t_put, resource=resource, rows=len(rows),
+                    tokens=tokens, versions=versions,
                 )  # fmt: skip
-                tracer.record("put", name, t_put, tracer.now(), rows=len(rows))
+                tracer.record("put", name, t_put, tracer.now(), resource=resource, rows=len(rows))
         await store.close(self.partition)
 
     async def _work(
@@ -264,34 +324,46 @@ class Pipeline:
             if callable(task.sampler) and not hasattr(task.sampler, "select")
             else task.sampler
         )
+        resource = task.resource
+        is_async = _is_async(task.fn)
+
+        async def call(batch: Batch) -> object:
+            if is_async:
+                return await task.fn(batch)  # type: ignore[misc]
+            return await loop.run_in_executor(executor, task.fn, batch)
+
         while True:
             t_wait = tracer.now() if tracer is not None else 0.0
+            version = task.current_version() if task.current_version is not None else None
             meta = await store.get_meta(
                 self.partition, task.name, list(task.consumes), task.batch_size,
-                sampler=sampler, timeout=None,
+                sampler=sampler, timeout=None, current_version=version,
             )  # fmt: skip
             if meta.end_of_stream:
                 if tracer is not None:
                     tracer.record(
-                        "wait", task.name, t_wait, tracer.now(), worker=worker,
-                        end_of_stream=True,
+                        "wait", task.name, t_wait, tracer.now(), resource=resource,
+                        worker=worker, end_of_stream=True,
                     )  # fmt: skip
                 return
             batch = await store.get_data(meta, layout=task.layout)
             if tracer is None:
-                result = await loop.run_in_executor(executor, task.fn, batch)
+                result = await call(batch)
             else:
                 t_run = tracer.now()
-                tracer.record("wait", task.name, t_wait, t_run, worker=worker, rows=len(meta))
+                tracer.record(
+                    "wait", task.name, t_wait, t_run, resource=resource, worker=worker,
+                    rows=len(meta),
+                )  # fmt: skip
                 try:
-                    result = await loop.run_in_executor(executor, task.fn, batch)
+                    result = await call(batch)
                 except BaseException as e:
                     tracer.record(
-                        "task", task.name, t_run, tracer.now(), worker=worker, rows=len(meta),
-                        error=type(e).__name__,
+                        "task", task.name, t_run, tracer.now(), resource=resource,
+                        worker=worker, rows=len(meta), error=type(e).__name__,
                     )  # fmt: skip
                     raise
-                _record_task(tracer, task.name, worker, t_run, tracer.now(), meta, result)
+                _record_task(tracer, task, worker, t_run, tracer.now(), meta, result, version)
             if task.produces:
                 out = _normalize(task.name, task.produces, result, len(meta))
                 await store.put(self.partition, out.data, rows=meta.rows, tags=out.tags)
@@ -316,11 +388,13 @@ def _tag_stats(tags: Iterable[Tags]) -> tuple[int, tuple[int, int] | None]:
 
 
 def _record_task(
-    tracer: Tracer, name: str, worker: int, start: float, end: float, meta: BatchMeta,
-    result: object,
+    tracer: Tracer, task: Task, worker: int, start: float, end: float, meta: BatchMeta,
+    result: object, version: Version | None,
 ) -> None:  # fmt: skip
     """Record a task iteration's span; its tokens and versions are those of the rows' tags
-    after the task's own tags are merged in (so a rollout counts the tokens it generated)."""
+    after the task's own tags are merged in (so a rollout counts the tokens it generated).
+    With a ``current_version`` the span also records each row's staleness: that version minus
+    the row's oldest weight version (rows without versions are left out)."""
     tags: Sequence[Tags] = meta.tags
     out_tags = result.tags if isinstance(result, TaskOutput) else None
     if out_tags is not None and len(out_tags) == len(meta):
@@ -329,13 +403,30 @@ def _record_task(
         else:
             tags = out_tags
     tokens, versions = _tag_stats(tags)
+    extra: dict[str, Any] = {}
+    if version is not None:
+        stale = [version - t.min_version for t in meta.tags if t.versions]
+        if stale:
+            extra["staleness"] = stale
     tracer.record(
-        "task", name, start, end, worker=worker, rows=len(meta), tokens=tokens, versions=versions
-    )
+        "task", task.name, start, end, resource=task.resource, worker=worker, rows=len(meta),
+        tokens=tokens, versions=versions, **extra,
+    )  # fmt: skip
 
 
 def _is_callable(value: object) -> bool:
     return callable(value)
+
+
+def _next_or(items: Iterator[SourceItem], default: object) -> object:
+    return next(items, default)
+
+
+def _is_async(fn: object) -> bool:
+    """A coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )
 
 
 def _positive_int(value: object) -> bool:

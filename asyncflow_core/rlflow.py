@@ -1,0 +1,669 @@
+"""The RL step as a pipeline: prompt feeder -> rollout (n per prompt) -> reward -> optional
+reference log-probs -> group advantage -> actor update, composed with the public
+``Pipeline``/``Task``/``Source`` API over one store partition, on any ``InferenceEngine`` s and
+``TrainEngine``.
+
+Modes (``RLConfig``):
+
+* ``staleness`` η, AReaL-style admission control: the feeder admits a prompt's n samples only
+  while ``generated_or_in_flight + n <= (rollout_version + η + 1) × batch_size``, where
+  ``rollout_version`` is the newest version synced (or staged) to the rollout side. η = 0 is
+  on-policy, 1 one-step-off, larger fully async. The actor update's sampler also drops, whole
+  groups at a time, any sample older than η versions (a long-tailed straggler), so *no trained
+  sample is ever more than η versions stale*; dropped samples free their admission slots.
+* ``sync_every`` k: optimizer steps per weight sync (needs η >= k - 1: between syncs the
+  rollout weights lag the trainer by up to k - 1 versions).
+* ``partial_rollout``: at a sync, in-flight generations are aborted and resumed on the new
+  weights from their prefix, keeping per-token versions. Without it a blocking sync first
+  drains the in-flight generations.
+* ``weight_sync``: ``"blocking"`` (stop rollout, [drain], pause -> transfer -> resume; all
+  exposed), ``"staged"`` (the paper's delayed update: the transfer goes to a host-side buffer
+  while generation continues; the swap is applied at the rollout's next safe point, before a
+  new group starts: only the swap is exposed), ``"inflight"`` (weights go straight into the
+  engines between decode steps, KV caches kept; the engines stall only for the load).
+* ``mode="colocated"``: rollout and training alternate on the same devices (η = 0, blocking
+  sync; rollout engines that support ``sleep``/``wake_up`` release their memory while the
+  trainer runs). The baseline every benchmark compares against.
+
+verl's fully-async knobs map onto these (``RLConfig.from_verl``): ``trigger_parameter_sync_step``
+k is ``sync_every``; ``staleness_threshold`` s lets the rollouter produce ``(1 + s)·k`` batches
+per sync, i.e. η = ⌈k·(1 + s)⌉ − 1; ``partial_rollout`` is ``partial_rollout``.
+
+Tracing: with a ``Tracer`` every task iteration is a span (the pipeline's), plus "sync" spans
+(``transfer`` on the trainer, ``swap``/``drain`` on the rollout; exposed or hidden), "wait"
+spans for admission, per-row staleness on the actor update's spans, and a metric record per
+optimizer step. Rollout tasks use the resource "rollout", the update "trainer"; colocated, both
+use "devices".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from asyncflow_core.errors import ConfigError
+from asyncflow_core.protocols import (
+    Batch,
+    Candidates,
+    Capacity,
+    DataStore,
+    GenerationRequest,
+    GenerationResult,
+    InferenceEngine,
+    LossFn,
+    SampleRequest,
+    SamplingParams,
+    Selection,
+    SupportsLoadWeights,
+    SupportsSleep,
+    Tags,
+    TrainEngine,
+    TrainMetrics,
+    Version,
+    WeightSync,
+)
+from asyncflow_core.rl import group_advantages, policy_gradient_loss
+from asyncflow_core.scheduling import GroupSampler, RequestRouter, StalenessSampler
+from asyncflow_core.staleness import AdmissionController
+from asyncflow_core.trace import Tracer
+from asyncflow_core.weightsync import HostBuffer, InProcessWeightSync, _pause, _resume
+from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
+
+Mode = Literal["async", "colocated"]
+SyncStrategy = Literal["blocking", "staged", "inflight"]
+RewardFn = Callable[[Sequence[int], Sequence[int]], float]
+"""``reward(prompt_tokens, response_tokens) -> float``; runs in a worker thread."""
+MakeTransport = Callable[[Sequence[SupportsLoadWeights]], WeightSync]
+
+_MODES = ("async", "colocated")
+_DEFAULT_SAMPLING = SamplingParams(max_tokens=256)
+_SYNCS = ("blocking", "staged", "inflight")
+
+
+@dataclass(frozen=True, slots=True)
+class RLConfig:
+    """Knobs of an RL job; ``validate()`` names every bad value. ``batch_size`` (samples per
+    optimizer step) is ``prompts_per_step × n``."""
+
+    steps: int
+    prompts_per_step: int
+    n: int = 8
+    staleness: int = 1
+    sync_every: int = 1
+    partial_rollout: bool = False
+    mode: Mode = "async"
+    weight_sync: SyncStrategy = "staged"
+    sampling: SamplingParams = _DEFAULT_SAMPLING
+    rollout_concurrency: int | None = None
+    """Groups generating at once (default: enough for the staleness bound to be the limit)."""
+    bucket_bytes: int = 1 << 30
+    reference_logprobs: bool = False
+    """Add a task computing the reference model's log-probs (needs ``RLEngines.reference``)."""
+    drop_stale: bool = True
+    """Drop samples older than η at the update (keeps the staleness law exact)."""
+    partition: str = "rl"
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.n
+
+    def validate(self) -> None:
+        problems: list[str] = []
+        for name in ("steps", "prompts_per_step", "n", "sync_every", "bucket_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                problems.append(f"{name} must be an int >= 1, got {v!r}")
+        s = self.staleness
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            problems.append(f"staleness (η) must be an int >= 0, got {s!r}")
+        c = self.rollout_concurrency
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            problems.append(f"rollout_concurrency must be an int >= 1 or None, got {c!r}")
+        if self.mode not in _MODES:
+            problems.append(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.weight_sync not in _SYNCS:
+            problems.append(f"weight_sync must be one of {_SYNCS}, got {self.weight_sync!r}")
+        if not problems and self.staleness < self.sync_every - 1:
+            problems.append(
+                f"sync_every={self.sync_every} lets the rollout weights lag the trainer by up to "
+                f"{self.sync_every - 1} versions, more than staleness={self.staleness}; raise "
+                f"staleness to >= {self.sync_every - 1} or lower sync_every"
+            )
+        if not problems and self.mode == "colocated":
+            if self.staleness != 0:
+                problems.append(
+                    f"mode='colocated' alternates rollout and training, so it is on-policy: "
+                    f"staleness must be 0, got {self.staleness}"
+                )
+            if self.weight_sync != "blocking":
+                problems.append(
+                    f"mode='colocated' syncs while rollout is stopped: weight_sync must be "
+                    f"'blocking', got {self.weight_sync!r}"
+                )
+            if self.sync_every != 1:
+                problems.append(f"mode='colocated' needs sync_every=1, got {self.sync_every}")
+        if problems:
+            raise ConfigError("invalid RLConfig:\n  - " + "\n  - ".join(problems))
+
+    @classmethod
+    def from_verl(
+        cls,
+        *,
+        staleness_threshold: float,
+        trigger_parameter_sync_step: int,
+        partial_rollout: bool,
+        **kwargs: Any,
+    ) -> RLConfig:
+        """The config equivalent to verl's fully-async knobs: ``sync_every = k``,
+        ``staleness = ⌈k·(1 + s)⌉ − 1`` (verl lets the rollouter produce ``(1+s)·k`` batches
+        between two syncs), ``partial_rollout`` as is; other fields from ``kwargs``."""
+        k, s = trigger_parameter_sync_step, staleness_threshold
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"trigger_parameter_sync_step must be an int >= 1, got {k!r}")
+        if not isinstance(s, int | float) or s < 0 or math.isnan(s):
+            raise ConfigError(f"staleness_threshold must be a number >= 0, got {s!r}")
+        eta = max(math.ceil(k * (1 + s) - 1e-9) - 1, 0)
+        cfg = cls(staleness=eta, sync_every=k, partial_rollout=partial_rollout, **kwargs)
+        cfg.validate()
+        return cfg
+
+
+@dataclass
+class RLEngines:
+    """The engines of a job: rollout instances (requests are routed to the least loaded, a
+    group sticking to one instance), the trainer, an optional reference model, and the weight
+    transport (``make_transport(targets) -> WeightSync``; default in-process)."""
+
+    rollout: Sequence[InferenceEngine]
+    trainer: TrainEngine
+    reference: TrainEngine | None = None
+    make_transport: MakeTransport = InProcessWeightSync
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One optimizer step: the version it produced, when it ended (loop seconds since the job
+    started), samples and tokens trained, the staleness of its samples, the metrics."""
+
+    version: Version
+    end_s: float
+    samples: int
+    tokens: int
+    max_staleness: int
+    metrics: TrainMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class RLResult:
+    """What a job did. Throughputs are per loop second (virtual seconds on a virtual clock).
+    ``steady_*`` exclude the first step (pipeline fill), as throughput is usually reported."""
+
+    config: RLConfig
+    steps: tuple[StepRecord, ...]
+    wall_s: float
+    dropped: int
+    generated: int
+    pipeline: PipelineResult
+    tracer: Tracer | None = None
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.steps)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.steps)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def steady_samples_per_s(self) -> float:
+        if len(self.steps) < 2:
+            return self.samples_per_s
+        span = self.steps[-1].end_s - self.steps[0].end_s
+        n = sum(s.samples for s in self.steps[1:])
+        return n / span if span > 0 else 0.0
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        if len(self.steps) < 2:
+            return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+        span = self.steps[-1].end_s - self.steps[0].end_s
+        n = sum(s.tokens for s in self.steps[1:])
+        return n / span if span > 0 else 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        return max((s.max_staleness for s in self.steps), default=0)
+
+
+class _Gate:
+    """Rollout admission to the engines: closed during a blocking sync or, colocated, while the
+    trainer has the devices; counts generations in flight so a sync can drain them."""
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+        self.active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def enter(self) -> None:
+        while not self._open.is_set():
+            await self._open.wait()
+        self.active += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+
+class _DropCounter:
+    """The update's sampler: stale whole groups are dropped and their admission slots freed."""
+
+    def __init__(self, inner: StalenessSampler, admission: AdmissionController) -> None:
+        self.inner = inner
+        self.admission = admission
+        self.dropped = 0
+
+    def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
+        sel = self.inner.select(candidates, request)
+        if sel.dropped:
+            self.dropped += len(sel.dropped)
+            self.admission.discard(len(sel.dropped))
+        return sel
+
+
+class RLJob:
+    """An RL job on the streaming store. ``prompts`` yields prompt token sequences (consumed
+    lazily, one per group); ``reward_fn(prompt, response) -> float``. ``run()`` trains
+    ``config.steps`` optimizer steps and returns an ``RLResult``. ``pipeline`` is the
+    ``Pipeline`` it runs (inspect or trace it; build your own variant from the same parts)."""
+
+    def __init__(
+        self,
+        config: RLConfig,
+        engines: RLEngines,
+        prompts: Iterable[Sequence[int]],
+        reward_fn: RewardFn,
+        *,
+        loss_fn: LossFn = policy_gradient_loss,
+        tracer: Tracer | None = None,
+        store: DataStore | None = None,
+    ) -> None:
+        config.validate()
+        if not engines.rollout:
+            raise ConfigError("RLEngines.rollout is empty: give at least one InferenceEngine")
+        if config.reference_logprobs and engines.reference is None:
+            raise ConfigError(
+                "reference_logprobs=True needs RLEngines.reference (a TrainEngine holding the "
+                "reference policy)"
+            )
+        self.config = config
+        self.engines = engines
+        self.prompts = prompts
+        self.reward_fn = reward_fn
+        self.loss_fn = loss_fn
+        self.tracer = tracer
+        self.store = store
+        b = config.batch_size
+        self.admission = AdmissionController(b, config.staleness)
+        self.router = RequestRouter([str(i) for i in range(len(engines.rollout))])
+        self.gate = _Gate()
+        self.steps: list[StepRecord] = []
+        self.generated = 0
+        self._rid = 0
+        self._inflight: dict[str, InferenceEngine] = {}
+        self._t0 = 0.0
+        self._staged: HostBuffer | None = None
+        self._transport: WeightSync | None = None
+        self._transport_ready = False
+        self._sleeping = False
+        self._sampler = _DropCounter(
+            StalenessSampler(
+                config.staleness if config.drop_stale else 1 << 30, "drop",
+                GroupSampler(config.n), whole_groups=True,
+            ),
+            self.admission,
+        )  # fmt: skip
+        self.pipeline = self._build()
+
+    # -- composition ---------------------------------------------------------------------------
+    def _build(self) -> Pipeline:
+        cfg = self.config
+        coloc = cfg.mode == "colocated"
+        rollout_res = "devices" if coloc else "rollout"
+        train_res = "devices" if coloc else "trainer"
+        concurrency = cfg.rollout_concurrency or (cfg.staleness + 1) * cfg.prompts_per_step
+        update_consumes = ["prompt", "response", "logprobs", "reward", "advantage"]
+        tasks = [
+            Task(
+                "rollout", self._rollout, consumes=("prompt",),
+                produces=("response", "logprobs"), batch_size=cfg.n, workers=concurrency,
+                layout="list", resource=rollout_res,
+            ),
+            Task(
+                "reward", self._reward, consumes=("prompt", "response"), produces=("reward",),
+                batch_size=cfg.n, layout="list", resource="reward",
+            ),
+            Task(
+                "advantage", self._advantage, consumes=("reward",), produces=("advantage",),
+                batch_size=cfg.n, sampler=lambda: GroupSampler(cfg.n), resource="reward",
+            ),
+        ]  # fmt: skip
+        if cfg.reference_logprobs:
+            tasks.insert(
+                2,
+                Task(
+                    "reference", self._reference, consumes=("prompt", "response"),
+                    produces=("ref_logprobs",), batch_size=cfg.n, resource="reference",
+                ),
+            )  # fmt: skip
+            update_consumes.append("ref_logprobs")
+        tasks.append(
+            Task(
+                "actor_update", self._update, consumes=tuple(update_consumes),
+                batch_size=cfg.batch_size, sampler=self._sampler,
+                current_version=lambda: self.engines.trainer.weight_version,
+                resource=train_res,
+            )
+        )  # fmt: skip
+        in_flight = (cfg.staleness + 2) * cfg.batch_size + concurrency * cfg.n
+        return Pipeline(
+            Source("prompts", ("prompt",), self._feed, resource="feeder"),
+            tasks,
+            partition=cfg.partition,
+            capacity=Capacity(max_rows=in_flight),
+            tracer=self.tracer,
+        )
+
+    # -- the tasks -----------------------------------------------------------------------------
+    async def _feed(self) -> AsyncIterator[TaskOutput]:
+        n = self.config.n
+        for group, prompt in enumerate(self.prompts):
+            t0 = self._now()
+            await self.admission.admit(n)
+            if self.tracer is not None and self._now() > t0:
+                self.tracer.record("wait", "admission", t0, self._now(), resource="feeder")
+            tensor = torch.as_tensor(list(prompt), dtype=torch.long)
+            yield TaskOutput({"prompt": [tensor] * n}, tags=[Tags(group=group)] * n)
+
+    async def _rollout(self, batch: Batch) -> TaskOutput:
+        await self.gate.enter()
+        try:
+            await self._safe_point()
+            prompts = [tuple(int(x) for x in p.tolist()) for p in batch["prompt"]]
+            group = batch.tags[0].group if batch.tags else None
+            results = await asyncio.gather(*(self._generate(p, group) for p in prompts))
+        except BaseException:
+            self.admission.cancel(len(batch))
+            raise
+        finally:
+            self.gate.leave()
+        self.admission.finish(len(batch))
+        self.generated += len(batch)
+        return TaskOutput(
+            {
+                "response": [torch.tensor(r.tokens, dtype=torch.long) for r in results],
+                "logprobs": [torch.tensor(r.logprobs, dtype=torch.float32) for r in results],
+            },
+            tags=[
+                Tags(versions=tuple(sorted(set(r.versions))), tokens=len(r.tokens)) for r in results
+            ],
+        )
+
+    async def _generate(self, prompt: tuple[int, ...], group: int | str | None) -> GenerationResult:
+        cfg = self.config
+        self._rid += 1
+        rid = f"r{self._rid}"
+        name = self.router.route(rid, len(prompt) + cfg.sampling.max_tokens, group)
+        engine = self.engines.rollout[int(name)]
+        request = GenerationRequest(rid, prompt, cfg.sampling, group=group)
+        try:
+            while True:
+                self._inflight[rid] = engine
+                result = await engine.generate(request)
+                if result.finish_reason != "abort":
+                    return result
+                # aborted at a sync: resume from the prefix (partial rollout) or start over;
+                # a paused engine holds the new request until it resumes
+                if cfg.partial_rollout:
+                    request = replace(
+                        request,
+                        resume_tokens=result.tokens,
+                        resume_logprobs=result.logprobs,
+                        resume_versions=result.versions,
+                    )
+        finally:
+            self._inflight.pop(rid, None)
+            self.router.finish(rid)
+
+    def _reward(self, batch: Batch) -> dict[str, list[float]]:
+        prompts, responses = batch["prompt"], batch["response"]
+        return {
+            "reward": [
+                float(self.reward_fn(p.tolist(), r.tolist()))
+                for p, r in zip(prompts, responses, strict=True)
+            ]
+        }
+
+    async def _reference(self, batch: Batch) -> dict[str, list[torch.Tensor]]:
+        ref = self.engines.reference
+        assert ref is not None
+        lp = await ref.compute_logprobs(batch)
+        lengths = batch.lengths.get("response")
+        rows = []
+        for i in range(len(batch)):
+            k = int(lengths[i]) if lengths is not None else lp.shape[1]
+            rows.append(lp[i, :k].detach().clone())
+        return {"ref_logprobs": rows}
+
+    async def _advantage(self, batch: Batch) -> dict[str, torch.Tensor]:
+        groups = [t.group if t.group is not None else i for i, t in enumerate(batch.tags)]
+        return {"advantage": group_advantages(batch["reward"], groups)}
+
+    async def _update(self, batch: Batch) -> None:
+        cfg = self.config
+        trainer = self.engines.trainer
+        v0 = trainer.weight_version
+        stale = [v0 - t.min_version for t in batch.tags if t.versions]
+        if cfg.mode == "colocated":
+            await self._to_training()
+        metrics = await trainer.train_step(batch, self.loss_fn)
+        lengths = batch.lengths
+        tokens = sum(int(lengths[f].sum()) for f in ("prompt", "response") if f in lengths)
+        version = metrics.version
+        # no sync after the last step: nothing would use it
+        if version % cfg.sync_every == 0 and version < cfg.steps:
+            await self._sync(version)
+        record = StepRecord(
+            version, self._now(), len(batch), tokens, max(stale, default=0), metrics
+        )
+        self.steps.append(record)
+        if self.tracer is not None:
+            self.tracer.metric(
+                step=version, loss=metrics.loss, samples=len(batch), tokens=tokens,
+                max_staleness=record.max_staleness, dropped=self._sampler.dropped,
+                reward_mean=float(torch.as_tensor(batch["reward"], dtype=torch.float32).mean()),
+            )  # fmt: skip
+        if version >= cfg.steps:
+            self.pipeline.stop()
+
+    # -- weight sync ---------------------------------------------------------------------------
+    async def _ensure_transport(self) -> WeightSync:
+        cfg = self.config
+        if self._transport is None:
+            if cfg.weight_sync == "staged":
+                self._staged = HostBuffer()
+                self._transport = self.engines.make_transport([self._staged])
+            else:
+                targets = [e for e in self.engines.rollout if isinstance(e, SupportsLoadWeights)]
+                if len(targets) != len(self.engines.rollout):
+                    raise ConfigError(
+                        "every rollout engine must support load_weights(weights, version) "
+                        "for in-process weight sync"
+                    )
+                self._transport = self.engines.make_transport(targets)
+        if not self._transport_ready:
+            await self._transport.init()
+            self._transport_ready = True
+        return self._transport
+
+    async def _transfer(
+        self, transport: WeightSync, version: Version, *, send_exposed: bool, load_exposed: bool
+    ) -> None:
+        """Send every bucket (span "transfer", on the trainer unless exposed to the rollout),
+        then ``finish`` (span "load": the targets load the weights)."""
+        t0 = self._now()
+        await transport.start()
+        async for bucket in self.engines.trainer.export_weights(self.config.bucket_bytes):
+            await transport.update(bucket)
+        self._span("transfer", "rollout" if send_exposed else "trainer", t0, send_exposed, version)
+        t1 = self._now()
+        await transport.finish(version)
+        self._span("load", "rollout" if load_exposed else "trainer", t1, load_exposed, version)
+
+    async def _sync(self, version: Version) -> None:
+        cfg = self.config
+        transport = await self._ensure_transport()
+        if cfg.weight_sync == "staged":  # into the host buffer; swapped at a safe point
+            await self._transfer(transport, version, send_exposed=False, load_exposed=False)
+        elif cfg.weight_sync == "inflight":  # engines stall only while loading
+            await self._transfer(transport, version, send_exposed=False, load_exposed=True)
+        else:  # blocking
+            self.gate.close()
+            try:
+                t0 = self._now()
+                if cfg.partial_rollout:
+                    await _pause(self.engines.rollout, "abort")
+                else:
+                    await self.gate.drained()
+                    await _pause(self.engines.rollout, "keep")
+                self._span("drain", self._rollout_resource(), t0, True, version)
+                try:
+                    if cfg.mode == "colocated":
+                        await self._wake()
+                    await self._transfer(transport, version, send_exposed=True, load_exposed=True)
+                finally:
+                    await _resume(self.engines.rollout)
+            finally:
+                self.gate.open()
+        self.admission.set_version(version)
+
+    async def _safe_point(self) -> None:
+        """Before a rollout group starts: apply staged weights (the delayed update's swap)."""
+        buffer = self._staged
+        if buffer is None or buffer.pending_version is None:
+            return
+        staged = buffer.take()
+        if staged is None:
+            return
+        weights, version = staged
+        t0 = self._now()
+        mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
+        await _pause(self.engines.rollout, mode)
+        try:
+            for engine in self.engines.rollout:
+                if isinstance(engine, SupportsLoadWeights):
+                    await engine.load_weights(weights, version)
+        finally:
+            await _resume(self.engines.rollout)
+        self._span("swap", "rollout", t0, True, version)
+
+    # -- colocated switching -------------------------------------------------------------------
+    async def _to_training(self) -> None:
+        self.gate.close()
+        await self.gate.drained()
+        if not self._sleeping:
+            t0 = self._now()
+            for e in self.engines.rollout:
+                if isinstance(e, SupportsSleep):
+                    await e.sleep(1)
+            self._sleeping = True
+            self._span("offload", "devices", t0, True, None)
+
+    async def _wake(self) -> None:
+        if self._sleeping:
+            t0 = self._now()
+            for e in self.engines.rollout:
+                if isinstance(e, SupportsSleep):
+                    await e.wake_up()
+            self._sleeping = False
+            self._span("onload", "devices", t0, True, None)
+
+    # -- running -------------------------------------------------------------------------------
+    async def run(self) -> RLResult:
+        loop = asyncio.get_running_loop()
+        self._t0 = loop.time()
+        try:
+            result = await self.pipeline.run(self.store)
+        finally:
+            await self._abort_inflight()
+        return RLResult(
+            self.config, tuple(self.steps), result.wall_s, self._sampler.dropped,
+            self.generated, result, self.tracer,
+        )  # fmt: skip
+
+    def run_sync(self) -> RLResult:
+        return asyncio.run(self.run())
+
+    async def _abort_inflight(self) -> None:
+        by_engine: dict[int, tuple[InferenceEngine, list[str]]] = {}
+        for rid, engine in self._inflight.items():
+            by_engine.setdefault(id(engine), (engine, []))[1].append(rid)
+        for engine, ids in by_engine.values():
+            with contextlib.suppress(Exception):
+                await engine.abort(ids)
+        self._inflight.clear()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _now(self) -> float:
+        if self.tracer is not None:
+            return self.tracer.now()
+        return asyncio.get_running_loop().time() - self._t0
+
+    def _rollout_resource(self) -> str:
+        return "devices" if self.config.mode == "colocated" else "rollout"
+
+    def _span(
+        self, phase: str, resource: str, t0: float, exposed: bool, version: Version | None
+    ) -> None:
+        if self.tracer is None:
+            return
+        if self.config.mode == "colocated":
+            resource = "devices"
+        args: dict[str, Any] = {} if version is None else {"version": version}
+        self.tracer.record(
+            "sync", phase, t0, self._now(), resource=resource, exposed=exposed, **args
+        )
+
+
+__all__ = [
+    "RLConfig",
+    "RLEngines",
+    "RLJob",
+    "RLResult",
+    "RewardFn",
+    "StepRecord",
+    "group_advantages",
+    "policy_gradient_loss",
+]
