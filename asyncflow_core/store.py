@@ -8,6 +8,7 @@ the Ray runtime put each of them in another process unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,15 @@ from asyncflow_core.scheduling import SequentialSampler
 _PLAIN_TYPES = (type(None), bool, int, float, str, list, dict)
 _LAYOUTS = ("padded", "nested", "list")
 _SMALL_ROWS_ELEMS = 2048  # mean row length below which padded reads concatenate first
+
+
+def loop_clock() -> float:
+    """The running event loop's time (virtual on a ``VirtualClockLoop``), else
+    ``time.monotonic()`` — which is what a standard loop's time is."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
 
 
 class StorageUnit:
@@ -232,7 +242,8 @@ class InProcessDataStore:
     The store keeps *references* to the tensors you put, as an in-process queue does: never
     modify a tensor in place after putting it (engines return fresh tensors, so RL pipelines
     don't). ``copy_on_put=True`` clones every tensor on put instead, for callers that reuse
-    buffers; it costs one extra copy of every byte. ``clock`` is the lease clock.
+    buffers; it costs one extra copy of every byte. ``clock`` is the lease clock (default: the
+    running event loop's time, so leases and timeouts follow a virtual clock when there is one).
     """
 
     def __init__(
@@ -240,7 +251,7 @@ class InProcessDataStore:
         num_storage_units: int = 2,
         *,
         copy_on_put: bool = False,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         controller: Controller | None = None,
         units: Sequence[StorageUnit] | None = None,
     ) -> None:
@@ -251,7 +262,11 @@ class InProcessDataStore:
                 )
             units = [StorageUnit(i) for i in range(num_storage_units)]
         self.units = list(units)
-        self.controller = controller if controller is not None else Controller(clock)
+        self.controller = (
+            controller
+            if controller is not None
+            else Controller(clock if clock is not None else loop_clock)
+        )
         self.copy_on_put = copy_on_put
         self._waiters = Waiters()
         self.controller.add_listener(self._waiters.wake_all)
@@ -261,13 +276,13 @@ class InProcessDataStore:
         with self._waiters.arm() as waiter:
             if self.controller.generation != generation:
                 return
-            await waiter.wait(None if until is None else max(0.0, until - time.monotonic()))
+            await waiter.wait(None if until is None else max(0.0, until - loop_clock()))
 
     def _lease_wake(self, partition: str, until: float | None) -> float | None:
         nd = self.controller.next_deadline(partition)
         if nd is None:
             return until
-        at = time.monotonic() + max(0.0, nd - self.controller.now()) + 1e-3
+        at = loop_clock() + max(0.0, nd - self.controller.now()) + 1e-3
         return at if until is None else min(at, until)
 
     # -- partitions ----------------------------------------------------------------------------
@@ -326,7 +341,7 @@ class InProcessDataStore:
                 raise BadRequestError(
                     f"put into {partition!r}: tags must be {prep.n} Tags objects (one per row)"
                 )
-        until = None if timeout is None else time.monotonic() + timeout
+        until = None if timeout is None else loop_clock() + timeout
         while True:
             generation = self.controller.generation
             ticket = self.controller.begin_put(
@@ -334,7 +349,7 @@ class InProcessDataStore:
             )
             if ticket is not None:
                 break
-            if until is not None and time.monotonic() >= until:
+            if until is not None and loop_clock() >= until:
                 s = self.controller.stats(partition)
                 raise StoreTimeoutError(
                     f"put of {prep.n} new rows into {partition!r} waited {timeout} s for "
@@ -414,7 +429,7 @@ class InProcessDataStore:
         if isinstance(fields, str) or not fields:
             raise BadRequestError(f"fields must be a non-empty list of field names, got {fields!r}")
         sampler = sampler if sampler is not None else SequentialSampler()
-        until = None if timeout is None else time.monotonic() + timeout
+        until = None if timeout is None else loop_clock() + timeout
         while True:
             generation = self.controller.generation
             meta = self.controller.try_get_meta(
@@ -432,7 +447,7 @@ class InProcessDataStore:
             self._free_reclaimed()
             if meta is not None:
                 return meta
-            if until is not None and time.monotonic() >= until:
+            if until is not None and loop_clock() >= until:
                 raise StoreTimeoutError(
                     self._explain_wait(partition, task, fields, batch_size, timeout)
                 )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from asyncflow_core.errors import PipelineError, TaskFailedError
-from asyncflow_core.protocols import Batch, Tags
+from asyncflow_core.protocols import Batch, Capacity, Tags
 from asyncflow_core.scheduling import GroupSampler
 from asyncflow_core.store import InProcessDataStore
 from asyncflow_core.workflow import Pipeline, Source, Task, TaskOutput
@@ -245,3 +245,113 @@ def test_ctrl_c_stops_a_running_pipeline_within_two_seconds() -> None:
         proc.kill()
     assert time.monotonic() - t0 < 2.0
     assert rc == 3 and "interrupted" in proc.stdout.read()
+
+
+# --- async callables, async sources, stop, versions -------------------------------------------
+def test_async_fns_and_async_sources_run_on_the_loop_without_threads() -> None:
+    seen_threads: set[str] = set()
+
+    async def batches() -> Any:
+        for start in range(0, 12, 3):
+            await asyncio.sleep(0)
+            yield {"x": [torch.tensor(float(i)) for i in range(start, start + 3)]}
+
+    async def square_async(batch: Batch) -> dict[str, Any]:
+        seen_threads.add(threading.current_thread().name)
+        await asyncio.sleep(0.001)
+        return {"sq": list(batch["x"] ** 2)}
+
+    total: list[float] = []
+
+    async def collect(batch: Batch) -> None:
+        seen_threads.add(threading.current_thread().name)
+        total.extend(float(v) for v in batch["sq"])
+
+    pipe = Pipeline(
+        Source("numbers", ("x",), batches),
+        [
+            Task("square", square_async, ("x",), ("sq",), batch_size=2, workers=3),
+            Task("collect", collect, ("sq",), batch_size=4),
+        ],
+    )
+    result = pipe.run_sync()
+    assert result.rows == {"numbers": 12, "square": 12, "collect": 12}
+    assert sorted(total) == [float(i * i) for i in range(12)]
+    assert seen_threads == {threading.main_thread().name}
+
+
+def test_stop_ends_the_run_early_and_cancels_every_worker() -> None:
+    holder: dict[str, Pipeline] = {}
+    count = itertools.count(1)
+
+    async def consume(batch: Batch) -> None:
+        if next(count) == 3:
+            holder["pipe"].stop()
+
+    def endless() -> Iterator[Mapping[str, Any]]:
+        for i in itertools.count():
+            yield {"x": [torch.tensor(float(i))]}
+
+    pipe = Pipeline(
+        Source("numbers", ("x",), endless),
+        [Task("consume", consume, ("x",))],
+        capacity=Capacity(max_rows=8),
+    )
+    holder["pipe"] = pipe
+    before = threading.active_count()
+    result = pipe.run_sync()
+    assert result.stopped
+    assert result.rows["consume"] >= 2
+    assert threading.active_count() <= before
+    # a stop before running returns at once, and the pipeline can run again afterwards
+    pipe2 = Pipeline(numbers(4), [Task("sq", square, ("x",), ("sq",))])
+    pipe2.stop()
+    assert pipe2.run_sync().stopped
+    assert not pipe2.run_sync().stopped
+
+
+def test_current_version_reaches_the_sampler_and_staleness_reaches_the_trace() -> None:
+    from asyncflow_core.scheduling import StalenessSampler
+    from asyncflow_core.trace import Tracer
+
+    def batches() -> Iterator[TaskOutput]:
+        for v in range(4):  # rows produced by weight versions 0..3
+            yield TaskOutput({"x": [torch.tensor(1.0)] * 2}, tags=[Tags(versions=(v,))] * 2)
+
+    got: list[int] = []
+
+    def consume(batch: Batch) -> None:
+        got.extend(t.min_version for t in batch.tags)
+
+    tracer = Tracer()
+    pipe = Pipeline(
+        Source("gen", ("x",), batches),
+        [
+            Task(
+                "train", consume, ("x",), batch_size=2,
+                sampler=StalenessSampler(1, "drop"), current_version=lambda: 3,
+                resource="devices",
+            )
+        ],
+        tracer=tracer,
+    )  # fmt: skip
+    pipe.run_sync()
+    assert sorted(got) == [2, 2, 3, 3]  # versions 0 and 1 are > 1 behind version 3: dropped
+    spans = [s for s in tracer.spans if s.kind == "task" and s.name == "train"]
+    assert {s.resource for s in spans} == {"devices"}
+    assert sorted(v for s in spans for v in s.args["staleness"]) == [0, 0, 1, 1]
+    assert tracer.summary()["staleness"]["max"] == 1
+
+
+def test_a_pipeline_runs_on_the_virtual_clock_in_simulated_seconds() -> None:
+    from asyncflow_core.vclock import run_virtual
+
+    async def slow(batch: Batch) -> dict[str, Any]:
+        await asyncio.sleep(3600.0)  # an hour per batch, simulated
+        return {"sq": list(batch["x"] ** 2)}
+
+    pipe = Pipeline(numbers(8), [Task("sq", slow, ("x",), ("sq",), batch_size=2, workers=2)])
+    t0 = time.perf_counter()
+    result = run_virtual(pipe.run())
+    assert time.perf_counter() - t0 < 5.0
+    assert result.wall_s == pytest.approx(2 * 3600.0)  # 4 batches on 2 workers
