@@ -11,10 +11,10 @@ generating and exposes only the swap at the next safe point.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
-import time
 import uuid
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -500,13 +500,13 @@ class BlockingUpdate:
         if not self._ready:
             await self.transport.init()
             self._ready = True
-        t0 = time.perf_counter()
+        t0 = _loop_time()
         await _pause(self.engines, self.pause_mode)
         try:
             await _send(self.transport, buckets, version)
         finally:
             await _resume(self.engines)
-        total = time.perf_counter() - t0
+        total = _loop_time() - t0
         return SyncTiming(version, transfer_s=total, swap_s=0.0, exposed_s=total)
 
 
@@ -539,9 +539,9 @@ class StagedUpdate:
         if not self._ready:
             await self.transport.init()
             self._ready = True
-        t0 = time.perf_counter()
+        t0 = _loop_time()
         await _send(self.transport, buckets, version)
-        self._transfer_s[version] = time.perf_counter() - t0
+        self._transfer_s[version] = _loop_time() - t0
         return self._transfer_s[version]
 
     async def apply(self) -> SyncTiming | None:
@@ -549,14 +549,14 @@ class StagedUpdate:
         if staged is None:
             return None
         weights, version = staged
-        t0 = time.perf_counter()
+        t0 = _loop_time()
         await _pause(self.engines, self.pause_mode)
         try:
             for engine in self.engines:
                 await engine.load_weights(weights, version)
         finally:
             await _resume(self.engines)
-        swap = time.perf_counter() - t0
+        swap = _loop_time() - t0
         transfer = self._transfer_s.pop(version, 0.0)
         self._transfer_s = {v: s for v, s in self._transfer_s.items() if v > version}
         return SyncTiming(version, transfer_s=transfer, swap_s=swap, exposed_s=swap)
@@ -572,3 +572,8 @@ async def _resume(engines: Sequence[object]) -> None:
     for engine in engines:
         if isinstance(engine, SupportsPause):
             await engine.resume()
+
+
+def _loop_time() -> float:
+    """Seconds on the running loop's clock (virtual when simulated)."""
+    return asyncio.get_running_loop().time()
