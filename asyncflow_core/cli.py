@@ -1,11 +1,13 @@
 """The ``asyncflow`` command line: ``run`` (the main job), ``selfcheck`` (a streaming store run),
-``trace summarize FILE`` (the summary of a Chrome-trace file written by ``asyncflow_core.trace``).
+``trace summarize FILE`` (the summary of a Chrome-trace file written by ``asyncflow_core.trace``),
+``simulate --preset NAME`` (a simulated cluster run of the RL pipeline, colocated vs async).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import sys
 import time
@@ -102,10 +104,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     summarize.add_argument(
         "--png", default=None, metavar="PATH", help="also draw a timeline (needs matplotlib)"
     )
+    sim = sub.add_parser(
+        "simulate",
+        help="run the RL pipeline on simulated engines (virtual clock): colocated vs async",
+    )
+    sim.add_argument("--preset", default=None, help="a preset name (see --list)")
+    sim.add_argument("--list", action="store_true", help="list the presets and exit")
+    sim.add_argument("--devices", type=int, default=None, help="weak-scale to this many devices")
+    sim.add_argument("--mode", choices=("both", "async", "colocated"), default="both")
+    sim.add_argument("--staleness", type=int, default=1, help="η of the async run")
+    sim.add_argument("--weight-sync", choices=("staged", "blocking", "inflight"), default="staged")
+    sim.add_argument("--partial-rollout", action="store_true")
+    sim.add_argument("--sync-every", type=int, default=1)
+    sim.add_argument("--steps", type=int, default=None, help="optimizer steps (default: preset)")
+    sim.add_argument(
+        "--trace-dir", default=None, help="write each run's Chrome trace, metrics.jsonl (+ PNG)"
+    )
+    sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "simulate":
+        # the simulator lives with the reference engines (same distribution, not a core module)
+        simulate = importlib.import_module("asyncflow_reference.simulate")
+        return int(simulate.cli_simulate(args))
     if args.command == "trace":
         return _trace_summarize(args.file, args.json, args.throughput_task, args.png)
     if args.command == "run":

@@ -83,6 +83,9 @@ MakeTransport = Callable[[Sequence[SupportsLoadWeights]], WeightSync]
 
 _MODES = ("async", "colocated")
 _DEFAULT_SAMPLING = SamplingParams(max_tokens=256)
+_LEASE_S = 24 * 3600.0
+"""Leases of the job's tasks: a long generation (or a slow simulated one) must never be handed
+to a second worker; a worker that dies takes the whole in-process job with it anyway."""
 _SYNCS = ("blocking", "staged", "inflight")
 
 
@@ -359,7 +362,7 @@ class RLJob:
             Task(
                 "rollout", self._rollout, consumes=("prompt",),
                 produces=("response", "logprobs"), batch_size=cfg.n, workers=concurrency,
-                layout="list", resource=rollout_res,
+                layout="list", resource=rollout_res, lease_s=_LEASE_S,
             ),
             Task(
                 "reward", self._reward, consumes=("prompt", "response"), produces=("reward",),
@@ -384,7 +387,7 @@ class RLJob:
                 "actor_update", self._update, consumes=tuple(update_consumes),
                 batch_size=cfg.batch_size, sampler=self._sampler,
                 current_version=lambda: self.engines.trainer.weight_version,
-                resource=train_res,
+                resource=train_res, lease_s=_LEASE_S,
             )
         )  # fmt: skip
         in_flight = (cfg.staleness + 2) * cfg.batch_size + concurrency * cfg.n
@@ -582,9 +585,13 @@ class RLJob:
         mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
         await _pause(self.engines.rollout, mode)
         try:
-            for engine in self.engines.rollout:
-                if isinstance(engine, SupportsLoadWeights):
-                    await engine.load_weights(weights, version)
+            await asyncio.gather(
+                *(
+                    e.load_weights(weights, version)
+                    for e in self.engines.rollout
+                    if isinstance(e, SupportsLoadWeights)
+                )
+            )
         finally:
             await _resume(self.engines.rollout)
         self._span("swap", "rollout", t0, True, version)
@@ -595,18 +602,18 @@ class RLJob:
         await self.gate.drained()
         if not self._sleeping:
             t0 = self._now()
-            for e in self.engines.rollout:
-                if isinstance(e, SupportsSleep):
-                    await e.sleep(1)
+            await asyncio.gather(
+                *(e.sleep(1) for e in self.engines.rollout if isinstance(e, SupportsSleep))
+            )
             self._sleeping = True
             self._span("offload", "devices", t0, True, None)
 
     async def _wake(self) -> None:
         if self._sleeping:
             t0 = self._now()
-            for e in self.engines.rollout:
-                if isinstance(e, SupportsSleep):
-                    await e.wake_up()
+            await asyncio.gather(
+                *(e.wake_up() for e in self.engines.rollout if isinstance(e, SupportsSleep))
+            )
             self._sleeping = False
             self._span("onload", "devices", t0, True, None)
 

@@ -78,8 +78,8 @@ def _check_bucket(transport: str, bucket: WeightBucket, seen: set[str]) -> None:
 async def _apply(
     targets: Sequence[SupportsLoadWeights], weights: Weights, version: Version
 ) -> None:
-    for target in targets:
-        await target.load_weights(weights, version)
+    """Every target loads concurrently (each engine swaps on its own devices)."""
+    await asyncio.gather(*(target.load_weights(weights, version) for target in targets))
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,8 +552,7 @@ class StagedUpdate:
         t0 = _loop_time()
         await _pause(self.engines, self.pause_mode)
         try:
-            for engine in self.engines:
-                await engine.load_weights(weights, version)
+            await _apply(self.engines, weights, version)
         finally:
             await _resume(self.engines)
         swap = _loop_time() - t0

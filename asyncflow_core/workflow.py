@@ -36,6 +36,7 @@ import torch
 
 from asyncflow_core.errors import AsyncFlowError, PipelineError, TaskFailedError
 from asyncflow_core.protocols import (
+    DEFAULT_LEASE_S,
     Batch,
     BatchMeta,
     Capacity,
@@ -81,7 +82,9 @@ class Task:
     own) chooses the rows; default sequential. ``current_version`` (called before every pull)
     is passed to the sampler, e.g. the trainer's weight version for a ``StalenessSampler``.
     ``resource`` names what the task occupies in the trace (default: its name); tasks that
-    share devices, e.g. rollout and training when colocated, share a resource.
+    share devices, e.g. rollout and training when colocated, share a resource. ``lease_s``: how
+    long a pulled batch stays leased (on the loop's clock) before the store hands it to
+    another worker; make it longer than one call of ``fn`` can take.
     """
 
     name: str
@@ -94,6 +97,7 @@ class Task:
     layout: Layout = "padded"
     current_version: Callable[[], Version] | None = None
     resource: str | None = None
+    lease_s: float = DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +341,7 @@ class Pipeline:
             version = task.current_version() if task.current_version is not None else None
             meta = await store.get_meta(
                 self.partition, task.name, list(task.consumes), task.batch_size,
-                sampler=sampler, timeout=None, current_version=version,
+                sampler=sampler, timeout=None, current_version=version, lease_s=task.lease_s,
             )  # fmt: skip
             if meta.end_of_stream:
                 if tracer is not None:

@@ -1,0 +1,159 @@
+"""Pipeline benchmark: the same simulated RL workload run colocated-sync (the baseline: rollout
+and training take turns on all devices) and asynchronous (η = 1, staged weight sync, rollout
+and training on their own devices), in one run, on the real store / samplers / workflow with
+simulated engines on a virtual clock (see asyncflow_reference.sim for every cost constant).
+
+Prints, for the headline preset: both runs, the throughput ratio (``speedup``), the ideal
+overlap bound from the same cost model (``ideal_speedup``: colocated step time over the
+bubble-free async step of the same split) and the fraction of it reached; a staleness sweep
+(where the time goes when η is small); and the weak-scaling table 32 -> 1024 devices for the
+7B and 32B presets next to the paper's published aggregates (1.59x average, 2.03x peak; the
+paper's per-scale figures are not in our sources). The last stdout line is one JSON object.
+
+    python benchmarks/pipeline.py                  # full: headline, sweep, scaling table
+    python benchmarks/pipeline.py --quick          # headline on fewer steps, no table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "reference")]
+
+from asyncflow_reference.presets import get_preset  # noqa: E402
+from asyncflow_reference.simulate import (  # noqa: E402
+    Comparison,
+    format_runs,
+    run_row,
+    simulate,
+    with_steps,
+)
+
+PAPER = {"average_speedup": 1.59, "peak_speedup": 2.03, "devices": "32-1024"}
+TARGET_SPEEDUP = 1.59
+TARGET_EFFICIENCY = 0.95
+
+
+def _job(spec: tuple[str, int | None, int | None, str, int]) -> tuple[Any, ...]:
+    """One simulated run (in a worker process): (preset, devices, steps, mode, η)."""
+    name, devices, steps, mode, eta = spec
+    preset = get_preset(name)
+    if devices is not None and devices != preset.devices:
+        preset = preset.scaled(devices)
+    if steps is not None:
+        preset = with_steps(preset, steps)
+    run = simulate(preset, mode, staleness=eta, weight_sync="staged")  # type: ignore[arg-type]
+    return spec, run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen2.5-7b-grpo")
+    parser.add_argument("--quick", action="store_true", help="headline only, 5 steps")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+
+    steps = 5 if args.quick else None
+    specs: list[tuple[str, int | None, int | None, str, int]] = [
+        (args.preset, None, steps, "colocated", 0),
+        (args.preset, None, steps, "async", 1),
+    ]
+    sweep = [] if args.quick else [2, 4]
+    specs += [(args.preset, None, steps, "async", eta) for eta in sweep]
+    scales = [] if args.quick else [32, 64, 128, 256, 512, 1024]
+    models = ["qwen2.5-7b-grpo", "qwen2.5-32b-grpo"]
+    for model in models:
+        for d in scales:
+            if model == args.preset and d == get_preset(model).devices:
+                continue  # the headline runs already cover it
+            specs += [(model, d, None, "colocated", 0), (model, d, None, "async", 1)]
+
+    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+        done = dict(pool.map(_job, specs))
+
+    preset = get_preset(args.preset)
+    if steps is not None:
+        preset = with_steps(preset, steps)
+    colocated = done[(args.preset, None, steps, "colocated", 0)]
+    asynchronous = done[(args.preset, None, steps, "async", 1)]
+    head = Comparison(preset, colocated, asynchronous)
+    print(
+        f"== {preset.name}: {preset.cost.model}, {preset.devices} devices, "
+        f"{preset.samples_per_step} samples/step, {preset.steps} steps (virtual time; "
+        "throughput after step 1) =="
+    )
+    print(format_runs([colocated, asynchronous]))
+    print(
+        f"speedup {head.speedup:.2f}x (target >= {TARGET_SPEEDUP}); ideal overlap bound "
+        f"{head.ideal_speedup:.2f}x (bubble-free async step {head.ideal_step_s:.1f} s vs "
+        f"measured {asynchronous.step_s:.1f} s); reached {head.efficiency:.0%} of the bound "
+        f"(target >= {TARGET_EFFICIENCY:.0%})"
+    )
+
+    sweep_rows = []
+    if sweep:
+        print("\n== staleness sweep (async, staged sync): the bound is the same for every η ==")
+        runs = [asynchronous] + [done[(args.preset, None, steps, "async", e)] for e in sweep]
+        print(format_runs(runs))
+        for eta, run in zip([1, *sweep], runs, strict=True):
+            ratio = run.samples_per_s / colocated.samples_per_s
+            print(f"η={eta}: speedup {ratio:.2f}x, {ratio / head.ideal_speedup:.0%} of the bound")
+            sweep_rows.append({"staleness": eta, "speedup": ratio, **run_row(run)})
+
+    table = []
+    if scales:
+        print("\n== weak scaling (samples per device fixed), async η=1 staged vs colocated ==")
+        print(f"{'model':<18} {'devices':>8} {'split r/t':>10} {'coloc s/step':>13} "
+              f"{'async s/step':>13} {'speedup':>8} {'bound':>7} {'of bound':>9}")  # fmt: skip
+        for model in models:
+            for d in scales:
+                p = get_preset(model)
+                key_d = None if (model == args.preset and d == p.devices) else d
+                c_run = done[(model, key_d, None if key_d else steps, "colocated", 0)]
+                a_run = done[(model, key_d, None if key_d else steps, "async", 1)]
+                comp = Comparison(a_run.preset, c_run, a_run)
+                print(
+                    f"{model:<18} {d:>8} {f'{a_run.rollout_devices}/{a_run.train_devices}':>10}"
+                    f" {c_run.step_s:>13.1f} {a_run.step_s:>13.1f} {comp.speedup:>7.2f}x"
+                    f" {comp.ideal_speedup:>6.2f}x {comp.efficiency:>9.0%}"
+                )
+                table.append(
+                    {"model": model, "devices": d, "speedup": comp.speedup,
+                     "ideal_speedup": comp.ideal_speedup, "efficiency": comp.efficiency}
+                )  # fmt: skip
+        speedups = [r["speedup"] for r in table]
+        print(
+            f"simulated: average {sum(speedups) / len(speedups):.2f}x, peak {max(speedups):.2f}x;"
+            f" paper (arXiv 2507.01663, Ascend, {PAPER['devices']} devices): average "
+            f"{PAPER['average_speedup']}x, peak {PAPER['peak_speedup']}x"
+        )
+
+    print(
+        json.dumps(
+            {
+                "benchmark": "pipeline",
+                "preset": preset.name,
+                "speedup": round(head.speedup, 4),
+                "ideal_speedup": round(head.ideal_speedup, 4),
+                "efficiency": round(head.efficiency, 4),
+                "targets": {"speedup": TARGET_SPEEDUP, "efficiency": TARGET_EFFICIENCY},
+                "colocated": run_row(colocated),
+                "async": run_row(asynchronous),
+                "staleness_sweep": sweep_rows,
+                "scaling": table,
+                "paper": PAPER,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
