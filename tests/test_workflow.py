@@ -350,7 +350,8 @@ def test_a_pipeline_runs_on_the_virtual_clock_in_simulated_seconds() -> None:
         await asyncio.sleep(3600.0)  # an hour per batch, simulated
         return {"sq": list(batch["x"] ** 2)}
 
-    pipe = Pipeline(numbers(8), [Task("sq", slow, ("x",), ("sq",), batch_size=2, workers=2)])
+    task = Task("sq", slow, ("x",), ("sq",), batch_size=2, workers=2, lease_s=7200.0)
+    pipe = Pipeline(numbers(8), [task])
     t0 = time.perf_counter()
     result = run_virtual(pipe.run())
     assert time.perf_counter() - t0 < 5.0
