@@ -281,6 +281,8 @@ class Pipeline:
     ) -> None:
         loop = asyncio.get_running_loop()
         made = self.source.batches()
+        # (with a tracer: a "task" span per batch a plain iterator makes, a "wait" span per
+        # batch an async source yields, and a "put" span per put)
         done = object()
         tracer, name = self.tracer, self.source.name
         resource = self.source.resource
@@ -306,9 +308,10 @@ class Pipeline:
             counts[name] += len(rows)
             if tracer is not None:
                 tokens, versions = _tag_stats(out.tags or ())
+                # an async source mostly awaits something (admission, I/O): a "wait" span
                 tracer.record(
-                    "task", name, t_start, t_put, resource=resource, rows=len(rows),
-                    tokens=tokens, versions=versions,
+                    "wait" if async_items is not None else "task", name, t_start, t_put,
+                    resource=resource, rows=len(rows), tokens=tokens, versions=versions,
                 )  # fmt: skip
                 tracer.record("put", name, t_put, tracer.now(), resource=resource, rows=len(rows))
         await store.close(self.partition)
@@ -351,6 +354,8 @@ class Pipeline:
                     )  # fmt: skip
                 return
             batch = await store.get_data(meta, layout=task.layout)
+            if self._stop is not None and self._stop.is_set():
+                return  # stopping: start nothing new (the leased rows are abandoned)
             if tracer is None:
                 result = await call(batch)
             else:
