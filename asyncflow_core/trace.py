@@ -338,10 +338,14 @@ class Tracer:
             metrics=self.metrics,
         )
 
-    def plot_timeline(self, path: str | Path, *, title: str | None = None) -> Path:
-        """Draw the spans as a PNG timeline: one row per resource/worker, coloured by kind.
-        Needs matplotlib (``pip install 'asyncflow[plot]'``)."""
-        return plot_timeline(self.spans, path, title=title)
+    def plot_timeline(
+        self, path: str | Path, *, title: str | None = None, max_lanes_per_resource: int = 4
+    ) -> Path:
+        """Draw the spans as a PNG timeline: one row per resource/worker, coloured by kind
+        (see the module-level ``plot_timeline``). Needs matplotlib (``asyncflow[plot]``)."""
+        return plot_timeline(
+            self.spans, path, title=title, max_lanes_per_resource=max_lanes_per_resource
+        )
 
 
 # -- summary -----------------------------------------------------------------------------------
@@ -632,9 +636,17 @@ def _span_from_event(e: Mapping[str, Any], names: Mapping[Any, str]) -> Span:
 KIND_COLORS = {"task": "tab:blue", "wait": "tab:gray", "put": "tab:olive", "sync": "tab:red"}
 
 
-def plot_timeline(spans: Sequence[Span], path: str | Path, *, title: str | None = None) -> Path:
+def plot_timeline(
+    spans: Sequence[Span],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    max_lanes_per_resource: int = 4,
+) -> Path:
     """Write a PNG timeline of ``spans`` (one row per resource/worker, coloured by kind;
-    exposed syncs hatched). Raises ``MissingExtraError`` without matplotlib."""
+    exposed syncs hatched). A resource with more than ``max_lanes_per_resource`` workers gets
+    one row, "resource[N workers]", showing when any of them was busy (its waits left out).
+    Raises ``MissingExtraError`` without matplotlib."""
     try:
         figure_mod = importlib.import_module("matplotlib.figure")
         patches = importlib.import_module("matplotlib.patches")
@@ -644,6 +656,16 @@ def plot_timeline(spans: Sequence[Span], path: str | Path, *, title: str | None 
             "pip install 'asyncflow[plot]'"
         ) from e
     path = Path(path)
+    workers: dict[str, set[int]] = {}
+    for sp in spans:
+        workers.setdefault(sp.resource, set()).add(sp.worker)
+    crowded = {r: len(w) for r, w in workers.items() if len(w) > max_lanes_per_resource}
+    spans = [
+        Span(sp.kind, sp.name, sp.resource, -1, sp.start, sp.end, exposed=sp.exposed)
+        if sp.resource in crowded else sp
+        for sp in spans
+        if not (sp.resource in crowded and sp.kind not in BUSY_KINDS)
+    ]  # fmt: skip
     lanes = sorted({(s.resource, s.worker) for s in spans})
     index = {lane: i for i, lane in enumerate(lanes)}
     fig = figure_mod.Figure(figsize=(12, 1.0 + 0.45 * max(len(lanes), 1)), dpi=120)
@@ -666,7 +688,7 @@ def plot_timeline(spans: Sequence[Span], path: str | Path, *, title: str | None 
                         hatch="//" if exposed else None, edgecolor="none",
                     )  # fmt: skip
     ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"{r}[{w}]" for r, w in lanes])
+    ax.set_yticklabels([f"{r}[{crowded[r]} workers]" if w == -1 else f"{r}[{w}]" for r, w in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title(title or f"asyncflow timeline ({len(spans)} spans)")

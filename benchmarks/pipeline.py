@@ -28,13 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "reference")]
 
 from asyncflow_reference.presets import get_preset  # noqa: E402
-from asyncflow_reference.simulate import (  # noqa: E402
-    Comparison,
-    format_runs,
-    run_row,
-    simulate,
-    with_steps,
-)
+from asyncflow_reference.simulate import run_row, simulate, with_steps  # noqa: E402
 
 PAPER = {"average_speedup": 1.59, "peak_speedup": 2.03, "devices": "32-1024"}
 TARGET_SPEEDUP = 1.59
@@ -50,17 +44,43 @@ def _job(spec: tuple[str, int | None, int | None, str, int]) -> tuple[Any, ...]:
     if steps is not None:
         preset = with_steps(preset, steps)
     run = simulate(preset, mode, staleness=eta, weight_sync="staged")  # type: ignore[arg-type]
-    return spec, run
+    row = run_row(run)  # plain data: a run itself holds locks and loops, it does not pickle
+    row["ideal_step_s"] = preset.ideal().step_s
+    row["samples_per_step"] = preset.samples_per_step
+    return spec, row
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'mode':<10} {'η':>2} {'devices':>8} {'split r/t':>10} {'step s':>8} {'samples/s':>10} "
+        f"{'tokens/s':>10} {'bubble':>26} {'dropped':>8} {'real s':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        bubble = " ".join(f"{k}={v:.2f}" for k, v in r["bubble"].items())
+        split = f"{r['rollout_devices']}/{r['train_devices']}"
+        lines.append(
+            f"{r['mode']:<10} {r.get('staleness', 0):>2} {r['devices']:>8} {split:>10} "
+            f"{r['step_s']:>8.1f} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} "
+            f"{bubble:>26} {r['dropped']:>8} {r['real_s']:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _compare(colocated: dict[str, Any], asynchronous: dict[str, Any]) -> dict[str, float]:
+    speedup = asynchronous["samples_per_s"] / colocated["samples_per_s"]
+    ideal = colocated["step_s"] / asynchronous["ideal_step_s"]
+    return {"speedup": speedup, "ideal_speedup": ideal, "efficiency": speedup / ideal}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-7b-grpo")
-    parser.add_argument("--quick", action="store_true", help="headline only, 5 steps")
+    parser.add_argument("--quick", action="store_true", help="headline only, 3 steps")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
 
-    steps = 5 if args.quick else None
+    steps = 3 if args.quick else None
     specs: list[tuple[str, int | None, int | None, str, int]] = [
         (args.preset, None, steps, "colocated", 0),
         (args.preset, None, steps, "async", 1),
@@ -78,34 +98,36 @@ def main() -> int:
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
         done = dict(pool.map(_job, specs))
 
+    for (_, _, _, _, eta), row in done.items():
+        row["staleness"] = eta
     preset = get_preset(args.preset)
     if steps is not None:
         preset = with_steps(preset, steps)
     colocated = done[(args.preset, None, steps, "colocated", 0)]
     asynchronous = done[(args.preset, None, steps, "async", 1)]
-    head = Comparison(preset, colocated, asynchronous)
+    head = _compare(colocated, asynchronous)
     print(
         f"== {preset.name}: {preset.cost.model}, {preset.devices} devices, "
         f"{preset.samples_per_step} samples/step, {preset.steps} steps (virtual time; "
         "throughput after step 1) =="
     )
-    print(format_runs([colocated, asynchronous]))
+    print(_table([colocated, asynchronous]))
     print(
-        f"speedup {head.speedup:.2f}x (target >= {TARGET_SPEEDUP}); ideal overlap bound "
-        f"{head.ideal_speedup:.2f}x (bubble-free async step {head.ideal_step_s:.1f} s vs "
-        f"measured {asynchronous.step_s:.1f} s); reached {head.efficiency:.0%} of the bound "
-        f"(target >= {TARGET_EFFICIENCY:.0%})"
+        f"speedup {head['speedup']:.2f}x (target >= {TARGET_SPEEDUP}); ideal overlap bound "
+        f"{head['ideal_speedup']:.2f}x (bubble-free async step {asynchronous['ideal_step_s']:.1f}"
+        f" s vs measured {asynchronous['step_s']:.1f} s); reached {head['efficiency']:.0%} of "
+        f"the bound (target >= {TARGET_EFFICIENCY:.0%})"
     )
 
     sweep_rows = []
     if sweep:
         print("\n== staleness sweep (async, staged sync): the bound is the same for every η ==")
         runs = [asynchronous] + [done[(args.preset, None, steps, "async", e)] for e in sweep]
-        print(format_runs(runs))
+        print(_table(runs))
         for eta, run in zip([1, *sweep], runs, strict=True):
-            ratio = run.samples_per_s / colocated.samples_per_s
-            print(f"η={eta}: speedup {ratio:.2f}x, {ratio / head.ideal_speedup:.0%} of the bound")
-            sweep_rows.append({"staleness": eta, "speedup": ratio, **run_row(run)})
+            comp = _compare(colocated, run)
+            print(f"η={eta}: speedup {comp['speedup']:.2f}x, {comp['efficiency']:.0%} of the bound")
+            sweep_rows.append({"staleness": eta, **comp})
 
     table = []
     if scales:
@@ -115,19 +137,18 @@ def main() -> int:
         for model in models:
             for d in scales:
                 p = get_preset(model)
-                key_d = None if (model == args.preset and d == p.devices) else d
-                c_run = done[(model, key_d, None if key_d else steps, "colocated", 0)]
-                a_run = done[(model, key_d, None if key_d else steps, "async", 1)]
-                comp = Comparison(a_run.preset, c_run, a_run)
+                head_run = model == args.preset and d == p.devices
+                key_d, key_steps = (None, steps) if head_run else (d, None)
+                c_row = done[(model, key_d, key_steps, "colocated", 0)]
+                a_row = done[(model, key_d, key_steps, "async", 1)]
+                comp = _compare(c_row, a_row)
+                split = f"{a_row['rollout_devices']}/{a_row['train_devices']}"
                 print(
-                    f"{model:<18} {d:>8} {f'{a_run.rollout_devices}/{a_run.train_devices}':>10}"
-                    f" {c_run.step_s:>13.1f} {a_run.step_s:>13.1f} {comp.speedup:>7.2f}x"
-                    f" {comp.ideal_speedup:>6.2f}x {comp.efficiency:>9.0%}"
+                    f"{model:<18} {d:>8} {split:>10} {c_row['step_s']:>13.1f} "
+                    f"{a_row['step_s']:>13.1f} {comp['speedup']:>7.2f}x "
+                    f"{comp['ideal_speedup']:>6.2f}x {comp['efficiency']:>9.0%}"
                 )
-                table.append(
-                    {"model": model, "devices": d, "speedup": comp.speedup,
-                     "ideal_speedup": comp.ideal_speedup, "efficiency": comp.efficiency}
-                )  # fmt: skip
+                table.append({"model": model, "devices": d, **comp})
         speedups = [r["speedup"] for r in table]
         print(
             f"simulated: average {sum(speedups) / len(speedups):.2f}x, peak {max(speedups):.2f}x;"
@@ -140,12 +161,12 @@ def main() -> int:
             {
                 "benchmark": "pipeline",
                 "preset": preset.name,
-                "speedup": round(head.speedup, 4),
-                "ideal_speedup": round(head.ideal_speedup, 4),
-                "efficiency": round(head.efficiency, 4),
+                "speedup": round(head["speedup"], 4),
+                "ideal_speedup": round(head["ideal_speedup"], 4),
+                "efficiency": round(head["efficiency"], 4),
                 "targets": {"speedup": TARGET_SPEEDUP, "efficiency": TARGET_EFFICIENCY},
-                "colocated": run_row(colocated),
-                "async": run_row(asynchronous),
+                "colocated": colocated,
+                "async": asynchronous,
                 "staleness_sweep": sweep_rows,
                 "scaling": table,
                 "paper": PAPER,

@@ -71,3 +71,19 @@ def test_datastore_benchmark_quick_emits_json() -> None:
             _positive_finite(f"get_meta[{sampler}].{name}", figures[name])
     # the table comes before the JSON line
     assert any("put_get" in line or "ratio" in line for line in lines[:-1])
+
+
+@pytest.mark.slow
+def test_pipeline_benchmark_quick_emits_json() -> None:
+    """benchmarks/pipeline.py --quick: colocated vs async on the simulator; the last line is
+    one JSON object with the speedup, the ideal bound and the preset."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--quick", "--workers", "1"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["preset"].startswith("qwen2.5-7b")
+    for key in ("speedup", "ideal_speedup", "efficiency"):
+        _positive_finite(key, last[key])
+    assert "ideal overlap bound" in proc.stdout
