@@ -341,6 +341,7 @@ class RLJob:
         self._transport: WeightSync | None = None
         self._transport_ready = False
         self._sleeping = False
+        self._closing = False
         self._sampler = _DropCounter(
             StalenessSampler(
                 config.staleness if config.drop_stale else 1 << 30, "drop",
@@ -416,7 +417,14 @@ class RLJob:
             await self._safe_point()
             prompts = [tuple(int(x) for x in p.tolist()) for p in batch["prompt"]]
             group = batch.tags[0].group if batch.tags else None
-            results = await asyncio.gather(*(self._generate(p, group) for p in prompts))
+            jobs = [asyncio.ensure_future(self._generate(p, group)) for p in prompts]
+            try:
+                results = await asyncio.gather(*jobs)
+            except BaseException:
+                for job in jobs:  # one failed (or we were cancelled): stop its siblings
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                raise
         except BaseException:
             self.admission.cancel(len(batch))
             raise
@@ -445,7 +453,7 @@ class RLJob:
             while True:
                 self._inflight[rid] = engine
                 result = await engine.generate(request)
-                if result.finish_reason != "abort":
+                if result.finish_reason != "abort" or self._closing:
                     return result
                 # aborted at a sync: resume from the prefix (partial rollout) or start over;
                 # a paused engine holds the new request until it resumes
@@ -621,9 +629,11 @@ class RLJob:
     async def run(self) -> RLResult:
         loop = asyncio.get_running_loop()
         self._t0 = loop.time()
+        self._closing = False
         try:
             result = await self.pipeline.run(self.store)
         finally:
+            self._closing = True  # aborted generations are not re-submitted any more
             await self._abort_inflight()
         return RLResult(
             self.config, tuple(self.steps), result.wall_s, self._sampler.dropped,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         DataStoreStateMachine,
         make_datastore_state_machine,
     )
+    from asyncflow_conformance.workflow import WorkflowCase, WorkflowConformance
 
 _EXPORTS = {
     "DataStoreConformance": "asyncflow_conformance.datastore",
@@ -25,6 +26,8 @@ _EXPORTS = {
     "DataStoreStateMachine": "asyncflow_conformance.stateful",
     "make_datastore_state_machine": "asyncflow_conformance.stateful",
     "SchedulerConformance": "asyncflow_conformance.scheduler",
+    "WorkflowCase": "asyncflow_conformance.workflow",
+    "WorkflowConformance": "asyncflow_conformance.workflow",
 }
 
 __all__ = [
@@ -33,6 +36,8 @@ __all__ = [
     "FakeClock",
     "SchedulerConformance",
     "StoreFactory",
+    "WorkflowCase",
+    "WorkflowConformance",
     "make_datastore_state_machine",
 ]
 
