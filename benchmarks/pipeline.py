@@ -95,8 +95,15 @@ def main() -> int:
                 continue  # the headline runs already cover it
             specs += [(model, d, None, "colocated", 0), (model, d, None, "async", 1)]
 
+    done: dict[tuple[str, int | None, int | None, str, int], dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        done = dict(pool.map(_job, specs))
+        for spec, row in pool.map(_job, specs):
+            done[spec] = row
+            print(
+                f"  ran {spec[0]} devices={spec[1] or 'preset'} {spec[3]} η={spec[4]}: "
+                f"{row['step_s']:.1f} s/step, {row['real_s']:.0f} s real",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
 
     for (_, _, _, _, eta), row in done.items():
         row["staleness"] = eta

@@ -10,16 +10,19 @@ takes a second); any InferenceEngine / TrainEngine pair plugs into ``RLEngines``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
 
+from asyncflow_reference.presets import get_preset
+from asyncflow_reference.sim import SimInferenceEngine, SimTrainEngine, SimWeightTransport
+
 from asyncflow_core import SamplingParams
+from asyncflow_core.errors import MissingExtraError
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult
 from asyncflow_core.trace import Tracer, format_summary
 from asyncflow_core.vclock import run_virtual
-from asyncflow_reference.presets import get_preset
-from asyncflow_reference.sim import SimInferenceEngine, SimTrainEngine, SimWeightTransport
 
 # a small workload: Qwen2.5-7B costs, responses capped at 2k tokens, 8 devices
 cost = dataclasses.replace(get_preset("qwen2.5-7b-grpo").cost, response_max_tokens=2048)
@@ -67,10 +70,8 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             r.tracer.write_chrome_trace(out / f"{mode}.trace.json")  # open in Perfetto
             r.tracer.write_metrics_jsonl(out / f"{mode}.metrics.jsonl")
-            try:
+            with contextlib.suppress(MissingExtraError):  # the PNG needs the `plot` extra
                 r.tracer.plot_timeline(out / f"{mode}.png", title=f"{mode} (simulated)")
-            except ImportError:
-                pass  # the PNG needs the `plot` extra (matplotlib)
     speedup = results["async"].steady_samples_per_s / results["colocated"].steady_samples_per_s
     print(f"async / colocated throughput: {speedup:.2f}x")
     tracer = results["async"].tracer
