@@ -72,7 +72,13 @@ from asyncflow_core.rl import group_advantages, policy_gradient_loss
 from asyncflow_core.scheduling import GroupSampler, RequestRouter, StalenessSampler
 from asyncflow_core.staleness import AdmissionController
 from asyncflow_core.trace import Tracer
-from asyncflow_core.weightsync import HostBuffer, InProcessWeightSync, _pause, _resume
+from asyncflow_core.weightsync import (
+    HostBuffer,
+    InProcessWeightSync,
+    _apply,
+    _pause,
+    _resume,
+)
 from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
 Mode = Literal["async", "colocated"]
@@ -593,13 +599,10 @@ class RLJob:
         mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
         await _pause(self.engines.rollout, mode)
         try:
-            await asyncio.gather(
-                *(
-                    e.load_weights(weights, version)
-                    for e in self.engines.rollout
-                    if isinstance(e, SupportsLoadWeights)
-                )
-            )
+            await _apply(
+                [e for e in self.engines.rollout if isinstance(e, SupportsLoadWeights)],
+                weights, version,
+            )  # fmt: skip
         finally:
             await _resume(self.engines.rollout)
         self._span("swap", "rollout", t0, True, version)
