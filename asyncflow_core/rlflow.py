@@ -72,13 +72,7 @@ from asyncflow_core.rl import group_advantages, policy_gradient_loss
 from asyncflow_core.scheduling import GroupSampler, RequestRouter, StalenessSampler
 from asyncflow_core.staleness import AdmissionController
 from asyncflow_core.trace import Tracer
-from asyncflow_core.weightsync import (
-    HostBuffer,
-    InProcessWeightSync,
-    _apply,
-    _pause,
-    _resume,
-)
+from asyncflow_core.weightsync import InProcessWeightSync, StagedUpdate, _pause, _resume
 from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
 Mode = Literal["async", "colocated"]
@@ -235,18 +229,19 @@ class RLResult:
 
     @property
     def steady_samples_per_s(self) -> float:
-        if len(self.steps) < 2:
-            return self.samples_per_s
-        span = self.steps[-1].end_s - self.steps[0].end_s
-        n = sum(s.samples for s in self.steps[1:])
-        return n / span if span > 0 else 0.0
+        return self._steady(lambda s: s.samples)
 
     @property
     def steady_tokens_per_s(self) -> float:
+        return self._steady(lambda s: s.tokens)
+
+    def _steady(self, amount: Callable[[StepRecord], int]) -> float:
+        """``amount`` per second after the first step (over the whole run if only one)."""
         if len(self.steps) < 2:
-            return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+            total = sum(amount(s) for s in self.steps)
+            return total / self.wall_s if self.wall_s > 0 else 0.0
         span = self.steps[-1].end_s - self.steps[0].end_s
-        n = sum(s.tokens for s in self.steps[1:])
+        n = sum(amount(s) for s in self.steps[1:])
         return n / span if span > 0 else 0.0
 
     @property
@@ -343,7 +338,7 @@ class RLJob:
         self._rid = 0
         self._inflight: dict[str, InferenceEngine] = {}
         self._t0 = 0.0
-        self._staged: HostBuffer | None = None
+        self._staged: StagedUpdate | None = None
         self._transport: WeightSync | None = None
         self._transport_ready = False
         self._sleeping = False
@@ -410,10 +405,7 @@ class RLJob:
     async def _feed(self) -> AsyncIterator[TaskOutput]:
         n = self.config.n
         for group, prompt in enumerate(self.prompts):
-            t0 = self._now()
-            await self.admission.admit(n)
-            if self.tracer is not None and self._now() > t0:
-                self.tracer.record("wait", "admission", t0, self._now(), resource="feeder")
+            await self.admission.admit(n)  # the pipeline traces this as the source's wait
             tensor = torch.as_tensor(list(prompt), dtype=torch.long)
             yield TaskOutput({"prompt": [tensor] * n}, tags=[Tags(group=group)] * n)
 
@@ -526,20 +518,20 @@ class RLJob:
             self.pipeline.stop()
 
     # -- weight sync ---------------------------------------------------------------------------
+    def _load_targets(self) -> list[SupportsLoadWeights]:
+        targets: list[SupportsLoadWeights] = [
+            e for e in self.engines.rollout if isinstance(e, SupportsLoadWeights)
+        ]
+        if len(targets) != len(self.engines.rollout):
+            raise ConfigError(
+                "every rollout engine must support load_weights(weights, version) for weight sync"
+            )
+        return targets
+
     async def _ensure_transport(self) -> WeightSync:
-        cfg = self.config
+        """The transport of a blocking or in-flight sync (straight into the engines)."""
         if self._transport is None:
-            if cfg.weight_sync == "staged":
-                self._staged = HostBuffer()
-                self._transport = self.engines.make_transport([self._staged])
-            else:
-                targets = [e for e in self.engines.rollout if isinstance(e, SupportsLoadWeights)]
-                if len(targets) != len(self.engines.rollout):
-                    raise ConfigError(
-                        "every rollout engine must support load_weights(weights, version) "
-                        "for in-process weight sync"
-                    )
-                self._transport = self.engines.make_transport(targets)
+            self._transport = self.engines.make_transport(self._load_targets())
         if not self._transport_ready:
             await self._transport.init()
             self._transport_ready = True
@@ -561,10 +553,19 @@ class RLJob:
 
     async def _sync(self, version: Version) -> None:
         cfg = self.config
-        transport = await self._ensure_transport()
         if cfg.weight_sync == "staged":  # into the host buffer; swapped at a safe point
-            await self._transfer(transport, version, send_exposed=False, load_exposed=False)
-        elif cfg.weight_sync == "inflight":  # engines stall only while loading
+            if self._staged is None:
+                mode: Literal["abort", "keep"] = "abort" if cfg.partial_rollout else "keep"
+                self._staged = StagedUpdate(
+                    self._load_targets(), self.engines.make_transport, pause_mode=mode
+                )
+            t0 = self._now()
+            await self._staged.sync(self.engines.trainer.export_weights(cfg.bucket_bytes), version)
+            self._span("transfer", "trainer", t0, False, version)
+            self.admission.set_version(version)
+            return
+        transport = await self._ensure_transport()
+        if cfg.weight_sync == "inflight":  # engines stall only while loading
             await self._transfer(transport, version, send_exposed=False, load_exposed=True)
         else:  # blocking
             self.gate.close()
@@ -575,7 +576,7 @@ class RLJob:
                 else:
                     await self.gate.drained()
                     await _pause(self.engines.rollout, "keep")
-                self._span("drain", self._rollout_resource(), t0, True, version)
+                self._span("drain", "rollout", t0, True, version)
                 try:
                     if cfg.mode == "colocated":
                         await self._wake()
@@ -588,24 +589,12 @@ class RLJob:
 
     async def _safe_point(self) -> None:
         """Before a rollout group starts: apply staged weights (the delayed update's swap)."""
-        buffer = self._staged
-        if buffer is None or buffer.pending_version is None:
+        if self._staged is None or self._staged.pending_version is None:
             return
-        staged = buffer.take()
-        if staged is None:
-            return
-        weights, version = staged
         t0 = self._now()
-        mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
-        await _pause(self.engines.rollout, mode)
-        try:
-            await _apply(
-                [e for e in self.engines.rollout if isinstance(e, SupportsLoadWeights)],
-                weights, version,
-            )  # fmt: skip
-        finally:
-            await _resume(self.engines.rollout)
-        self._span("swap", "rollout", t0, True, version)
+        timing = await self._staged.apply()  # takes the staged set before its first await
+        if timing is not None:
+            self._span("swap", "rollout", t0, True, timing.version)
 
     # -- colocated switching -------------------------------------------------------------------
     async def _to_training(self) -> None:
@@ -660,9 +649,6 @@ class RLJob:
         if self.tracer is not None:
             return self.tracer.now()
         return asyncio.get_running_loop().time() - self._t0
-
-    def _rollout_resource(self) -> str:
-        return "devices" if self.config.mode == "colocated" else "rollout"
 
     def _span(
         self, phase: str, resource: str, t0: float, exposed: bool, version: Version | None
