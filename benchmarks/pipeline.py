@@ -28,7 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "reference")]
 
 from asyncflow_reference.presets import get_preset  # noqa: E402
-from asyncflow_reference.simulate import run_row, simulate, with_steps  # noqa: E402
+from asyncflow_reference.simulate import (  # noqa: E402
+    format_rows,
+    run_row,
+    simulate,
+    with_steps,
+)
 
 PAPER = {"average_speedup": 1.59, "peak_speedup": 2.03, "devices": "32-1024"}
 TARGET_SPEEDUP = 1.59
@@ -48,23 +53,6 @@ def _job(spec: tuple[str, int | None, int | None, str, int]) -> tuple[Any, ...]:
     row["ideal_step_s"] = preset.ideal().step_s
     row["samples_per_step"] = preset.samples_per_step
     return spec, row
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    header = (
-        f"{'mode':<10} {'η':>2} {'devices':>8} {'split r/t':>10} {'step s':>8} {'samples/s':>10} "
-        f"{'tokens/s':>10} {'bubble':>26} {'dropped':>8} {'real s':>7}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        bubble = " ".join(f"{k}={v:.2f}" for k, v in r["bubble"].items())
-        split = f"{r['rollout_devices']}/{r['train_devices']}"
-        lines.append(
-            f"{r['mode']:<10} {r.get('staleness', 0):>2} {r['devices']:>8} {split:>10} "
-            f"{r['step_s']:>8.1f} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} "
-            f"{bubble:>26} {r['dropped']:>8} {r['real_s']:>7.1f}"
-        )
-    return "\n".join(lines)
 
 
 def _compare(colocated: dict[str, Any], asynchronous: dict[str, Any]) -> dict[str, float]:
@@ -105,8 +93,6 @@ def main() -> int:
                 file=sys.stderr, flush=True,
             )  # fmt: skip
 
-    for (_, _, _, _, eta), row in done.items():
-        row["staleness"] = eta
     preset = get_preset(args.preset)
     if steps is not None:
         preset = with_steps(preset, steps)
@@ -118,7 +104,7 @@ def main() -> int:
         f"{preset.samples_per_step} samples/step, {preset.steps} steps (virtual time; "
         "throughput after step 1) =="
     )
-    print(_table([colocated, asynchronous]))
+    print(format_rows([colocated, asynchronous]))
     print(
         f"speedup {head['speedup']:.2f}x (target >= {TARGET_SPEEDUP}); ideal overlap bound "
         f"{head['ideal_speedup']:.2f}x (bubble-free async step {asynchronous['ideal_step_s']:.1f}"
@@ -130,7 +116,7 @@ def main() -> int:
     if sweep:
         print("\n== staleness sweep (async, staged sync): the bound is the same for every η ==")
         runs = [asynchronous] + [done[(args.preset, None, steps, "async", e)] for e in sweep]
-        print(_table(runs))
+        print(format_rows(runs))
         for eta, run in zip([1, *sweep], runs, strict=True):
             comp = _compare(colocated, run)
             print(f"η={eta}: speedup {comp['speedup']:.2f}x, {comp['efficiency']:.0%} of the bound")

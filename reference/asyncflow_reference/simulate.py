@@ -188,10 +188,6 @@ def compare(preset: SimPreset, **async_knobs: Any) -> Comparison:
     return Comparison(preset, colocated, asynchronous)
 
 
-def scaled_presets(preset: SimPreset, devices: Sequence[int]) -> list[SimPreset]:
-    return [preset if d == preset.devices else preset.scaled(d) for d in devices]
-
-
 def with_steps(preset: SimPreset, steps: int) -> SimPreset:
     return dataclasses.replace(preset, steps=steps, max_steps=steps)
 
@@ -202,9 +198,8 @@ __all__ = [
     "SimRun",
     "cli_simulate",
     "compare",
-    "format_runs",
+    "format_rows",
     "run_row",
-    "scaled_presets",
     "simulate",
     "with_steps",
 ]
@@ -219,6 +214,7 @@ def run_row(run: SimRun) -> dict[str, Any]:
     resources = summary.get("resources", {})
     return {
         "mode": run.mode,
+        "staleness": run.result.config.staleness,
         "devices": run.preset.devices,
         "rollout_devices": run.rollout_devices,
         "train_devices": run.train_devices,
@@ -240,20 +236,20 @@ def run_row(run: SimRun) -> dict[str, Any]:
     }
 
 
-def format_runs(runs: Sequence[SimRun]) -> str:
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """A fixed-width table of ``run_row`` dicts."""
     header = (
-        f"{'mode':<10} {'devices':>8} {'split r/t':>10} {'step s':>8} {'samples/s':>10} "
-        f"{'tokens/s':>10} {'bubble':>22} {'dropped':>8} {'real s':>7}"
+        f"{'mode':<10} {'η':>2} {'devices':>8} {'split r/t':>10} {'step s':>8} {'samples/s':>10} "
+        f"{'tokens/s':>10} {'bubble':>26} {'dropped':>8} {'real s':>7}"
     )
     lines = [header, "-" * len(header)]
-    for run in runs:
-        row = run_row(run)
-        bubble = " ".join(f"{k}={v:.2f}" for k, v in row["bubble"].items())
+    for r in rows:
+        bubble = " ".join(f"{k}={v:.2f}" for k, v in r["bubble"].items())
+        split = f"{r['rollout_devices']}/{r['train_devices']}"
         lines.append(
-            f"{run.mode:<10} {run.preset.devices:>8} "
-            f"{f'{run.rollout_devices}/{run.train_devices}':>10} {run.step_s:>8.1f} "
-            f"{run.samples_per_s:>10.2f} {run.tokens_per_s:>10.0f} {bubble:>22} "
-            f"{run.result.dropped:>8} {run.real_s:>7.1f}"
+            f"{r['mode']:<10} {r['staleness']:>2} {r['devices']:>8} {split:>10} "
+            f"{r['step_s']:>8.1f} {r['samples_per_s']:>10.2f} {r['tokens_per_s']:>10.0f} "
+            f"{bubble:>26} {r['dropped']:>8} {r['real_s']:>7.1f}"
         )
     return "\n".join(lines)
 
@@ -323,7 +319,7 @@ def cli_simulate(args: Any) -> int:
         f"{preset.samples_per_step} samples/step ({preset.prompts_per_step} prompts x "
         f"{preset.n}), {preset.steps} steps; virtual time, steady state after step 1"
     )
-    print(format_runs(runs))
+    print(format_rows([run_row(r) for r in runs]))
     if len(runs) == 2:
         print(
             f"speedup async/colocated {result['speedup']:.2f}x; ideal overlap bound "
