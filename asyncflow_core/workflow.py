@@ -77,8 +77,9 @@ class Task:
     ``fn(batch)`` returns the ``produces`` fields for ``batch.rows`` (a ``TaskOutput`` or a
     plain mapping; ``None`` when it produces nothing). A plain function runs in a worker thread
     (engine kernels release the GIL); an ``async def`` runs on the event loop (engines with an
-    async API, simulated engines). ``workers`` coroutines pull batches of ``batch_size`` rows
-    concurrently. ``sampler`` (a Scheduler, or a zero-argument factory giving each worker its
+    async API, simulated engines). Up to ``workers`` batches of ``batch_size`` rows run
+    concurrently, each in a worker slot; one puller per task leases a batch whenever a slot is
+    idle. ``sampler`` (a Scheduler, or a zero-argument factory giving each worker slot its
     own) chooses the rows; default sequential. ``current_version`` (called before every pull)
     is passed to the sampler, e.g. the trainer's weight version for a ``StalenessSampler``.
     ``resource`` names what the task occupies in the trace (default: its name); tasks that
@@ -241,10 +242,9 @@ class Pipeline:
         try:
             jobs[asyncio.create_task(self._feed(store, executor, counts))] = self.source.name
             for task in self.tasks:
-                for w in range(task.workers):
-                    job = asyncio.create_task(self._work(store, task, w, executor, counts))
-                    job.set_name(f"{task.name}[{w}]")
-                    jobs[job] = task.name
+                job = asyncio.create_task(self._serve(store, task, executor, counts))
+                job.set_name(task.name)
+                jobs[job] = task.name
             pending: set[asyncio.Task[Any]] = {*jobs, stopper}
             while pending - {stopper}:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -316,73 +316,123 @@ class Pipeline:
                 tracer.record("put", name, t_put, tracer.now(), resource=resource, rows=len(rows))
         await store.close(self.partition)
 
-    async def _work(
+    async def _serve(
+        self,
+        store: DataStore,
+        task: Task,
+        executor: ThreadPoolExecutor,
+        counts: dict[str, int],
+    ) -> None:
+        """Run one task: a single puller leases a batch whenever one of the task's
+        ``workers`` slots is idle (lowest idle slot first) and runs it in that slot. One
+        waiter per task on the store however many workers it has, so a change to the
+        partition wakes a handful of pullers, not thousands of idle workers. A slot that
+        raises ends the task with that exception."""
+        tracer = self.tracer
+        if callable(task.sampler) and not hasattr(task.sampler, "select"):
+            samplers: list[Scheduler | None] = [task.sampler() for _ in range(task.workers)]
+        else:
+            samplers = [task.sampler] * task.workers
+        idle: asyncio.PriorityQueue[int] = asyncio.PriorityQueue()
+        for w in range(task.workers):
+            idle.put_nowait(w)
+        t0 = tracer.now() if tracer is not None else 0.0
+        idle_since = [t0] * task.workers
+
+        async def run_slot(
+            worker: int, meta: BatchMeta, batch: Batch, version: Version | None
+        ) -> None:
+            try:
+                await self._run_batch(
+                    store, task, worker, meta, batch, version, idle_since[worker], executor
+                )
+                counts[task.name] += len(meta)
+            finally:
+                if tracer is not None:
+                    idle_since[worker] = tracer.now()
+                idle.put_nowait(worker)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                while True:
+                    worker = await idle.get()
+                    version = task.current_version() if task.current_version is not None else None
+                    meta = await store.get_meta(
+                        self.partition, task.name, list(task.consumes), task.batch_size,
+                        sampler=samplers[worker], timeout=None, current_version=version,
+                        lease_s=task.lease_s,
+                    )  # fmt: skip
+                    if meta.end_of_stream:
+                        idle.put_nowait(worker)
+                        break
+                    batch = await store.get_data(meta, layout=task.layout)
+                    if self._stop is not None and self._stop.is_set():
+                        return  # stopping: start nothing new (the leased rows are abandoned)
+                    group.create_task(run_slot(worker, meta, batch, version))
+        except BaseExceptionGroup as eg:
+            raise _first_leaf(eg) from None
+        if tracer is not None:  # every slot waited for data that never came
+            end = tracer.now()
+            for w in range(task.workers):
+                tracer.record(
+                    "wait", task.name, idle_since[w], end, resource=task.resource, worker=w,
+                    end_of_stream=True,
+                )  # fmt: skip
+
+    async def _run_batch(
         self,
         store: DataStore,
         task: Task,
         worker: int,
+        meta: BatchMeta,
+        batch: Batch,
+        version: Version | None,
+        idle_since: float,
         executor: ThreadPoolExecutor,
-        counts: dict[str, int],
     ) -> None:
-        loop = asyncio.get_running_loop()
+        """One iteration of one worker slot (idle since ``idle_since``; ``version``: the
+        task's current version when the batch was pulled): call, write the produced fields,
+        ack."""
         tracer = self.tracer
-        sampler = (
-            task.sampler()
-            if callable(task.sampler) and not hasattr(task.sampler, "select")
-            else task.sampler
-        )
         resource = task.resource
-        is_async = _is_async(task.fn)
 
-        async def call(batch: Batch) -> object:
-            if is_async:
+        async def call() -> object:
+            if _is_async(task.fn):
                 return await task.fn(batch)  # type: ignore[misc]
-            return await loop.run_in_executor(executor, task.fn, batch)
+            return await asyncio.get_running_loop().run_in_executor(executor, task.fn, batch)
 
-        while True:
-            t_wait = tracer.now() if tracer is not None else 0.0
-            version = task.current_version() if task.current_version is not None else None
-            meta = await store.get_meta(
-                self.partition, task.name, list(task.consumes), task.batch_size,
-                sampler=sampler, timeout=None, current_version=version, lease_s=task.lease_s,
+        if tracer is None:
+            result = await call()
+        else:
+            t_run = tracer.now()
+            tracer.record(
+                "wait", task.name, idle_since, t_run, resource=resource, worker=worker,
+                rows=len(meta),
             )  # fmt: skip
-            if meta.end_of_stream:
-                if tracer is not None:
-                    tracer.record(
-                        "wait", task.name, t_wait, tracer.now(), resource=resource,
-                        worker=worker, end_of_stream=True,
-                    )  # fmt: skip
-                return
-            batch = await store.get_data(meta, layout=task.layout)
-            if self._stop is not None and self._stop.is_set():
-                return  # stopping: start nothing new (the leased rows are abandoned)
-            if tracer is None:
-                result = await call(batch)
-            else:
-                t_run = tracer.now()
+            try:
+                result = await call()
+            except BaseException as e:
                 tracer.record(
-                    "wait", task.name, t_wait, t_run, resource=resource, worker=worker,
-                    rows=len(meta),
+                    "task", task.name, t_run, tracer.now(), resource=resource, worker=worker,
+                    rows=len(meta), error=type(e).__name__,
                 )  # fmt: skip
-                try:
-                    result = await call(batch)
-                except BaseException as e:
-                    tracer.record(
-                        "task", task.name, t_run, tracer.now(), resource=resource,
-                        worker=worker, rows=len(meta), error=type(e).__name__,
-                    )  # fmt: skip
-                    raise
-                _record_task(tracer, task, worker, t_run, tracer.now(), meta, result, version)
-            if task.produces:
-                out = _normalize(task.name, task.produces, result, len(meta))
-                await store.put(self.partition, out.data, rows=meta.rows, tags=out.tags)
-            elif result is not None:
-                raise PipelineError(
-                    f"task {task.name!r} declares no produced fields but returned "
-                    f"{type(result).__name__}; return None or declare produces=..."
-                )
-            await store.ack(meta)
-            counts[task.name] += len(meta)
+                raise
+            _record_task(tracer, task, worker, t_run, tracer.now(), meta, result, version)
+        if task.produces:
+            out = _normalize(task.name, task.produces, result, len(meta))
+            await store.put(self.partition, out.data, rows=meta.rows, tags=out.tags)
+        elif result is not None:
+            raise PipelineError(
+                f"task {task.name!r} declares no produced fields but returned "
+                f"{type(result).__name__}; return None or declare produces=..."
+            )
+        await store.ack(meta)
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first non-group exception of a (nested) exception group."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def _tag_stats(tags: Iterable[Tags]) -> tuple[int, tuple[int, int] | None]:
