@@ -8,6 +8,7 @@ data, for capacity) is the caller's job, driven by ``generation`` and ``add_list
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
@@ -44,7 +45,6 @@ from asyncflow_core.protocols import (
     SampleRequest,
     Scheduler,
     Selection,
-    SupportsRankReplay,
     Tags,
 )
 
@@ -142,6 +142,9 @@ class _Partition:
         self.free_codes: list[int] = []
         self.tasks: dict[str, _TaskState] = {}
         self.leases: dict[str, _Lease] = {}
+        # (deadline, lease_id) of every lease, earliest first; entries of ended leases are
+        # skipped lazily and compacted away, so expiry and the next deadline cost O(log n)
+        self.deadlines: list[tuple[float, str]] = []
         self.replay: dict[tuple[str, int], list[str]] = {}
         self.pending: dict[int, _PendingPut] = {}
         self.rows_live = 0
@@ -218,6 +221,33 @@ class _Partition:
                 "them; write to rows returned by put()"
             )
         return slots
+
+    # -- leases --------------------------------------------------------------------------------
+    def add_lease(self, lease: _Lease) -> None:
+        self.leases[lease.lease_id] = lease
+        heapq.heappush(self.deadlines, (lease.deadline, lease.lease_id))
+        if len(self.deadlines) > 2 * len(self.leases) + 64:  # mostly ended leases: compact
+            self.deadlines = [(x.deadline, x.lease_id) for x in self.leases.values()]
+            heapq.heapify(self.deadlines)
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a live lease (None without leases)."""
+        heap = self.deadlines
+        while heap and heap[0][1] not in self.leases:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def due_leases(self, now: float) -> list[_Lease]:
+        """Live leases whose deadline is at or before ``now``, earliest first (they stay
+        registered: the caller ends them)."""
+        due: list[_Lease] = []
+        heap = self.deadlines
+        while heap and heap[0][0] <= now:
+            _, lid = heapq.heappop(heap)
+            lease = self.leases.get(lid)
+            if lease is not None:
+                due.append(lease)
+        return due
 
     # -- tags ----------------------------------------------------------------------------------
     def group_code(self, group: int | str | None) -> int:
@@ -668,7 +698,7 @@ class Controller:
                     served={member},
                 )
                 ts.leased[p.lookup(rows)] = True
-                p.leases[lease.lease_id] = lease
+                p.add_lease(lease)
                 if members > 1:
                     p.replay.setdefault((task, dp_rank), []).append(lease.lease_id)
                 changed = True
@@ -799,8 +829,7 @@ class Controller:
     def _expire(self, p: _Partition) -> bool:
         if not p.leases:
             return False
-        now = self._clock()
-        gone = [lease for lease in p.leases.values() if lease.deadline <= now]
+        gone = p.due_leases(self._clock())
         for lease in gone:
             self._release(p, lease, "expired")
         return bool(gone)
@@ -820,9 +849,7 @@ class Controller:
     def next_deadline(self, partition: str) -> float | None:
         with self._lock:
             p = self._parts.get(partition)
-            if p is None or not p.leases:
-                return None
-            return min(lease.deadline for lease in p.leases.values())
+            return None if p is None else p.next_deadline()
 
     def _reclaim(self, p: _Partition, slots: IntArray) -> None:
         """Rows consumed by every registered task are dropped from the metadata; their ids are
@@ -886,9 +913,11 @@ def _finished(p: _Partition, ts: _TaskState) -> bool:
 
 
 def _members(sampler: Scheduler) -> int:
-    if isinstance(sampler, SupportsRankReplay):
+    # the SupportsRankReplay check by attribute: a runtime-checkable isinstance costs more
+    # than the rest of a lease
+    if hasattr(sampler, "members_per_rank"):
         m = sampler.members_per_rank
-        if not isinstance(m, int) or m < 1:
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise BadRequestError(f"members_per_rank must be an int >= 1, got {m!r}")
         return m
     return 1
