@@ -413,7 +413,7 @@ class RLJob:
         await self.gate.enter()
         try:
             await self._safe_point()
-            prompts = [tuple(int(x) for x in p.tolist()) for p in batch["prompt"]]
+            prompts = [tuple(p.tolist()) for p in batch["prompt"]]
             group = batch.tags[0].group if batch.tags else None
             jobs = [asyncio.ensure_future(self._generate(p, group)) for p in prompts]
             try:

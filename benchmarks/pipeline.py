@@ -20,14 +20,14 @@ import argparse
 import json
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "reference")]
 
-from asyncflow_reference.presets import get_preset  # noqa: E402
+from asyncflow_reference.presets import SimPreset, get_preset  # noqa: E402
 from asyncflow_reference.simulate import (  # noqa: E402
     format_rows,
     run_row,
@@ -42,17 +42,26 @@ TARGET_EFFICIENCY = 0.95
 
 def _job(spec: tuple[str, int | None, int | None, str, int]) -> tuple[Any, ...]:
     """One simulated run (in a worker process): (preset, devices, steps, mode, η)."""
-    name, devices, steps, mode, eta = spec
-    preset = get_preset(name)
-    if devices is not None and devices != preset.devices:
-        preset = preset.scaled(devices)
-    if steps is not None:
-        preset = with_steps(preset, steps)
+    mode, eta = spec[3], spec[4]
+    preset = _preset(spec)
     run = simulate(preset, mode, staleness=eta, weight_sync="staged")  # type: ignore[arg-type]
     row = run_row(run)  # plain data: a run itself holds locks and loops, it does not pickle
     row["ideal_step_s"] = preset.ideal().step_s
     row["samples_per_step"] = preset.samples_per_step
     return spec, row
+
+
+def _preset(spec: tuple[str, int | None, int | None, str, int]) -> SimPreset:
+    name, devices, steps, _, _ = spec
+    preset = get_preset(name)
+    if devices is not None and devices != preset.devices:
+        preset = preset.scaled(devices)
+    return preset if steps is None else with_steps(preset, steps)
+
+
+def _samples_simulated(spec: tuple[str, int | None, int | None, str, int]) -> int:
+    preset = _preset(spec)
+    return preset.samples_per_step * preset.steps
 
 
 def _compare(colocated: dict[str, Any], asynchronous: dict[str, Any]) -> dict[str, float]:
@@ -66,6 +75,10 @@ def main() -> int:
     parser.add_argument("--preset", default="qwen2.5-7b-grpo")
     parser.add_argument("--quick", action="store_true", help="headline only, 3 steps")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--scales", default="32,64,128,256,512,1024",
+        help="device counts of the weak-scaling table, comma-separated ('' for none)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     steps = 3 if args.quick else None
@@ -75,7 +88,11 @@ def main() -> int:
     ]
     sweep = [] if args.quick else [2, 4]
     specs += [(args.preset, None, steps, "async", eta) for eta in sweep]
-    scales = [] if args.quick else [32, 64, 128, 256, 512, 1024]
+    try:
+        scales = [int(x) for x in args.scales.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--scales must be comma-separated device counts, got {args.scales!r}")
+    scales = [] if args.quick else scales
     models = ["qwen2.5-7b-grpo", "qwen2.5-32b-grpo"]
     for model in models:
         for d in scales:
@@ -84,12 +101,16 @@ def main() -> int:
             specs += [(model, d, None, "colocated", 0), (model, d, None, "async", 1)]
 
     done: dict[tuple[str, int | None, int | None, str, int], dict[str, Any]] = {}
+    # longest first (real time grows with the samples simulated), so the workers finish together
+    specs.sort(key=_samples_simulated, reverse=True)
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        for spec, row in pool.map(_job, specs):
+        futures = [pool.submit(_job, spec) for spec in specs]
+        for i, future in enumerate(as_completed(futures), 1):
+            spec, row = future.result()
             done[spec] = row
             print(
-                f"  ran {spec[0]} devices={spec[1] or 'preset'} {spec[3]} η={spec[4]}: "
-                f"{row['step_s']:.1f} s/step, {row['real_s']:.0f} s real",
+                f"  [{i}/{len(specs)}] {spec[0]} devices={spec[1] or 'preset'} {spec[3]} "
+                f"η={spec[4]}: {row['step_s']:.1f} s/step, {row['real_s']:.0f} s real",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
 
