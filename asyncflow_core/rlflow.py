@@ -68,7 +68,7 @@ from asyncflow_core.protocols import (
     Version,
     WeightSync,
 )
-from asyncflow_core.rl import group_advantages, policy_gradient_loss
+from asyncflow_core.rl import PROX_LOGPROBS, group_advantages, policy_gradient_loss
 from asyncflow_core.scheduling import GroupSampler, RequestRouter, StalenessSampler
 from asyncflow_core.staleness import AdmissionController
 from asyncflow_core.trace import Tracer
@@ -108,6 +108,9 @@ class RLConfig:
     bucket_bytes: int = 1 << 30
     reference_logprobs: bool = False
     """Add a task computing the reference model's log-probs (needs ``RLEngines.reference``)."""
+    proximal_logprobs: bool = False
+    """Before each update, compute the ``prox_logprobs`` field with the trainer's current
+    weights (π_prox of decoupled PPO, ``asyncflow_core.rl.DecoupledPPOLoss``)."""
     drop_stale: bool = True
     """Drop samples older than η at the update (keeps the staleness law exact)."""
     partition: str = "rl"
@@ -497,6 +500,12 @@ class RLJob:
         stale = [v0 - t.min_version for t in batch.tags if t.versions]
         if cfg.mode == "colocated":
             await self._to_training()
+        if cfg.proximal_logprobs:
+            prox = await trainer.compute_logprobs(batch)
+            lengths = dict(batch.lengths)
+            if "response" in lengths:
+                lengths[PROX_LOGPROBS] = lengths["response"]
+            batch = Batch(batch.rows, {**batch.data, PROX_LOGPROBS: prox}, lengths, batch.tags)
         metrics = await trainer.train_step(batch, self.loss_fn)
         lengths = batch.lengths
         tokens = sum(int(lengths[f].sum()) for f in ("prompt", "response") if f in lengths)

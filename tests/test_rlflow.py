@@ -261,3 +261,13 @@ def test_sync_every_skips_syncs_and_per_step_metrics_are_recorded() -> None:
     steps = [m.step for m in result.tracer.metrics]
     assert steps == [1, 2, 3, 4, 5]
     assert result.samples == 5 * 12
+
+
+def test_proximal_logprobs_reach_the_update_only_when_asked() -> None:
+    _, trainer, _ = run_job(proximal_logprobs=True)
+    assert trainer.batches and all("prox_logprobs" in b for b in trainer.batches)
+    for b in trainer.batches:
+        assert b["prox_logprobs"].shape[0] == len(b)
+        assert torch.equal(b.lengths["prox_logprobs"], b.lengths["response"])
+    _, plain, _ = run_job()
+    assert plain.batches and not any("prox_logprobs" in b for b in plain.batches)
