@@ -195,7 +195,8 @@ class RLEngines:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One optimizer step: the version it produced, when it ended (loop seconds since the job
-    started), samples and tokens trained, the staleness of its samples, the metrics."""
+    started), samples and tokens trained, the staleness of its samples, the metrics, and the
+    mean reward of its samples."""
 
     version: Version
     end_s: float
@@ -203,6 +204,7 @@ class StepRecord:
     tokens: int
     max_staleness: int
     metrics: TrainMetrics
+    reward_mean: float = math.nan
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +306,8 @@ class RLJob:
     """An RL job on the streaming store. ``prompts`` yields prompt token sequences (consumed
     lazily, one per group); ``reward_fn(prompt, response) -> float``. ``run()`` trains
     ``config.steps`` optimizer steps and returns an ``RLResult``. ``pipeline`` is the
-    ``Pipeline`` it runs (inspect or trace it; build your own variant from the same parts)."""
+    ``Pipeline`` it runs (inspect or trace it; build your own variant from the same parts).
+    ``on_step(record)`` is called after every optimizer step (e.g. to drive a progress bar)."""
 
     def __init__(
         self,
@@ -316,6 +319,7 @@ class RLJob:
         loss_fn: LossFn = policy_gradient_loss,
         tracer: Tracer | None = None,
         store: DataStore | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
     ) -> None:
         config.validate()
         if not engines.rollout:
@@ -330,6 +334,7 @@ class RLJob:
         self.prompts = prompts
         self.reward_fn = reward_fn
         self.loss_fn = loss_fn
+        self.on_step = on_step
         self.tracer = tracer
         self.store = store
         b = config.batch_size
@@ -513,16 +518,21 @@ class RLJob:
         # no sync after the last step: nothing would use it
         if version % cfg.sync_every == 0 and version < cfg.steps:
             await self._sync(version)
+        reward = float(torch.as_tensor(batch["reward"], dtype=torch.float32).mean())
         record = StepRecord(
-            version, self._now(), len(batch), tokens, max(stale, default=0), metrics
+            version, self._now(), len(batch), tokens, max(stale, default=0), metrics, reward
         )
         self.steps.append(record)
         if self.tracer is not None:
-            self.tracer.metric(
-                step=version, loss=metrics.loss, samples=len(batch), tokens=tokens,
-                max_staleness=record.max_staleness, dropped=self._sampler.dropped,
-                reward_mean=float(torch.as_tensor(batch["reward"], dtype=torch.float32).mean()),
+            values: dict[str, float] = {k: v for k, v in metrics.extra.items() if k != "step"}
+            values.update(
+                loss=metrics.loss, grad_norm=metrics.grad_norm, samples=len(batch),
+                tokens=tokens, max_staleness=record.max_staleness,
+                dropped=self._sampler.dropped, reward_mean=reward,
             )  # fmt: skip
+            self.tracer.metric(step=version, **values)
+        if self.on_step is not None:
+            self.on_step(record)
         if version >= cfg.steps:
             self.pipeline.stop()
 

@@ -271,3 +271,20 @@ def test_proximal_logprobs_reach_the_update_only_when_asked() -> None:
         assert torch.equal(b.lengths["prox_logprobs"], b.lengths["response"])
     _, plain, _ = run_job()
     assert plain.batches and not any("prox_logprobs" in b for b in plain.batches)
+
+
+def test_on_step_sees_every_step_with_its_mean_reward() -> None:
+    seen: list[Any] = []
+
+    async def main() -> RLResult:
+        cfg = RLConfig(steps=3, prompts_per_step=2, n=2)
+        job = RLJob(
+            cfg, RLEngines([ToyEngine(0)], ToyTrainer()), ([1, 2] for _ in range(1000)),
+            lambda p, r: float(len(r)), on_step=seen.append,
+        )  # fmt: skip
+        return await job.run()
+
+    result = run_virtual(main())
+    assert tuple(seen) == result.steps and [s.version for s in seen] == [1, 2, 3]
+    # the toy reward is the response length (1..20 tokens): each step's mean lies in that range
+    assert all(1.0 <= s.reward_mean <= 20.0 for s in seen)
