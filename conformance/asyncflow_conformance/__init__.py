@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncflow_conformance.datastore import DataStoreConformance, FakeClock, StoreFactory
+    from asyncflow_conformance.engines import (
+        InferenceEngineConformance,
+        TrainEngineConformance,
+        WeightSyncConformance,
+    )
     from asyncflow_conformance.scheduler import SchedulerConformance
     from asyncflow_conformance.stateful import (
         DataStoreStateMachine,
@@ -23,6 +28,9 @@ _EXPORTS = {
     "DataStoreConformance": "asyncflow_conformance.datastore",
     "FakeClock": "asyncflow_conformance.datastore",
     "StoreFactory": "asyncflow_conformance.datastore",
+    "InferenceEngineConformance": "asyncflow_conformance.engines",
+    "TrainEngineConformance": "asyncflow_conformance.engines",
+    "WeightSyncConformance": "asyncflow_conformance.engines",
     "DataStoreStateMachine": "asyncflow_conformance.stateful",
     "make_datastore_state_machine": "asyncflow_conformance.stateful",
     "SchedulerConformance": "asyncflow_conformance.scheduler",
@@ -34,8 +42,11 @@ __all__ = [
     "DataStoreConformance",
     "DataStoreStateMachine",
     "FakeClock",
+    "InferenceEngineConformance",
     "SchedulerConformance",
     "StoreFactory",
+    "TrainEngineConformance",
+    "WeightSyncConformance",
     "WorkflowCase",
     "WorkflowConformance",
     "make_datastore_state_machine",

@@ -598,6 +598,12 @@ class SimInferenceEngine:
                 f"{self.name}: request {rid!r} has max_tokens={request.params.max_tokens}; "
                 "use a value >= 0"
             )
+        if start > request.params.max_tokens:
+            raise EngineError(
+                f"{self.name}: request {rid!r} resumes {start} tokens but max_tokens="
+                f"{request.params.max_tokens} caps the whole response, resumed tokens included; "
+                "raise max_tokens or resume from a shorter prefix"
+            )
         key = _id_hash(self.seed, rid)
         natural = self.cost.response_length_at(((key >> 11) + 0.5) / 2.0**53)
         cap = request.params.max_tokens

@@ -1,0 +1,1770 @@
+"""Laws of the engine protocols (``InferenceEngine``, ``TrainEngine``, ``WeightSync`` and the
+optional ``SupportsPause`` / ``SupportsSleep`` / ``SupportsLoadWeights`` abilities), as pytest
+classes to subclass. The protocols' docstrings (``asyncflow_core.protocols``) are the contract.
+
+Usage::
+
+    from asyncflow_conformance import (
+        InferenceEngineConformance, TrainEngineConformance, WeightSyncConformance,
+    )
+
+    class TestMyInferenceEngine(InferenceEngineConformance):
+        def make_engine(self):  # sync or async; a fresh engine on every call
+            return MyEngine()
+
+    class TestMyTrainEngine(TrainEngineConformance):
+        def make_engine(self):
+            return MyTrainer()
+
+    class TestMyWeightSync(WeightSyncConformance):
+        def make_source(self):
+            return MyTrainer()
+
+        def make_targets(self):
+            return [MyEngine(), MyEngine()]
+
+        def make_sync(self, targets):
+            return MyTransport(targets)
+
+Every law is a test method running on fresh engines. A law that needs an optional ability
+the engine lacks (detected with the runtime protocols ``SupportsPause``, ``SupportsSleep``,
+``SupportsLoadWeights``) or that the class declares it lacks (``supports_seed_determinism``,
+``supports_real_logprobs``, ``computes_loss``, a ``target_weights`` hook, exported tensors
+that hold data) is skipped with the reason.
+
+Nothing may hang: each law runs its async body on a fresh event loop in a helper thread; every
+await on the engine is bounded by ``timeout_s`` seconds of the loop's clock (a hung call fails
+the law with a message naming the call) and the whole law by ``real_timeout_s`` real seconds
+(an engine that blocks its event loop fails instead of stalling CI). ``virtual_clock = True``
+runs the body on a ``VirtualClockLoop`` (for simulated engines that sleep on the loop's clock:
+their seconds then cost nothing). The ``check_*`` functions hold reusable assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import math
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar, cast
+
+import pytest
+import torch
+
+from asyncflow_core.errors import AsyncFlowError, WeightSyncError
+from asyncflow_core.protocols import (
+    Batch,
+    GenerationRequest,
+    GenerationResult,
+    InferenceEngine,
+    LossFn,
+    SamplingParams,
+    SupportsLoadWeights,
+    SupportsPause,
+    SupportsSleep,
+    TrainEngine,
+    TrainMetrics,
+    Version,
+    WeightBucket,
+    WeightSync,
+)
+from asyncflow_core.rl import policy_gradient_loss
+from asyncflow_core.vclock import SimulationDeadlockError, VirtualClockLoop
+
+__all__ = [
+    "BAD_REQUESTS",
+    "FINISH_REASONS",
+    "PHASE_MISUSES",
+    "InferenceEngineConformance",
+    "TrainEngineConformance",
+    "WeightSyncConformance",
+    "bounded",
+    "check_export",
+    "check_generation_result",
+    "padded_batch",
+    "run_law",
+    "same_bytes",
+    "without_field",
+]
+
+T = TypeVar("T")
+
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+"""The finish reasons a ``GenerationResult`` may carry."""
+
+HUGE_BUCKET = 1 << 62
+"""A ``bucket_bytes`` no model reaches: one bucket may hold everything."""
+
+
+# --------------------------------------------------------------------------------------------
+# Running a law: a fresh loop in a watched thread, every await bounded
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Box:
+    loop: asyncio.AbstractEventLoop | None = None
+    main: asyncio.Task[Any] | None = None
+    error: BaseException | None = None
+
+
+def run_law(
+    make_main: Callable[[], Coroutine[Any, Any, None]],
+    *,
+    what: str,
+    virtual_clock: bool = False,
+    real_timeout_s: float = 300.0,
+    deadlock_timeout_s: float = 10.0,
+) -> None:
+    """Run ``make_main()`` on a fresh event loop (a ``VirtualClockLoop`` if ``virtual_clock``)
+    in a daemon thread, and re-raise here whatever it raised (an ``AssertionError`` of a law,
+    pytest's skip). If it is still running after ``real_timeout_s`` real seconds it is
+    cancelled and an ``AssertionError`` names ``what``; so is a virtual-clock deadlock."""
+    box = _Box()
+
+    def target() -> None:
+        def factory() -> asyncio.AbstractEventLoop:
+            if virtual_clock:
+                return VirtualClockLoop(deadlock_timeout=deadlock_timeout_s)
+            return asyncio.new_event_loop()
+
+        async def main() -> None:
+            box.main = asyncio.current_task()
+            await make_main()
+
+        try:
+            with asyncio.Runner(loop_factory=factory) as runner:
+                box.loop = runner.get_loop()
+                runner.run(main())
+        except BaseException as exc:  # handed to the calling thread
+            box.error = exc
+
+    thread = threading.Thread(target=target, name=f"asyncflow-conformance: {what}", daemon=True)
+    thread.start()
+    thread.join(real_timeout_s)
+    if thread.is_alive():
+        loop, main = box.loop, box.main
+        if loop is not None and main is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(main.cancel)
+        thread.join(10.0)
+        raise AssertionError(
+            f"{what}: still running after {real_timeout_s} s of real time and cancelled: the "
+            "engine hangs while blocking its event loop (a timeout on the loop cannot fire), "
+            "or the law needs a larger real_timeout_s"
+            + ("" if not thread.is_alive() else "; it ignored the cancellation too")
+        )
+    error = box.error
+    if error is None:
+        return
+    if isinstance(error, SimulationDeadlockError):
+        raise AssertionError(
+            f"{what}: every coroutine waits and nothing can wake them (virtual clock): {error}"
+        ) from error
+    raise error
+
+
+async def bounded(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
+    """Await ``awaitable`` for at most ``timeout_s`` seconds of the loop's clock; past that,
+    cancel it and fail with an ``AssertionError`` naming ``what`` (a ``TimeoutError`` the
+    awaitable raises itself passes through unchanged)."""
+    guard = asyncio.timeout(timeout_s)
+    try:
+        async with guard:
+            return await awaitable
+    except TimeoutError:
+        if guard.expired():
+            raise AssertionError(
+                f"{what} did not return within {timeout_s} s (event-loop clock): a hang; if the "
+                "engine is just slow, raise timeout_s"
+            ) from None
+        raise
+
+
+async def settle() -> None:
+    """Let every runnable coroutine on this loop run until it blocks (no sleeping)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def _resolve(value: T | Awaitable[T]) -> T:
+    if inspect.isawaitable(value):
+        return cast(T, await value)
+    return value
+
+
+async def _close(obj: object) -> None:
+    """Call ``obj.close()`` (awaiting it if it is a coroutine) when the object has one."""
+    close = getattr(obj, "close", None)
+    if callable(close):
+        result = close()
+        if inspect.isawaitable(result):
+            await result
+
+
+class _Suite:
+    """The knobs and plumbing every engine suite shares."""
+
+    pytestmark: ClassVar[list[pytest.MarkDecorator]] = [pytest.mark.conformance]
+
+    virtual_clock: ClassVar[bool] = False
+    """Run each law on a ``VirtualClockLoop`` (simulated engines that sleep on the loop's
+    clock); False: a plain event loop, real time."""
+    timeout_s: ClassVar[float] = 60.0
+    """Seconds (on the loop's clock) any single call on an engine may take."""
+    real_timeout_s: ClassVar[float] = 300.0
+    """Real seconds a whole law may take before it is cancelled and fails."""
+    deadlock_timeout_s: ClassVar[float] = 10.0
+    """Virtual clock only: real seconds with nothing scheduled before a deadlock is reported."""
+    known_failures: ClassVar[Mapping[str, str]] = {}
+    """Laws the engine is known to fail, by test name (``"test_x"`` or ``"test_x[param]"``) ->
+    reason: such a law is reported as an expected failure while it fails, and fails the run
+    (strict) once it passes, so the entry is removed when the defect is fixed."""
+
+    def _run(self, law: str, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        what = f"{type(self).__name__}.{law}"
+        reason = self.known_failures.get(law)
+        try:
+            run_law(
+                body,
+                what=what,
+                virtual_clock=self.virtual_clock,
+                real_timeout_s=self.real_timeout_s,
+                deadlock_timeout_s=self.deadlock_timeout_s,
+            )
+        except AssertionError as exc:
+            if reason is None:
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "AssertionError"
+            pytest.xfail(f"known failure: {reason} ({first})")
+        if reason is not None:
+            pytest.fail(
+                f"{what} is listed in known_failures ({reason!r}) but passed: remove the entry",
+                pytrace=False,
+            )
+
+    async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
+        return await bounded(awaitable, self.timeout_s, what)
+
+    async def _expect_error(self, awaitable: Awaitable[Any], what: str) -> AsyncFlowError:
+        """``awaitable`` must raise an ``AsyncFlowError`` subclass with a message."""
+        try:
+            await self._wait(awaitable, what)
+        except AsyncFlowError as exc:
+            assert str(exc).strip(), (
+                f"{what} raised {type(exc).__name__} with an empty message; name the bad "
+                "value and what to do"
+            )
+            return exc
+        except AssertionError:
+            raise
+        except Exception as exc:
+            raise AssertionError(
+                f"{what} raised {type(exc).__name__}: {exc}; a rejected call must raise an "
+                "asyncflow_core.errors.AsyncFlowError subclass (e.g. EngineError)"
+            ) from exc
+        raise AssertionError(f"{what} was accepted; it must raise an AsyncFlowError subclass")
+
+
+# --------------------------------------------------------------------------------------------
+# Checks usable outside the classes
+# --------------------------------------------------------------------------------------------
+def check_generation_result(
+    request: GenerationRequest,
+    result: GenerationResult,
+    *,
+    submitted_version: Version,
+    current_version: Version,
+    vocab_size: int | None = None,
+    context_window: int | None = None,
+    where: str = "",
+) -> None:
+    """The result law: one token, log-prob and version per token; the request's id and prompt
+    echoed; ``finish_reason`` in ``FINISH_REASONS``; at most ``max_tokens`` tokens in all
+    (resumed ones included), exactly that many when ``length`` (or prompt + response filling
+    ``context_window``, if given), at least one (the stop token)
+    when ``stop``; the resumed prefix returned unchanged; every new log-prob finite and
+    ``<= 0``; new tokens report non-decreasing versions between ``submitted_version`` (the
+    engine's version when the request was submitted) and ``current_version`` (its version when
+    the result came back); token ids in ``[0, vocab_size)`` if given."""
+    rid = request.request_id
+    what = f"{where}: request {rid!r}" if where else f"request {rid!r}"
+    assert isinstance(result, GenerationResult), (
+        f"{what}: generate returned {type(result).__name__}, not a GenerationResult"
+    )
+    assert result.request_id == rid, f"{what}: the result names request {result.request_id!r}"
+    assert tuple(result.prompt_tokens) == tuple(request.prompt_tokens), (
+        f"{what}: the result's prompt_tokens {tuple(result.prompt_tokens)[:8]}... are not the "
+        "request's prompt"
+    )
+    n = len(result.tokens)
+    assert n == len(result.logprobs) == len(result.versions), (
+        f"{what}: {n} tokens, {len(result.logprobs)} log-probs and {len(result.versions)} "
+        "versions; a result needs exactly one of each per token"
+    )
+    reason = result.finish_reason
+    assert reason in FINISH_REASONS, f"{what}: finish_reason {reason!r} not in {FINISH_REASONS}"
+    cap = request.params.max_tokens
+    assert n <= cap, (
+        f"{what}: {n} tokens (resumed ones included) for max_tokens={cap}; max_tokens caps the "
+        "whole response"
+    )
+    if reason == "length":
+        full = context_window is not None and len(request.prompt_tokens) + n >= context_window
+        assert n == cap or full, (
+            f"{what}: finish_reason 'length' with {n} tokens, but max_tokens is {cap}; "
+            "'length' means the cap (or the context_window, when declared) was reached"
+        )
+    if reason == "stop":
+        assert n >= 1, f"{what}: finish_reason 'stop' with no token; the stop token is included"
+    k = len(request.resume_tokens)
+    if k:
+        assert tuple(result.tokens[:k]) == tuple(request.resume_tokens), (
+            f"{what}: resumed {k} tokens but the result does not start with them"
+        )
+        assert tuple(result.versions[:k]) == tuple(request.resume_versions), (
+            f"{what}: the resumed prefix's versions {tuple(request.resume_versions)} came back "
+            f"as {tuple(result.versions[:k])}; resumed tokens keep their versions"
+        )
+        same = all(
+            math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+            for a, b in zip(result.logprobs[:k], request.resume_logprobs, strict=True)
+        )
+        assert same, f"{what}: the resumed prefix's log-probs changed"
+    for i in range(k, n):
+        token, lp = result.tokens[i], result.logprobs[i]
+        assert isinstance(token, int), f"{what}: token {i} is {token!r}, not an int"
+        if vocab_size is not None:
+            assert 0 <= token < vocab_size, (
+                f"{what}: token {i} is {token}, outside the vocabulary [0, {vocab_size})"
+            )
+        assert math.isfinite(lp) and lp <= 1e-4, (
+            f"{what}: token {i} has log-prob {lp}; a sampled token's log-prob is finite and <= 0"
+        )
+    new_versions = tuple(result.versions[k:])
+    early = sorted({v for v in new_versions if v < submitted_version})
+    assert not early, (
+        f"{what}: submitted at weight version {submitted_version}, yet new tokens report "
+        f"version(s) {early}; after version v is loaded every sampled token reports >= v"
+    )
+    late = sorted({v for v in new_versions if v > current_version})
+    assert not late, (
+        f"{what}: tokens report version(s) {late}, newer than the engine's weight_version "
+        f"{current_version} when the result came back"
+    )
+    decreasing = [i for i in range(1, len(new_versions)) if new_versions[i] < new_versions[i - 1]]
+    assert not decreasing, (
+        f"{what}: versions decrease along the sequence at new token {decreasing[0]} "
+        f"({new_versions[decreasing[0] - 1]} -> {new_versions[decreasing[0]]})"
+    )
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the two tensors have the same dtype, shape and bytes (NaNs compare by bits)."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.numel() == 0:
+        return True
+    left = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    right = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(left, right)
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+def check_export(
+    buckets: Sequence[WeightBucket], bucket_bytes: int, where: str = "export_weights"
+) -> dict[str, torch.Tensor]:
+    """The export law for one ``export_weights(bucket_bytes)``: every item is a
+    ``WeightBucket`` with one name per tensor; no parameter appears twice; a bucket holding
+    more than one tensor is at most ``bucket_bytes`` (a tensor bigger than that travels alone).
+    Returns the parameters by name."""
+    named: dict[str, torch.Tensor] = {}
+    for i, bucket in enumerate(buckets):
+        assert isinstance(bucket, WeightBucket), (
+            f"{where}: item {i} is {type(bucket).__name__}, not a WeightBucket"
+        )
+        assert len(bucket.names) == len(bucket.tensors), (
+            f"{where}: bucket {i} has {len(bucket.names)} names for {len(bucket.tensors)} tensors"
+        )
+        for name, tensor in bucket:
+            assert isinstance(tensor, torch.Tensor), f"{where}: {name!r} is not a tensor"
+            assert name not in named, (
+                f"{where}: parameter {name!r} was exported twice (buckets must hold every "
+                "parameter exactly once)"
+            )
+            named[name] = tensor
+        if len(bucket.tensors) > 1:
+            assert bucket.nbytes <= bucket_bytes, (
+                f"{where}: bucket {i} holds {len(bucket.tensors)} tensors, {bucket.nbytes} bytes, "
+                f"over bucket_bytes={bucket_bytes}; only a tensor bigger than bucket_bytes may "
+                "exceed it, alone in its bucket"
+            )
+    return named
+
+
+def padded_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    advantages: Sequence[float],
+    *,
+    pad: int = 0,
+) -> Batch:
+    """A ``Batch`` in the store's "padded" layout: ``prompt`` and ``response`` ``[B, max_len]``
+    int64 (padded with ``pad``) with their ``lengths``, and ``advantage`` ``[B]`` float32."""
+    if not len(prompts) == len(responses) == len(advantages):
+        raise ValueError("padded_batch: pass one prompt, response and advantage per row")
+
+    def pack(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max((len(r) for r in rows), default=0)
+        data = torch.full((len(rows), width), pad, dtype=torch.int64)
+        for i, row in enumerate(rows):
+            data[i, : len(row)] = torch.tensor(list(row), dtype=torch.int64)
+        return data, torch.tensor([len(r) for r in rows], dtype=torch.int64)
+
+    prompt, prompt_len = pack(prompts)
+    response, response_len = pack(responses)
+    return Batch(
+        rows=tuple(range(len(prompts))),
+        data={
+            "prompt": prompt,
+            "response": response,
+            "advantage": torch.tensor(list(advantages), dtype=torch.float32),
+        },
+        lengths={"prompt": prompt_len, "response": response_len},
+    )
+
+
+def without_field(batch: Batch, name: str) -> Batch:
+    """``batch`` without ``name`` (neither its data nor its lengths)."""
+    return Batch(
+        rows=batch.rows,
+        data={k: v for k, v in batch.data.items() if k != name},
+        lengths={k: v for k, v in batch.lengths.items() if k != name},
+        tags=batch.tags,
+    )
+
+
+def _outcome(task: asyncio.Future[GenerationResult]) -> str:
+    """How a finished ``generate`` ended, for messages."""
+    if task.cancelled():
+        return "cancelled"
+    error = task.exception()
+    if error is not None:
+        return f"raised {type(error).__name__}: {error}"
+    result = task.result()
+    return f"finish_reason {result.finish_reason!r} with {len(result.tokens)} tokens"
+
+
+def _binomial_tail(n: int, k: int, p: float) -> float:
+    """Two-sided exact binomial p-value of ``k`` successes in ``n`` draws of probability ``p``."""
+    p = min(max(p, 0.0), 1.0)
+    pmf = [math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(n + 1)]
+    low, high = sum(pmf[: k + 1]), sum(pmf[k:])
+    return min(1.0, 2 * min(low, high))
+
+
+# --------------------------------------------------------------------------------------------
+# InferenceEngine
+# --------------------------------------------------------------------------------------------
+BadRequest = Literal[
+    "negative-max-tokens",
+    "resume-without-logprobs",
+    "resume-longer-than-max-tokens",
+    "duplicate-in-flight-id",
+]
+BAD_REQUESTS: tuple[BadRequest, ...] = (
+    "negative-max-tokens",
+    "resume-without-logprobs",
+    "resume-longer-than-max-tokens",
+    "duplicate-in-flight-id",
+)
+"""The malformed requests an engine must reject with an ``AsyncFlowError`` subclass: a
+negative ``max_tokens``; resumed tokens without one log-prob and version each; a resumed
+prefix longer than ``max_tokens`` (no result could both echo it and respect the cap); an id
+already in flight."""
+
+
+@dataclass
+class _Gen:
+    """A submitted ``generate``: the request, its task and the engine's version then."""
+
+    request: GenerationRequest
+    task: asyncio.Future[GenerationResult]
+    version: Version
+
+
+class InferenceEngineConformance(_Suite):
+    """The ``InferenceEngine`` laws; subclass it (as ``Test...``) and implement
+    ``make_engine``. Class attributes size the requests and declare what the engine cannot
+    do; ``prompt_tokens``, ``weights_for_load`` and ``close_engine`` are optional hooks."""
+
+    max_tokens: ClassVar[int] = 8
+    """The cap of a short request."""
+    long_max_tokens: ClassVar[int] = 256
+    """The cap of a long request: one that must still be generating ``progress_s`` after it
+    was submitted (the abort, pause and in-flight load laws act on such requests)."""
+    progress_s: ClassVar[float] = 0.1
+    """Loop seconds to let long requests generate a few tokens before acting on them (doubled
+    up to five times when an abort found no token yet)."""
+    pause_hold_s: ClassVar[float] = 0.2
+    """Loop seconds the pause laws wait while paused, to see that nothing finishes."""
+    temperature: ClassVar[float] = 1.0
+    vocab_size: ClassVar[int | None] = None
+    """When set, every generated token id must lie in ``[0, vocab_size)``."""
+    context_window: ClassVar[int | None] = None
+    """The engine's context length (prompt + response), if it ends requests with ``length``
+    there; keep ``long_max_tokens`` below it so long requests are ended by the laws."""
+    supports_seed_determinism: ClassVar[bool] = True
+    """``SamplingParams.seed`` makes a request reproducible, whatever runs beside it."""
+    supports_real_logprobs: ClassVar[bool] = True
+    """``logprobs`` are the real log-probabilities of the sampling distribution (False for a
+    simulator that reports made-up numbers)."""
+    logprob_samples: ClassVar[int] = 64
+    """One-token requests drawn by the log-prob law."""
+    logprob_atol: ClassVar[float] = 1e-2
+    """How far two reports of the same token's log-prob after the same context may differ."""
+
+    # -- hooks for the backend author --------------------------------------------------------
+    def make_engine(self) -> InferenceEngine | Awaitable[InferenceEngine]:
+        """A fresh engine (sync or async factory); called on the law's event loop."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement make_engine(self), returning a fresh "
+            "InferenceEngine (or an awaitable of one) on every call"
+        )
+
+    def prompt_tokens(self, index: int) -> Sequence[int]:
+        """The ``index``-th prompt: valid token ids for the engine's vocabulary (default: four
+        ids in ``[1, min(vocab_size, 1000))``, distinct per index)."""
+        vocab = min(self.vocab_size or 1000, 1000)
+        return tuple(1 + (7 * index + 3 * k) % (vocab - 1) for k in range(4))
+
+    def weights_for_load(self, engine: Any) -> Sequence[tuple[str, torch.Tensor]]:
+        """What the version laws pass to ``load_weights`` (default: nothing, a version bump
+        only); an engine that needs real tensors returns its current weights here."""
+        return ()
+
+    async def close_engine(self, engine: Any) -> None:
+        """Release an engine after a law (default: its ``close()``, if it has one)."""
+        await _close(engine)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _law(self, name: str, body: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
+        async def main() -> None:
+            engine = await self._wait(_resolve(self.make_engine()), "make_engine()")
+            assert isinstance(engine, InferenceEngine), (
+                f"make_engine() returned {type(engine).__name__}, which lacks the "
+                "InferenceEngine protocol (weight_version, generate, abort)"
+            )
+            try:
+                await body(engine)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._wait(self.close_engine(engine), "close_engine()")
+                raise
+            await self._wait(self.close_engine(engine), "close_engine()")
+
+        self._run(name, main)
+
+    def _request(
+        self, rid: str, index: int, max_tokens: int, *, seed: int | None = None
+    ) -> GenerationRequest:
+        params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=seed)
+        return GenerationRequest(rid, tuple(self.prompt_tokens(index)), params)
+
+    def _submit(self, engine: InferenceEngine, request: GenerationRequest) -> _Gen:
+        return _Gen(request, asyncio.ensure_future(engine.generate(request)), engine.weight_version)
+
+    async def _finish(self, engine: InferenceEngine, gen: _Gen) -> GenerationResult:
+        """Wait (bounded) for a submitted request and check the result law on it."""
+        rid = gen.request.request_id
+        result = await self._wait(gen.task, f"generate({rid!r})")
+        self._check(engine, gen.request, result, gen.version)
+        return result
+
+    async def _generate(
+        self, engine: InferenceEngine, request: GenerationRequest
+    ) -> GenerationResult:
+        return await self._finish(engine, self._submit(engine, request))
+
+    def _check(
+        self,
+        engine: InferenceEngine,
+        request: GenerationRequest,
+        result: GenerationResult,
+        submitted: Version,
+    ) -> None:
+        check_generation_result(
+            request,
+            result,
+            submitted_version=submitted,
+            current_version=engine.weight_version,
+            vocab_size=self.vocab_size,
+            context_window=self.context_window,
+        )
+
+    async def _still_works(self, engine: InferenceEngine, rid: str) -> GenerationResult:
+        result = await self._generate(engine, self._request(rid, 1, self.max_tokens, seed=7))
+        assert result.finish_reason != "abort", (
+            f"request {rid!r}, submitted to an idle engine and never aborted, came back "
+            "with finish_reason 'abort'"
+        )
+        return result
+
+    async def _aborted_prefix(
+        self, engine: InferenceEngine, tag: str
+    ) -> tuple[GenerationRequest, GenerationResult]:
+        """A long request aborted after it generated at least one token."""
+        wait = self.progress_s
+        for attempt in range(6):
+            request = self._request(f"{tag}-partial-{attempt}", 2, self.long_max_tokens, seed=11)
+            gen = self._submit(engine, request)
+            await settle()
+            await asyncio.sleep(wait)
+            await self._wait(engine.abort([request.request_id]), "abort([...])")
+            result = await self._finish(engine, gen)
+            if result.finish_reason != "abort":
+                raise AssertionError(
+                    f"request {request.request_id!r} (max_tokens={self.long_max_tokens}) "
+                    f"finished with {result.finish_reason!r} ({len(result.tokens)} tokens) "
+                    f"before abort() {wait} s after it was submitted: abort() did not end it, "
+                    "or it was too short; raise long_max_tokens or lower progress_s"
+                )
+            if result.tokens:
+                return request, result
+            wait *= 2
+        raise AssertionError(
+            f"a long request aborted {wait / 2} s after submission had generated no token yet "
+            "(after 6 tries, doubling the wait); raise progress_s"
+        )
+
+    def _require(self, engine: Any, ability: type, name: str) -> None:
+        if not isinstance(engine, ability):
+            pytest.skip(f"{type(engine).__name__} does not implement {name} (optional ability)")
+
+    # -- the laws ----------------------------------------------------------------------------
+    def test_results_are_well_formed(self) -> None:
+        """Result law on concurrent requests of caps 1, ``max_tokens`` and
+        ``long_max_tokens``: see ``check_generation_result``; none comes back ``abort``, and a
+        request capped at one token ends with ``length`` (or ``stop``)."""
+
+        async def body(engine: InferenceEngine) -> None:
+            caps = (1, self.max_tokens, self.long_max_tokens) * 2
+            gens = [
+                self._submit(engine, self._request(f"shape-{i}", i, cap, seed=100 + i))
+                for i, cap in enumerate(caps)
+            ]
+            results = [await self._finish(engine, g) for g in gens]
+            for gen, result in zip(gens, results, strict=True):
+                assert result.finish_reason != "abort", (
+                    f"request {gen.request.request_id!r} was never aborted but finished "
+                    "with 'abort'"
+                )
+            assert any(r.finish_reason == "length" for r in results), (
+                "no request ended with finish_reason 'length', not even those with "
+                f"max_tokens=1 (reasons: {[r.finish_reason for r in results]}); a request "
+                "that reaches max_tokens ends with 'length'"
+            )
+
+        self._law("test_results_are_well_formed", body)
+
+    def test_seeded_generation_is_deterministic(self) -> None:
+        """The same request with the same ``seed`` gives the same tokens twice, and again when
+        other requests are generated beside it."""
+        if not self.supports_seed_determinism:
+            pytest.skip("the engine declares supports_seed_determinism = False")
+
+        async def body(engine: InferenceEngine) -> None:
+            cap = min(self.long_max_tokens, 4 * self.max_tokens)
+            request = self._request("seeded", 0, cap, seed=1234)
+            first = await self._generate(engine, request)
+            second = await self._generate(engine, request)
+            others = [
+                self._submit(engine, self._request(f"beside-{i}", 10 + i, cap, seed=i))
+                for i in range(3)
+            ]
+            gen = self._submit(engine, request)
+            third = await self._finish(engine, gen)
+            for other in others:
+                await self._finish(engine, other)
+            same = tuple(first.tokens) == tuple(second.tokens)
+            assert same and first.finish_reason == second.finish_reason, (
+                f"request 'seeded' (seed=1234) generated {first.tokens[:8]}... "
+                f"({first.finish_reason}) then {second.tokens[:8]}... ({second.finish_reason})"
+            )
+            same = tuple(first.tokens) == tuple(third.tokens)
+            assert same and first.finish_reason == third.finish_reason, (
+                f"request 'seeded' (seed=1234) generated {first.tokens[:8]}... alone but "
+                f"{third.tokens[:8]}... with 3 other requests beside it; a seeded request must "
+                "not depend on its batch"
+            )
+
+        self._law("test_seeded_generation_is_deterministic", body)
+
+    def test_abort_returns_the_prefix(self) -> None:
+        """``abort`` ends exactly the named in-flight requests: each returns at once what it
+        generated so far with ``finish_reason="abort"`` (with seeds: a prefix of the full
+        generation); a request not named keeps going to its natural end."""
+
+        async def body(engine: InferenceEngine) -> None:
+            requests = [
+                self._request(f"abort-{i}", 3 + i, self.long_max_tokens, seed=50 + i)
+                for i in range(3)
+            ]
+            full: dict[str, GenerationResult] = {}
+            if self.supports_seed_determinism:
+                for r in requests[:2]:
+                    full[r.request_id] = await self._generate(engine, r)
+            gens = [self._submit(engine, r) for r in requests]
+            await settle()
+            await asyncio.sleep(self.progress_s)
+            pending = [g.request.request_id for g in gens[:2] if not g.task.done()]
+            await self._wait(engine.abort([r.request_id for r in requests[:2]]), "abort([...])")
+            results = [await self._finish(engine, g) for g in gens]
+            aborted = [r for r in results[:2] if r.finish_reason == "abort"]
+            assert aborted, (
+                f"abort() of in-flight requests {pending} returned none of them with "
+                f"finish_reason 'abort' (got {[r.finish_reason for r in results[:2]]}): abort() "
+                "does not end in-flight requests, or they finished first (raise "
+                "long_max_tokens or lower progress_s)"
+            )
+            for result in results[:2]:
+                reference = full.get(result.request_id)
+                if reference is None:
+                    continue
+                if result.finish_reason == "abort":
+                    k = len(result.tokens)
+                    assert tuple(result.tokens) == tuple(reference.tokens[:k]), (
+                        f"request {result.request_id!r} was aborted with {k} tokens that are "
+                        "not a prefix of its seeded generation"
+                    )
+                else:
+                    assert tuple(result.tokens) == tuple(reference.tokens), (
+                        f"request {result.request_id!r} finished before the abort but differs "
+                        "from its seeded generation"
+                    )
+            assert results[2].finish_reason != "abort", (
+                f"abort({[r.request_id for r in requests[:2]]}) also aborted "
+                f"{requests[2].request_id!r}, which it did not name"
+            )
+
+        self._law("test_abort_returns_the_prefix", body)
+
+    def test_aborting_unknown_ids_is_a_no_op(self) -> None:
+        """``abort`` of ids that are not in flight (never submitted, already finished, or the
+        empty list) changes nothing: no error, a running request is not disturbed and a later
+        request with such an id runs normally."""
+
+        async def body(engine: InferenceEngine) -> None:
+            await self._wait(engine.abort([]), "abort([])")
+            await self._wait(engine.abort(["never-submitted"]), "abort(['never-submitted'])")
+            gen = self._submit(engine, self._request("running", 4, self.max_tokens * 4, seed=3))
+            await settle()
+            await self._wait(engine.abort(["also-unknown"]), "abort(['also-unknown'])")
+            result = await self._finish(engine, gen)
+            assert result.finish_reason != "abort", (
+                "abort(['also-unknown']) aborted request 'running'"
+            )
+            await self._wait(engine.abort(["running"]), "abort(['running']) after it finished")
+            await self._still_works(engine, "running")  # the same id, after a late abort
+            await self._wait(engine.abort(["later"]), "abort(['later']) before it is submitted")
+            await self._still_works(engine, "later")
+
+        self._law("test_aborting_unknown_ids_is_a_no_op", body)
+
+    def test_resume_keeps_the_aborted_prefix(self) -> None:
+        """A request resumed from an aborted attempt's tokens, log-probs and versions returns
+        them unchanged as the start of its result, then continues (at most ``max_tokens`` in
+        all, not ``abort``); one whose prefix already holds ``max_tokens`` tokens returns
+        exactly the prefix. After a ``load_weights`` (when supported) the prefix keeps its old
+        versions while the new tokens report the new one."""
+
+        async def body(engine: InferenceEngine) -> None:
+            request, partial = await self._aborted_prefix(engine, "resume")
+            resumed = dataclasses.replace(
+                request,
+                resume_tokens=tuple(partial.tokens),
+                resume_logprobs=tuple(partial.logprobs),
+                resume_versions=tuple(partial.versions),
+            )
+            if isinstance(engine, SupportsLoadWeights):
+                version = engine.weight_version + 1
+                weights = self.weights_for_load(engine)
+                await self._wait(engine.load_weights(weights, version), "load_weights(...)")
+            result = await self._generate(engine, resumed)
+            assert result.finish_reason != "abort", (
+                f"the resumed request {request.request_id!r} came back 'abort' without an abort"
+            )
+            k = len(partial.tokens)
+            capped = dataclasses.replace(
+                resumed, params=dataclasses.replace(request.params, max_tokens=k)
+            )
+            at_cap = await self._generate(engine, capped)
+            unchanged = tuple(at_cap.tokens) == tuple(partial.tokens)
+            assert unchanged and at_cap.finish_reason != "abort", (
+                f"a request resumed with {k} tokens and max_tokens={k} returned "
+                f"{len(at_cap.tokens)} tokens ({at_cap.finish_reason}); it must return the "
+                "prefix unchanged"
+            )
+
+        self._law("test_resume_keeps_the_aborted_prefix", body)
+
+    def test_pause_keep_freezes_in_flight_requests(self) -> None:
+        """``pause("keep")``: no in-flight request finishes (or is aborted) while paused, a
+        request submitted while paused waits; after ``resume`` all of them finish normally."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsPause, "SupportsPause")
+            gens = [
+                self._submit(engine, self._request(f"keep-{i}", 5 + i, self.long_max_tokens))
+                for i in range(3)
+            ]
+            await settle()
+            await asyncio.sleep(self.progress_s)
+            await self._wait(engine.pause("keep"), "pause('keep')")
+            try:
+                await settle()
+                done = {g.request.request_id for g in gens if g.task.done()}
+                assert len(done) < len(gens), (
+                    f"all {len(gens)} long requests finished within progress_s={self.progress_s} "
+                    "s, before pause('keep'); raise long_max_tokens or lower progress_s"
+                )
+                for gen in gens:
+                    if gen.task.done() and not gen.task.cancelled():
+                        assert gen.task.result().finish_reason != "abort", (
+                            f"pause('keep') aborted request {gen.request.request_id!r}"
+                        )
+                waiting = self._submit(engine, self._request("keep-new", 9, self.max_tokens))
+                await asyncio.sleep(self.pause_hold_s)
+                await settle()
+                late = [
+                    g.request.request_id
+                    for g in gens
+                    if g.task.done() and g.request.request_id not in done
+                ]
+                assert not late, (
+                    f"request(s) {late} returned while the engine was paused with mode 'keep'"
+                )
+                assert not waiting.task.done(), (
+                    "a request submitted while the engine was paused returned before resume()"
+                )
+            finally:
+                await self._wait(engine.resume(), "resume()")
+            for gen in [*gens, waiting]:
+                result = await self._finish(engine, gen)
+                assert result.finish_reason != "abort", (
+                    f"request {gen.request.request_id!r} came back 'abort' after "
+                    "pause('keep') and resume()"
+                )
+
+        self._law("test_pause_keep_freezes_in_flight_requests", body)
+
+    def test_pause_abort_aborts_in_flight_requests(self) -> None:
+        """``pause("abort")``: every in-flight request returns while the engine stays paused,
+        with ``finish_reason="abort"`` (one that had already finished may return normally);
+        after ``resume`` the engine generates again."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsPause, "SupportsPause")
+            gens = [
+                self._submit(engine, self._request(f"pause-abort-{i}", 6 + i, self.long_max_tokens))
+                for i in range(3)
+            ]
+            await settle()
+            await asyncio.sleep(self.progress_s)
+            pending = [g.request.request_id for g in gens if not g.task.done()]
+            await self._wait(engine.pause("abort"), "pause('abort')")
+            try:
+                results = []
+                for gen in gens:
+                    rid = gen.request.request_id
+                    result = await self._wait(
+                        gen.task, f"generate({rid!r}), in flight at pause('abort'), while paused"
+                    )
+                    self._check(engine, gen.request, result, gen.version)
+                    results.append(result)
+            finally:
+                await self._wait(engine.resume(), "resume()")
+            aborted = [r.request_id for r in results if r.finish_reason == "abort"]
+            assert aborted, (
+                f"pause('abort') with requests {pending} in flight returned none of them "
+                f"with finish_reason 'abort' ({[r.finish_reason for r in results]}); raise "
+                "long_max_tokens or lower progress_s if they finished first"
+            )
+            await self._still_works(engine, "after-pause-abort")
+
+        self._law("test_pause_abort_aborts_in_flight_requests", body)
+
+    @pytest.mark.parametrize("mode", ["keep", "abort"])
+    def test_new_requests_wait_while_paused(self, mode: Literal["keep", "abort"]) -> None:
+        """A request submitted to a paused engine (either mode) waits, and after ``resume``
+        runs normally (it is new, so a ``pause("abort")`` does not abort it)."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsPause, "SupportsPause")
+            await self._wait(engine.pause(mode), f"pause({mode!r})")
+            try:
+                gen = self._submit(engine, self._request(f"paused-{mode}", 8, self.max_tokens))
+                await settle()
+                await asyncio.sleep(self.pause_hold_s)
+                await settle()
+                assert not gen.task.done(), (
+                    f"a request submitted while paused (mode {mode!r}) returned before "
+                    f"resume(): {_outcome(gen.task)}"
+                )
+            finally:
+                await self._wait(engine.resume(), "resume()")
+            result = await self._finish(engine, gen)
+            assert result.finish_reason != "abort", (
+                f"a request submitted while paused (mode {mode!r}) came back 'abort' after "
+                "resume(); only requests in flight at the pause are aborted"
+            )
+
+        self._law(f"test_new_requests_wait_while_paused[{mode}]", body)
+
+    def test_load_weights_sets_the_version(self) -> None:
+        """After ``load_weights(weights, v)`` returns, ``weight_version == v`` and every token
+        sampled afterwards reports a version ``>= v``."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsLoadWeights, "SupportsLoadWeights")
+            base = engine.weight_version
+            await self._still_works(engine, "before-load")
+            for step in (1, 2):
+                version = base + step
+                await self._wait(
+                    engine.load_weights(self.weights_for_load(engine), version),
+                    f"load_weights(..., {version})",
+                )
+                assert engine.weight_version == version, (
+                    f"after load_weights(..., {version}) weight_version is {engine.weight_version}"
+                )
+                result = await self._still_works(engine, f"after-load-{version}")
+                assert result.tokens and min(result.versions) >= version, (
+                    f"after load_weights(..., {version}) a new request's tokens report versions "
+                    f"{sorted(set(result.versions))}"
+                )
+
+        self._law("test_load_weights_sets_the_version", body)
+
+    def test_a_load_mid_generation_keeps_versions_ordered(self) -> None:
+        """Loads while requests generate: each sequence's versions never decrease and lie
+        between the version at submission and the last loaded one; requests submitted after
+        the last load report only it."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsLoadWeights, "SupportsLoadWeights")
+            base = engine.weight_version
+            gens = [
+                self._submit(engine, self._request(f"swap-{i}", 12 + i, self.long_max_tokens))
+                for i in range(2)
+            ]
+            for step in (1, 2):
+                await settle()
+                await asyncio.sleep(self.progress_s)
+                await self._wait(
+                    engine.load_weights(self.weights_for_load(engine), base + step),
+                    f"load_weights(..., {base + step}) while requests generate",
+                )
+            for gen in gens:
+                await self._finish(engine, gen)  # checks order and bounds of the versions
+            assert engine.weight_version == base + 2
+            result = await self._still_works(engine, "after-swaps")
+            assert set(result.versions) <= {base + 2}, (
+                f"a request submitted after load_weights(..., {base + 2}) reports versions "
+                f"{sorted(set(result.versions))}"
+            )
+
+        self._law("test_a_load_mid_generation_keeps_versions_ordered", body)
+
+    def test_sleep_and_wake_up(self) -> None:
+        """``sleep()`` then ``wake_up()`` keeps the weight version, and the engine generates
+        normally again."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsSleep, "SupportsSleep")
+            await self._still_works(engine, "before-sleep")
+            version = engine.weight_version
+            await self._wait(engine.sleep(), "sleep()")
+            await self._wait(engine.wake_up(), "wake_up()")
+            assert engine.weight_version == version, (
+                f"sleep()/wake_up() changed weight_version from {version} to "
+                f"{engine.weight_version}"
+            )
+            await self._still_works(engine, "after-wake-up")
+
+        self._law("test_sleep_and_wake_up", body)
+
+    @pytest.mark.parametrize("bad", BAD_REQUESTS)
+    def test_bad_requests_are_rejected(self, bad: BadRequest) -> None:
+        """A malformed request raises an ``AsyncFlowError`` subclass with a message, and the
+        engine works normally afterwards (a duplicate id leaves the original request running)."""
+
+        async def body(engine: InferenceEngine) -> None:
+            original: _Gen | None = None
+            if bad == "negative-max-tokens":
+                request = self._request("bad", 0, -1)
+            elif bad == "resume-without-logprobs":
+                request = dataclasses.replace(
+                    self._request("bad", 0, self.max_tokens), resume_tokens=(1, 2)
+                )
+            elif bad == "resume-longer-than-max-tokens":
+                prefix = tuple(self.prompt_tokens(3))[:2] * 2
+                request = dataclasses.replace(
+                    self._request("bad", 0, len(prefix) - 1),
+                    resume_tokens=prefix,
+                    resume_logprobs=(-1.0,) * len(prefix),
+                    resume_versions=(engine.weight_version,) * len(prefix),
+                )
+            else:
+                request = self._request("twice", 0, self.long_max_tokens)
+                original = self._submit(engine, request)
+                await settle()
+                assert not original.task.done(), (
+                    "the first request 'twice' finished before its duplicate could be sent; "
+                    "raise long_max_tokens"
+                )
+            await self._expect_error(engine.generate(request), f"generate() of a {bad} request")
+            if original is not None:
+                result = await self._finish(engine, original)
+                assert result.finish_reason != "abort", (
+                    "rejecting a duplicate id aborted the original request"
+                )
+            await self._still_works(engine, f"after-{bad}")
+
+        self._law(f"test_bad_requests_are_rejected[{bad}]", body)
+
+    def test_logprobs_match_the_sampling_distribution(self) -> None:
+        """Real log-probs: ``logprob_samples`` one-token requests on one prompt (temperature
+        1, no top-k/top-p, distinct seeds) report the same log-prob for the same token
+        (``logprob_atol``), the probabilities of the distinct tokens seen sum to at most 1,
+        and each token's frequency is consistent with its reported probability (exact binomial
+        test, p < 1e-6 fails)."""
+        if not self.supports_real_logprobs:
+            pytest.skip(
+                "the engine declares supports_real_logprobs = False (its log-probs are not "
+                "those of the sampling distribution)"
+            )
+
+        async def body(engine: InferenceEngine) -> None:
+            prompt = tuple(self.prompt_tokens(0))
+            n = self.logprob_samples
+            params = [
+                SamplingParams(max_tokens=1, temperature=1.0, seed=9000 + i) for i in range(n)
+            ]
+            gens = [
+                self._submit(engine, GenerationRequest(f"lp-{i}", prompt, params[i]))
+                for i in range(n)
+            ]
+            results = [await self._finish(engine, g) for g in gens]
+            seen: dict[int, list[float]] = {}
+            for r in results:
+                assert len(r.tokens) == 1, f"{r.request_id!r}: {len(r.tokens)} tokens, not 1"
+                seen.setdefault(r.tokens[0], []).append(r.logprobs[0])
+            for token, lps in seen.items():
+                spread = max(lps) - min(lps)
+                assert spread <= self.logprob_atol, (
+                    f"token {token}, sampled {len(lps)} times as the first token after the same "
+                    f"prompt, was reported with log-probs from {min(lps)} to {max(lps)}; the "
+                    "same token in the same context has one log-prob"
+                )
+            probs = {t: math.exp(sum(lps) / len(lps)) for t, lps in seen.items()}
+            total = sum(probs.values())
+            assert total <= 1.0 + self.logprob_atol, (
+                f"the {len(probs)} distinct first tokens have probabilities summing to {total:.3f} "
+                "> 1; the log-probs are not those of one distribution"
+            )
+            counts = Counter(r.tokens[0] for r in results)
+            for token, p in probs.items():
+                tail = _binomial_tail(n, counts[token], p)
+                assert tail >= 1e-6, (
+                    f"token {token} was sampled {counts[token]} times in {n} draws, but its "
+                    f"reported probability is {p:.4f} (two-sided binomial p-value {tail:.2e}); "
+                    "the log-probs do not describe the sampling distribution"
+                )
+
+        self._law("test_logprobs_match_the_sampling_distribution", body)
+
+
+# --------------------------------------------------------------------------------------------
+# TrainEngine
+# --------------------------------------------------------------------------------------------
+class TrainEngineConformance(_Suite):
+    """The ``TrainEngine`` laws; subclass it (as ``Test...``) and implement ``make_engine``
+    (and ``make_batch`` unless the default padded batch suits the engine)."""
+
+    vocab_size: ClassVar[int] = 32
+    """Token ids of the default batch lie in ``[0, vocab_size)``."""
+    computes_loss: ClassVar[bool] = True
+    """``train_step`` calls the loss on log-probs with gradients and reports a finite loss and
+    grad norm (False for a simulator that does not train)."""
+    required_fields: ClassVar[tuple[str, ...]] = ("response",)
+    """Fields without which ``train_step`` must reject the batch (one test per field)."""
+    response_field: ClassVar[str] = "response"
+    bucket_bytes: ClassVar[int | None] = None
+    """A bucket size to test beside the suite's own (1 byte, the median tensor, unbounded)."""
+    logprob_atol: ClassVar[float] = 1e-4
+    """How far two ``compute_logprobs`` of the same batch (no step between) may differ."""
+
+    # -- hooks -------------------------------------------------------------------------------
+    def make_engine(self) -> TrainEngine | Awaitable[TrainEngine]:
+        """A fresh train engine (sync or async factory); called on the law's event loop."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement make_engine(self), returning a fresh "
+            "TrainEngine (or an awaitable of one) on every call"
+        )
+
+    def make_batch(self) -> Batch:
+        """A small valid batch (default: four rows of ``padded_batch`` with token ids below
+        ``vocab_size`` and advantages ±1)."""
+        v = self.vocab_size
+
+        def ids(*xs: int) -> list[int]:
+            return [x % v for x in xs]
+
+        return padded_batch(
+            prompts=[ids(1, 2, 3), ids(4, 5), ids(6, 7, 8, 9), ids(10)],
+            responses=[ids(11, 12, 13, 14), ids(15), ids(16, 17, 18), ids(19, 20)],
+            advantages=[1.0, -1.0, 0.5, -0.5],
+        )
+
+    def make_loss_fn(self) -> LossFn:
+        """The loss of the laws (default ``asyncflow_core.rl.policy_gradient_loss``)."""
+        return policy_gradient_loss
+
+    def expected_parameters(self, engine: Any) -> Mapping[str, Sequence[int]] | None:
+        """The full (unsharded) shape of every parameter, if known independently of
+        ``export_weights``: the export law then checks names and shapes against it."""
+        return None
+
+    def response_lengths(self, batch: Batch) -> list[int]:
+        """Each row's response length (default: ``batch.lengths[response_field]``, else the
+        per-row tensors' lengths, else the padded width)."""
+        name = self.response_field
+        if name in batch.lengths:
+            return [int(x) for x in batch.lengths[name].reshape(-1).tolist()]
+        value = batch.data[name]
+        if isinstance(value, list):
+            return [int(t.shape[0]) for t in value]
+        return [int(value.shape[1])] * len(batch)
+
+    async def close_engine(self, engine: Any) -> None:
+        await _close(engine)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _law(self, name: str, body: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
+        async def main() -> None:
+            engine = await self._wait(_resolve(self.make_engine()), "make_engine()")
+            assert isinstance(engine, TrainEngine), (
+                f"make_engine() returned {type(engine).__name__}, which lacks the TrainEngine "
+                "protocol"
+            )
+            try:
+                await body(engine)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._wait(self.close_engine(engine), "close_engine()")
+                raise
+            await self._wait(self.close_engine(engine), "close_engine()")
+
+        self._run(name, main)
+
+    async def _step(self, engine: TrainEngine, batch: Batch) -> TrainMetrics:
+        before = engine.weight_version
+        metrics = await self._wait(engine.train_step(batch, self.make_loss_fn()), "train_step()")
+        assert isinstance(metrics, TrainMetrics), (
+            f"train_step returned {type(metrics).__name__}, not TrainMetrics"
+        )
+        assert engine.weight_version == before + 1, (
+            f"train_step took weight_version from {before} to {engine.weight_version}; one "
+            "optimizer step adds exactly 1"
+        )
+        assert metrics.version == engine.weight_version, (
+            f"train_step reported TrainMetrics.version={metrics.version}, but weight_version is "
+            f"now {engine.weight_version}; the metrics carry the version after the step"
+        )
+        return metrics
+
+    async def _export(self, engine: TrainEngine, bucket_bytes: int) -> list[WeightBucket]:
+        what = f"export_weights({bucket_bytes})"
+        iterator: AsyncIterator[WeightBucket] = engine.export_weights(bucket_bytes).__aiter__()
+        buckets: list[WeightBucket] = []
+        try:
+            while True:
+                try:
+                    bucket = await self._wait(iterator.__anext__(), f"{what}: next bucket")
+                except StopAsyncIteration:
+                    return buckets
+                buckets.append(bucket)
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def _weights(self, engine: TrainEngine) -> dict[str, torch.Tensor]:
+        named = check_export(await self._export(engine, HUGE_BUCKET), HUGE_BUCKET)
+        return {n: t.detach().clone() for n, t in named.items()}
+
+    @staticmethod
+    def _require_data(weights: Mapping[str, torch.Tensor], law: str) -> None:
+        meta = [n for n, t in weights.items() if t.is_meta]
+        if meta:
+            pytest.skip(
+                f"the engine exports meta tensors (no data, e.g. {meta[0]!r}), so {law} cannot "
+                "be compared byte for byte"
+            )
+
+    # -- the laws ----------------------------------------------------------------------------
+    def test_train_step_adds_one_version(self) -> None:
+        """Each ``train_step`` adds exactly 1 to ``weight_version`` and returns
+        ``TrainMetrics`` whose ``version`` is the new one and ``samples`` the batch's rows."""
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            for _ in range(2):
+                metrics = await self._step(engine, batch)
+                assert metrics.samples == len(batch), (
+                    f"TrainMetrics.samples={metrics.samples} for a batch of {len(batch)} rows"
+                )
+
+        self._law("test_train_step_adds_one_version", body)
+
+    def test_train_step_calls_the_loss_and_reports_finite_metrics(self) -> None:
+        """``train_step`` calls the loss function on log-probs ``[b, T]`` (``b`` at most the
+        batch's rows) that carry gradients, and reports a finite loss and a finite, non-negative
+        grad norm."""
+        if not self.computes_loss:
+            pytest.skip("the engine declares computes_loss = False (it does not train)")
+
+        async def body(engine: TrainEngine) -> None:
+            rows = len(self.make_batch())
+            loss_fn = self.make_loss_fn()
+            calls: list[tuple[int, ...]] = []
+            grads: list[bool] = []
+
+            def recording(
+                logprobs: torch.Tensor, batch: Batch
+            ) -> tuple[torch.Tensor, Mapping[str, float]]:
+                calls.append(tuple(logprobs.shape))
+                grads.append(bool(logprobs.requires_grad))
+                return loss_fn(logprobs, batch)
+
+            before = engine.weight_version
+            metrics = await self._wait(
+                engine.train_step(self.make_batch(), recording), "train_step()"
+            )
+            assert engine.weight_version == before + 1, (
+                f"train_step took weight_version from {before} to {engine.weight_version}"
+            )
+            assert calls, "train_step never called the loss function"
+            for shape in calls:
+                assert len(shape) == 2 and 1 <= shape[0] <= rows, (
+                    f"the loss got log-probs of shape {list(shape)}; expected [b, T] with "
+                    f"1 <= b <= {rows}"
+                )
+            assert all(grads), "the loss got log-probs without gradients; nothing can train"
+            assert math.isfinite(metrics.loss), f"TrainMetrics.loss is {metrics.loss}"
+            assert math.isfinite(metrics.grad_norm) and metrics.grad_norm >= 0, (
+                f"TrainMetrics.grad_norm is {metrics.grad_norm}"
+            )
+
+        self._law("test_train_step_calls_the_loss_and_reports_finite_metrics", body)
+
+    def test_compute_logprobs_shape(self) -> None:
+        """``compute_logprobs`` returns ``[B, T]`` with ``T >=`` the longest response, finite
+        and ``<= 0`` where a response token exists, the same on a second call, and does not
+        change ``weight_version``."""
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            lengths = self.response_lengths(batch)
+            version = engine.weight_version
+            first = await self._wait(engine.compute_logprobs(batch), "compute_logprobs()")
+            second = await self._wait(engine.compute_logprobs(batch), "compute_logprobs()")
+            assert isinstance(first, torch.Tensor), "compute_logprobs did not return a tensor"
+            assert first.dim() == 2 and first.shape[0] == len(batch), (
+                f"compute_logprobs returned shape {list(first.shape)} for {len(batch)} rows; "
+                "expected [B, T]"
+            )
+            assert first.shape[1] >= max(lengths, default=0), (
+                f"compute_logprobs returned T={first.shape[1]}, shorter than the longest "
+                f"response ({max(lengths)} tokens)"
+            )
+            for i, n in enumerate(lengths):
+                row = first[i, :n].detach().float()
+                assert bool(torch.isfinite(row).all()), f"row {i}: non-finite log-probs {row}"
+                assert bool((row <= 1e-4).all()), f"row {i}: positive log-probs {row}"
+                again = second[i, :n].detach().float()
+                assert torch.allclose(row, again, atol=self.logprob_atol, rtol=0.0), (
+                    f"row {i}: two compute_logprobs of the same batch differ by "
+                    f"{float((row - again).abs().max())}"
+                )
+            assert engine.weight_version == version, "compute_logprobs changed weight_version"
+
+        self._law("test_compute_logprobs_shape", body)
+
+    def _bucket_sizes(self, sizes: Sequence[int]) -> list[int]:
+        ordered = sorted(sizes)
+        median = ordered[len(ordered) // 2] if ordered else 1
+        chosen = [HUGE_BUCKET, max(1, 2 * median), 1]
+        if self.bucket_bytes is not None:
+            chosen.append(self.bucket_bytes)
+        return chosen
+
+    def test_export_yields_every_parameter_once(self) -> None:
+        """At any ``bucket_bytes`` (unbounded, twice the median tensor, 1 byte, and
+        ``bucket_bytes`` if set) ``export_weights`` yields the same non-empty set of
+        parameters, each exactly once with the same full shape and dtype, in buckets of at most
+        ``bucket_bytes`` unless a bucket is one oversized tensor alone."""
+
+        async def body(engine: TrainEngine) -> None:
+            reference = check_export(await self._export(engine, HUGE_BUCKET), HUGE_BUCKET)
+            assert reference, "export_weights yielded no parameter"
+            sizes = [t.numel() * t.element_size() for t in reference.values()]
+            for size in self._bucket_sizes(sizes):
+                named = check_export(
+                    await self._export(engine, size), size, f"export_weights({size})"
+                )
+                odd = sorted(set(named) ^ set(reference))[:5]
+                assert not odd, (
+                    f"export_weights({size}) and an unbounded export disagree on parameters "
+                    f"{odd}; every export yields every parameter once"
+                )
+                for name, tensor in named.items():
+                    ref = reference[name]
+                    assert tensor.dtype == ref.dtype and tensor.shape == ref.shape, (
+                        f"export_weights({size}): {name!r} is {_describe_tensor(tensor)}, "
+                        f"but {_describe_tensor(ref)} in an unbounded export"
+                    )
+            expected = self.expected_parameters(engine)
+            if expected is not None:
+                assert set(reference) == set(expected), (
+                    f"export_weights names {sorted(set(reference) ^ set(expected))[:5]} "
+                    "differ from expected_parameters()"
+                )
+                for name, shape in expected.items():
+                    assert tuple(reference[name].shape) == tuple(shape), (
+                        f"{name!r} is exported as {list(reference[name].shape)}, but its full "
+                        f"shape is {list(shape)}: a shard instead of the gathered tensor?"
+                    )
+
+        self._law("test_export_yields_every_parameter_once", body)
+
+    def test_export_is_stable_without_a_step(self) -> None:
+        """Two exports with no step between are byte-equal, whatever ``bucket_bytes``."""
+
+        async def body(engine: TrainEngine) -> None:
+            first = await self._weights(engine)
+            self._require_data(first, "two exports")
+            sizes = [t.numel() * t.element_size() for t in first.values()]
+            small = self._bucket_sizes(sizes)[1]
+            second = check_export(await self._export(engine, small), small)
+            for name, tensor in first.items():
+                assert same_bytes(tensor, second[name]), (
+                    f"{name!r} differs between two exports with no train_step between"
+                )
+
+        self._law("test_export_is_stable_without_a_step", body)
+
+    def test_checkpoint_restores_the_version(self) -> None:
+        """save, train, load: ``weight_version`` is the saved one again, and the next step
+        adds 1 to it."""
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            await self._step(engine, batch)
+            saved = engine.weight_version
+            with tempfile.TemporaryDirectory(prefix="asyncflow-ckpt-") as tmp:
+                path = str(Path(tmp) / "checkpoint")
+                await self._wait(engine.save_checkpoint(path), "save_checkpoint()")
+                await self._step(engine, batch)
+                await self._wait(engine.load_checkpoint(path), "load_checkpoint()")
+            assert engine.weight_version == saved, (
+                f"load_checkpoint restored weight_version {engine.weight_version}; the "
+                f"checkpoint was saved at {saved}"
+            )
+            await self._step(engine, batch)
+
+        self._law("test_checkpoint_restores_the_version", body)
+
+    def test_checkpoint_restores_the_weights(self) -> None:
+        """save, train (which must change some weight), load: every exported parameter is
+        byte-equal to the one exported when the checkpoint was saved."""
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            saved = await self._weights(engine)
+            self._require_data(saved, "checkpointed weights")
+            with tempfile.TemporaryDirectory(prefix="asyncflow-ckpt-") as tmp:
+                path = str(Path(tmp) / "checkpoint")
+                await self._wait(engine.save_checkpoint(path), "save_checkpoint()")
+                await self._step(engine, batch)
+                trained = await self._weights(engine)
+                assert any(not same_bytes(saved[n], trained[n]) for n in saved), (
+                    "train_step changed no exported weight, so the round trip proves nothing; "
+                    "make_batch must give a non-zero gradient"
+                )
+                await self._wait(engine.load_checkpoint(path), "load_checkpoint()")
+            restored = await self._weights(engine)
+            assert set(restored) == set(saved), "the parameters changed across the round trip"
+            differ = [n for n in saved if not same_bytes(saved[n], restored[n])]
+            assert not differ, (
+                f"after load_checkpoint, {len(differ)} parameter(s) differ from the saved "
+                f"weights, e.g. {differ[:3]}"
+            )
+
+        self._law("test_checkpoint_restores_the_weights", body)
+
+    def test_loading_a_missing_checkpoint_raises(self) -> None:
+        """``load_checkpoint`` of a path nothing was saved to raises an ``AsyncFlowError``
+        subclass and leaves ``weight_version`` unchanged."""
+
+        async def body(engine: TrainEngine) -> None:
+            await self._step(engine, self.make_batch())
+            version = engine.weight_version
+            with tempfile.TemporaryDirectory(prefix="asyncflow-ckpt-") as tmp:
+                path = str(Path(tmp) / "never-saved")
+                await self._expect_error(engine.load_checkpoint(path), f"load_checkpoint({path!r})")
+            assert engine.weight_version == version, (
+                f"a failed load_checkpoint changed weight_version from {version} to "
+                f"{engine.weight_version}"
+            )
+
+        self._law("test_loading_a_missing_checkpoint_raises", body)
+
+    @pytest.mark.parametrize("size", [0, -1])
+    def test_bad_bucket_bytes_raise(self, size: int) -> None:
+        """``export_weights(bucket_bytes <= 0)`` raises an ``AsyncFlowError`` subclass (at the
+        call or at the first bucket); a valid export works afterwards."""
+
+        async def body(engine: TrainEngine) -> None:
+            async def export() -> None:
+                await self._export(engine, size)
+
+            await self._expect_error(export(), f"export_weights({size})")
+            assert check_export(await self._export(engine, HUGE_BUCKET), HUGE_BUCKET)
+
+        self._law(f"test_bad_bucket_bytes_raise[{size}]", body)
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "missing_field" in metafunc.fixturenames:
+            fields: list[str | None] = [*self.required_fields] or [None]
+            ids = [str(f) if f is not None else "none-declared" for f in fields]
+            metafunc.parametrize("missing_field", fields, ids=ids)
+
+    def test_a_batch_missing_a_field_is_rejected(self, missing_field: str | None) -> None:
+        """``train_step`` on the batch without a ``required_fields`` field (and
+        ``compute_logprobs`` without ``response_field``) raises an ``AsyncFlowError`` subclass,
+        leaves ``weight_version`` unchanged, and the next valid step works."""
+        if missing_field is None:
+            pytest.skip("the suite declares no required_fields")
+        field = missing_field
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            assert field in batch.data, f"make_batch() has no field {field!r} to remove"
+            version = engine.weight_version
+            incomplete = without_field(batch, field)
+            await self._expect_error(
+                engine.train_step(incomplete, self.make_loss_fn()),
+                f"train_step() of a batch without {field!r}",
+            )
+            if field == self.response_field:  # log-probs of which tokens?
+                await self._expect_error(
+                    engine.compute_logprobs(incomplete),
+                    f"compute_logprobs() of a batch without {field!r}",
+                )
+            assert engine.weight_version == version, (
+                f"a rejected train_step changed weight_version from {version} to "
+                f"{engine.weight_version}"
+            )
+            await self._step(engine, batch)
+
+        self._law(f"test_a_batch_missing_a_field_is_rejected[{field}]", body)
+
+
+# --------------------------------------------------------------------------------------------
+# WeightSync
+# --------------------------------------------------------------------------------------------
+Phase = Literal["init", "start", "update", "finish"]
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseMisuse:
+    """Valid calls that set a state (``before``), then an out-of-order ``call``."""
+
+    id: str
+    before: tuple[Phase, ...]
+    call: Phase
+
+
+PHASE_MISUSES: tuple[PhaseMisuse, ...] = (
+    PhaseMisuse("start-before-init", (), "start"),
+    PhaseMisuse("update-before-init", (), "update"),
+    PhaseMisuse("finish-before-init", (), "finish"),
+    PhaseMisuse("init-twice", ("init",), "init"),
+    PhaseMisuse("update-before-start", ("init",), "update"),
+    PhaseMisuse("finish-before-start", ("init",), "finish"),
+    PhaseMisuse("start-twice", ("init", "start"), "start"),
+    PhaseMisuse("init-during-a-sync", ("init", "start"), "init"),
+    PhaseMisuse("update-after-finish", ("init", "start", "finish"), "update"),
+    PhaseMisuse("finish-twice", ("init", "start", "finish"), "finish"),
+)
+"""The out-of-order calls that must raise ``WeightSyncError``."""
+
+
+@dataclass
+class _SyncSetup:
+    source: Any
+    targets: list[Any]
+    sync: Any
+
+
+class WeightSyncConformance(_Suite):
+    """The ``WeightSync`` laws; subclass it (as ``Test...``) and implement ``make_source``,
+    ``make_targets`` and ``make_sync``; ``target_weights`` enables the byte-equality law."""
+
+    bucket_bytes: ClassVar[int] = 1 << 20
+    """Bucket size of the source's exports."""
+    max_tokens: ClassVar[int] = 4
+    """Cap of the request each target generates after a sync."""
+
+    # -- hooks -------------------------------------------------------------------------------
+    def make_source(self) -> TrainEngine | Awaitable[TrainEngine]:
+        """A fresh train engine whose ``export_weights`` feeds the syncs."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement make_source(self) -> TrainEngine"
+        )
+
+    def make_targets(self) -> Sequence[Any] | Awaitable[Sequence[Any]]:
+        """Fresh inference engines (``SupportsLoadWeights``) to sync into."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement make_targets(self), returning fresh "
+            "inference engines that support load_weights"
+        )
+
+    def make_sync(self, targets: Sequence[Any]) -> WeightSync | Awaitable[WeightSync]:
+        """A fresh, not yet initialised ``WeightSync`` into ``targets``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement make_sync(self, targets) -> WeightSync"
+        )
+
+    def target_weights(self, engine: Any) -> Mapping[str, torch.Tensor] | None:
+        """The weights a target holds now, by name (default None: the byte-equality law is
+        skipped)."""
+        return None
+
+    def prompt_tokens(self) -> Sequence[int]:
+        """The prompt each target generates from after a sync."""
+        return (1, 2, 3, 4)
+
+    async def close_engine(self, engine: Any) -> None:
+        await _close(engine)
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _law(self, name: str, body: Callable[[_SyncSetup], Coroutine[Any, Any, None]]) -> None:
+        async def main() -> None:
+            source = await self._wait(_resolve(self.make_source()), "make_source()")
+            assert isinstance(source, TrainEngine), (
+                f"make_source() returned {type(source).__name__}, not a TrainEngine"
+            )
+            targets = list(await self._wait(_resolve(self.make_targets()), "make_targets()"))
+            assert targets, "make_targets() returned no target"
+            for t in targets:
+                assert isinstance(t, SupportsLoadWeights), (
+                    f"make_targets() returned {type(t).__name__}, which lacks load_weights"
+                )
+            sync = await self._wait(_resolve(self.make_sync(targets)), "make_sync(targets)")
+            assert isinstance(sync, WeightSync), (
+                f"make_sync() returned {type(sync).__name__}, not a WeightSync"
+            )
+            try:
+                await body(_SyncSetup(source, targets, sync))
+            finally:
+                for obj in (sync, *targets, source):
+                    with contextlib.suppress(Exception):
+                        await self._wait(self.close_engine(obj), "close_engine()")
+
+        self._run(name, main)
+
+    async def _buckets(self, source: TrainEngine) -> list[WeightBucket]:
+        what = f"export_weights({self.bucket_bytes})"
+        buckets: list[WeightBucket] = []
+        iterator = source.export_weights(self.bucket_bytes).__aiter__()
+        while True:
+            try:
+                buckets.append(await self._wait(iterator.__anext__(), f"{what}: next bucket"))
+            except StopAsyncIteration:
+                break
+        check_export(buckets, self.bucket_bytes, what)
+        return buckets
+
+    async def _call(self, sync: WeightSync, phase: Phase, bucket: WeightBucket, v: int) -> None:
+        if phase == "init":
+            await self._wait(sync.init(), "init()")
+        elif phase == "start":
+            await self._wait(sync.start(), "start()")
+        elif phase == "update":
+            await self._wait(sync.update(bucket), "update(bucket)")
+        else:
+            await self._wait(sync.finish(v), f"finish({v})")
+
+    async def _sync(
+        self, sync: WeightSync, buckets: Sequence[WeightBucket], version: Version, *, init: bool
+    ) -> None:
+        if init:
+            await self._wait(sync.init(), "init()")
+        await self._wait(sync.start(), "start()")
+        for i, bucket in enumerate(buckets):
+            await self._wait(sync.update(bucket), f"update(bucket {i})")
+        await self._wait(sync.finish(version), f"finish({version})")
+
+    async def _check_versions(self, targets: Sequence[Any], version: Version, when: str) -> None:
+        for i, target in enumerate(targets):
+            reported = getattr(target, "weight_version", None)
+            assert reported == version, (
+                f"{when}: target {i} ({type(target).__name__}) reports weight_version "
+                f"{reported}, not {version}"
+            )
+            if isinstance(target, InferenceEngine):
+                params = SamplingParams(max_tokens=self.max_tokens, seed=i)
+                request = GenerationRequest(
+                    f"after-{version}-{i}", tuple(self.prompt_tokens()), params
+                )
+                result = await self._wait(target.generate(request), f"target {i}: generate()")
+                check_generation_result(
+                    request,
+                    result,
+                    submitted_version=version,
+                    current_version=target.weight_version,
+                    where=f"{when}: target {i}",
+                )
+
+    @staticmethod
+    def _base(targets: Sequence[Any]) -> Version:
+        return max(int(getattr(t, "weight_version", 0)) for t in targets)
+
+    # -- the laws ----------------------------------------------------------------------------
+    @pytest.mark.parametrize("misuse", PHASE_MISUSES, ids=[m.id for m in PHASE_MISUSES])
+    def test_out_of_order_phases_raise(self, misuse: PhaseMisuse) -> None:
+        """Each out-of-order call of ``PHASE_MISUSES`` raises ``WeightSyncError`` with a
+        message and changes no state: the sync then completes from where it was, and every
+        target reports the finished version."""
+
+        async def body(s: _SyncSetup) -> None:
+            buckets = await self._buckets(s.source)
+            assert buckets, "the source exported nothing"
+            base = self._base(s.targets)
+            for phase in misuse.before:
+                await self._call(s.sync, phase, buckets[0], base + 1)
+            if "finish" in misuse.before:
+                base += 1
+            try:
+                await self._call(s.sync, misuse.call, buckets[0], base + 1)
+            except WeightSyncError as exc:
+                assert str(exc).strip(), f"{misuse.id}: WeightSyncError with an empty message"
+            except AssertionError:
+                raise
+            except Exception as exc:
+                raise AssertionError(
+                    f"{misuse.id}: {misuse.call}() raised {type(exc).__name__}: {exc}, not "
+                    "WeightSyncError"
+                ) from exc
+            else:
+                raise AssertionError(
+                    f"{misuse.id}: {misuse.call}() after {list(misuse.before) or 'nothing'} "
+                    "was accepted; out-of-order calls raise WeightSyncError"
+                )
+            state = (
+                "new" if not misuse.before else "open" if misuse.before[-1] == "start" else "ready"
+            )
+            if state == "new":
+                await self._wait(s.sync.init(), "init() after a rejected call")
+            if state != "open":
+                await self._wait(s.sync.start(), "start() after a rejected call")
+            for i, bucket in enumerate(buckets):
+                await self._wait(s.sync.update(bucket), f"update(bucket {i})")
+            await self._wait(s.sync.finish(base + 1), f"finish({base + 1})")
+            await self._check_versions(s.targets, base + 1, f"after {misuse.id} was rejected")
+
+        self._law(f"test_out_of_order_phases_raise[{misuse.id}]", body)
+
+    def test_finish_sets_every_target_version(self) -> None:
+        """After ``start``, ``update`` of every exported bucket and ``finish(v)`` (twice, with
+        increasing v), every target's ``weight_version`` is ``v`` and its new tokens report
+        ``>= v``."""
+
+        async def body(s: _SyncSetup) -> None:
+            buckets = await self._buckets(s.source)
+            base = self._base(s.targets)
+            for step in (1, 2):
+                await self._sync(s.sync, buckets, base + step, init=step == 1)
+                await self._check_versions(s.targets, base + step, f"after finish({base + step})")
+
+        self._law("test_finish_sets_every_target_version", body)
+
+    def test_a_sync_of_zero_buckets_sets_the_version(self) -> None:
+        """``start`` then ``finish(v)`` with no bucket still sets every target to ``v``."""
+
+        async def body(s: _SyncSetup) -> None:
+            version = self._base(s.targets) + 1
+            await self._sync(s.sync, [], version, init=True)
+            await self._check_versions(s.targets, version, f"after an empty sync to {version}")
+
+        self._law("test_a_sync_of_zero_buckets_sets_the_version", body)
+
+    def test_bucket_round_trip_is_byte_equal(self) -> None:
+        """Every tensor sent arrives byte-equal (dtype, shape, bytes) in every target: first
+        the source's export, then a second sync of the same buckets with every value changed
+        (so a transport that moves nothing cannot pass)."""
+
+        async def body(s: _SyncSetup) -> None:
+            if self.target_weights(s.targets[0]) is None:
+                pytest.skip("target_weights() is not provided: the targets' weights are opaque")
+            buckets = await self._buckets(s.source)
+            meta = [n for b in buckets for n, t in b if t.is_meta]
+            if meta:
+                pytest.skip(f"the source exports meta tensors (no data, e.g. {meta[0]!r})")
+            assert buckets, "the source exported nothing"
+            base = self._base(s.targets)
+            changed = [WeightBucket(b.names, tuple(_flip(t) for t in b.tensors)) for b in buckets]
+            for step, sent in ((1, buckets), (2, changed)):
+                expected = {n: t.detach().clone() for b in sent for n, t in b}
+                await self._sync(s.sync, sent, base + step, init=step == 1)
+                for i, target in enumerate(s.targets):
+                    held = self.target_weights(target)
+                    assert held is not None, f"target_weights(target {i}) returned None"
+                    for name, tensor in expected.items():
+                        assert name in held, f"sync {step}: target {i} has no {name!r}"
+                        assert same_bytes(tensor, held[name]), (
+                            f"sync {step}: target {i} holds {name!r} as "
+                            f"{_describe_tensor(held[name])}, not byte-equal to the "
+                            f"{_describe_tensor(tensor)} sent"
+                        )
+
+        self._law("test_bucket_round_trip_is_byte_equal", body)
+
+
+def _flip(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of the same dtype and shape with (nearly) every value changed."""
+    t = t.detach().clone()
+    if t.dtype == torch.bool:
+        return ~t
+    if t.is_floating_point() or t.is_complex():
+        return -t - 1  # equal to t only where t == -0.5
+    return t ^ 1

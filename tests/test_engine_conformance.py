@@ -1,0 +1,627 @@
+"""The engine suites (asyncflow_conformance.engines) on the simulated engines (virtual clock),
+on a tiny honest bigram engine pair that computes real log-probs and holds real weights (plain
+event loop, real time), and on broken engines, which must fail the law they break."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+from xml.etree import ElementTree
+
+import pytest
+import torch
+from asyncflow_conformance import (
+    InferenceEngineConformance,
+    TrainEngineConformance,
+    WeightSyncConformance,
+)
+from asyncflow_conformance.engines import BAD_REQUESTS, PHASE_MISUSES
+from asyncflow_reference.sim import (
+    CostModel,
+    SimInferenceEngine,
+    SimTrainEngine,
+    SimWeightTransport,
+    qwen2_param_count,
+)
+
+from asyncflow_core.errors import EngineError
+from asyncflow_core.protocols import (
+    Batch,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    LossFn,
+    TrainMetrics,
+    Version,
+    WeightBucket,
+    WeightSync,
+)
+from asyncflow_core.weightsync import InProcessWeightSync, bucketize
+
+# A two-layer Qwen2-shaped model: small exported tensors (the simulator exports meta tensors
+# of these shapes), responses of 64..1024 tokens so long requests are still running when a
+# law acts on them. The simulator's token ids lie in [0, 32000).
+_ARCH: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "intermediate_size": 128,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 32000,
+    "tie_embeddings": False,
+}
+COST = CostModel(
+    model="tiny-qwen2",
+    **_ARCH,
+    params=qwen2_param_count(**_ARCH),
+    kv_bytes_per_token=2 * 2 * 2 * 16 * 2,
+    response_median=128.0,
+    response_min_tokens=64,
+    response_max_tokens=1024,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The simulated engines
+# --------------------------------------------------------------------------------------------
+class TestSimInferenceEngine(InferenceEngineConformance):
+    virtual_clock = True
+    vocab_size = 32_000
+    supports_real_logprobs = False  # made-up log-probs in [-5, 0)
+
+    def make_engine(self) -> SimInferenceEngine:
+        return SimInferenceEngine(COST, seed=3)
+
+
+class TestSimTrainEngine(TrainEngineConformance):
+    virtual_clock = True
+    computes_loss = False  # it does not train: loss_fn is never called, loss is NaN
+    required_fields = ("response",)  # the only field it reads (token_fields below)
+
+    def make_engine(self) -> SimTrainEngine:
+        return SimTrainEngine(COST, 8, token_fields=("response",))
+
+    def expected_parameters(self, engine: Any) -> Mapping[str, Sequence[int]]:
+        return {name: tuple(shape) for name, shape in COST.weight_shapes()}
+
+
+class TestSimWeightTransport(WeightSyncConformance):
+    virtual_clock = True
+    bucket_bytes = 64 << 10
+
+    def make_source(self) -> SimTrainEngine:
+        return SimTrainEngine(COST, 8)
+
+    def make_targets(self) -> list[SimInferenceEngine]:
+        return [SimInferenceEngine(COST, name=f"sim-target-{i}", seed=i) for i in range(2)]
+
+    def make_sync(self, targets: Sequence[Any]) -> WeightSync:
+        return SimWeightTransport(targets, COST)
+
+
+class TestInProcessWeightSyncOnSim(TestSimWeightTransport):
+    def make_sync(self, targets: Sequence[Any]) -> WeightSync:
+        return InProcessWeightSync(targets)
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny honest bigram engine pair: real weights, real log-probs, real time
+# --------------------------------------------------------------------------------------------
+VOCAB, HIDDEN, EOS = 12, 8, 0
+
+
+def tiny_weights(seed: int) -> dict[str, torch.Tensor]:
+    """A bigram policy: logits(prev) = head.weight @ embed.weight[prev] + head.bias; EOS is
+    unlikely (bias -6), so responses are long."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.zeros(VOCAB)
+    bias[EOS] = -6.0
+    return {
+        "embed.weight": 0.3 * torch.randn(VOCAB, HIDDEN, generator=g),
+        "head.weight": 0.3 * torch.randn(VOCAB, HIDDEN, generator=g),
+        "head.bias": bias,
+    }
+
+
+def _logits(weights: Mapping[str, torch.Tensor], prev: torch.Tensor) -> torch.Tensor:
+    return weights["embed.weight"][prev] @ weights["head.weight"].T + weights["head.bias"]
+
+
+class TinyInferenceEngine:
+    """Samples one token per ``token_s`` real seconds from the bigram policy (temperature
+    applied; top-k/top-p ignored). A seeded request draws token i with a generator seeded by
+    (seed, i), so it does not depend on its batch or on an abort/resume. Pause (keep/abort),
+    sleep, load_weights (names and shapes checked), abort; malformed requests raise."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], token_s: float = 0.001) -> None:
+        self.token_s = token_s
+        self.weights = {n: t.detach().clone() for n, t in weights.items()}
+        self._version: Version = 0
+        self._paused = False
+        self._asleep = False
+        self._inflight: set[str] = set()
+        self._aborted: set[str] = set()
+        self._changed: asyncio.Event | None = None
+        self._rng = torch.Generator().manual_seed(1)
+
+    @property
+    def weight_version(self) -> Version:
+        return self._version
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def _runnable(self, rid: str) -> None:
+        while (self._paused or self._asleep) and rid not in self._aborted:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+
+    def logprobs(self, prev: int, temperature: float) -> torch.Tensor:
+        return torch.log_softmax(_logits(self.weights, torch.tensor(prev)) / temperature, -1)
+
+    def _validate(self, request: GenerationRequest) -> None:
+        rid, k = request.request_id, len(request.resume_tokens)
+        if rid in self._inflight:
+            raise EngineError(f"request {rid!r} is already in flight")
+        if request.params.max_tokens < 0:
+            raise EngineError(f"max_tokens={request.params.max_tokens}; use >= 0")
+        if len(request.resume_logprobs) != k or len(request.resume_versions) != k:
+            raise EngineError(
+                f"request {rid!r}: {k} resumed tokens need a log-prob and version each"
+            )
+        if k > request.params.max_tokens:
+            raise EngineError(f"request {rid!r} resumes {k} tokens > max_tokens")
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self._validate(request)
+        rid, params = request.request_id, request.params
+        tokens = list(request.resume_tokens)
+        logprobs = list(request.resume_logprobs)
+        versions = list(request.resume_versions)
+
+        def result(reason: FinishReason) -> GenerationResult:
+            return GenerationResult(
+                rid, request.prompt_tokens, tuple(tokens), tuple(logprobs), tuple(versions), reason
+            )
+
+        self._inflight.add(rid)
+        try:
+            while len(tokens) < params.max_tokens:
+                await self._runnable(rid)
+                if rid not in self._aborted:
+                    await asyncio.sleep(self.token_s)
+                    await self._runnable(rid)  # a pause(keep) freezes the token being made
+                if rid in self._aborted:
+                    return result("abort")
+                prev = tokens[-1] if tokens else request.prompt_tokens[-1]
+                lp = self.logprobs(prev, params.temperature)
+                if params.seed is not None:
+                    gen = torch.Generator().manual_seed(params.seed * 1_000_003 + len(tokens))
+                else:
+                    gen = self._rng
+                token = int(torch.multinomial(lp.exp(), 1, generator=gen))
+                tokens.append(token)
+                logprobs.append(float(lp[token]))
+                versions.append(self._version)
+                if token == EOS or token in params.stop_token_ids:
+                    return result("stop")
+            return result("length")
+        finally:
+            self._inflight.discard(rid)
+            self._aborted.discard(rid)
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        self._aborted.update(set(request_ids) & self._inflight)
+        self._notify()
+
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        self._paused = True
+        if mode == "abort":
+            self._aborted.update(self._inflight)
+        self._notify()
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._notify()
+
+    async def load_weights(
+        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
+    ) -> None:
+        for name, tensor in weights:
+            if name not in self.weights or self.weights[name].shape != tensor.shape:
+                raise EngineError(f"unknown parameter or shape: {name!r} {list(tensor.shape)}")
+        for name, tensor in weights:
+            self.weights[name] = tensor.detach().clone()
+        self._version = version
+
+    async def sleep(self, level: int = 1) -> None:
+        self._asleep = True
+
+    async def wake_up(self) -> None:
+        self._asleep = False
+        self._notify()
+
+
+class TinyTrainEngine:
+    """Trains the bigram policy with SGD on ``loss_fn`` over padded prompt/response batches;
+    checkpoints are ``torch.save`` files."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], lr: float = 0.5) -> None:
+        self.params = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
+        self.lr = lr
+        self._version: Version = 0
+
+    @property
+    def weight_version(self) -> Version:
+        return self._version
+
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
+        for name in ("prompt", "response"):
+            if name not in batch.data or name not in batch.lengths:
+                raise EngineError(
+                    f"the batch needs a padded {name!r} field; it has {list(batch.data)}"
+                )
+        prompt, response = batch["prompt"], batch["response"]
+        last = prompt[torch.arange(len(batch)), batch.lengths["prompt"] - 1]
+        prev = torch.cat([last.unsqueeze(1), response[:, :-1]], dim=1)
+        lp = torch.log_softmax(_logits(self.params, prev), -1)
+        return lp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+
+    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            return self._logprobs(batch)
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        loss, _ = loss_fn(self._logprobs(batch), batch)
+        for p in self.params.values():
+            p.grad = None
+        torch.autograd.backward(loss)
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        norm = float(torch.sqrt(sum((g * g).sum() for g in grads)))  # type: ignore[arg-type]
+        with torch.no_grad():
+            for p in self.params.values():
+                if p.grad is not None:
+                    p -= self.lr * p.grad
+        self._version += 1
+        tokens = int(batch.lengths["response"].sum())
+        return TrainMetrics(self._version, float(loss.detach()), norm, len(batch), tokens)
+
+    async def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        named = [(n, p.detach().clone()) for n, p in self.params.items()]
+        for bucket in bucketize(named, bucket_bytes):
+            yield bucket
+
+    async def save_checkpoint(self, path: str) -> None:
+        state = {n: p.detach().clone() for n, p in self.params.items()}
+        torch.save({"params": state, "version": self._version}, path)
+
+    async def load_checkpoint(self, path: str) -> None:
+        if not Path(path).is_file():
+            raise EngineError(f"no checkpoint at {path}")
+        state = torch.load(path, weights_only=True)
+        with torch.no_grad():
+            for name, tensor in state["params"].items():
+                self.params[name].copy_(tensor)
+        self._version = int(state["version"])
+
+
+class TestTinyInferenceEngine(InferenceEngineConformance):
+    """On a plain event loop, a token per millisecond."""
+
+    vocab_size = VOCAB
+    long_max_tokens = 128
+    progress_s = 0.03
+    pause_hold_s = 0.05
+    timeout_s = 20.0
+    real_timeout_s = 60.0
+
+    def make_engine(self) -> TinyInferenceEngine:
+        return TinyInferenceEngine(tiny_weights(0))
+
+
+class TestTinyTrainEngine(TrainEngineConformance):
+    vocab_size = VOCAB
+    required_fields = ("prompt", "response", "advantage")
+    real_timeout_s = 60.0
+
+    def make_engine(self) -> TinyTrainEngine:
+        return TinyTrainEngine(tiny_weights(0))
+
+    def expected_parameters(self, engine: Any) -> Mapping[str, Sequence[int]]:
+        return {n: tuple(t.shape) for n, t in tiny_weights(0).items()}
+
+
+class TestTinyInProcessWeightSync(WeightSyncConformance):
+    bucket_bytes = 400  # the two [12, 8] float32 matrices travel alone, the bias with one
+    real_timeout_s = 60.0
+
+    def make_source(self) -> TinyTrainEngine:
+        return TinyTrainEngine(tiny_weights(1))
+
+    def make_targets(self) -> list[TinyInferenceEngine]:
+        return [TinyInferenceEngine(tiny_weights(0)) for _ in range(2)]
+
+    def make_sync(self, targets: Sequence[Any]) -> InProcessWeightSync:
+        return InProcessWeightSync(targets)
+
+    def target_weights(self, engine: Any) -> Mapping[str, torch.Tensor]:
+        assert isinstance(engine, TinyInferenceEngine)
+        return engine.weights
+
+
+# --------------------------------------------------------------------------------------------
+# Broken engines fail the law they break
+# --------------------------------------------------------------------------------------------
+class ShortLogprobsEngine(SimInferenceEngine):
+    """Broken: one log-prob fewer than tokens."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        r = await super().generate(request)
+        return dataclasses.replace(r, logprobs=r.logprobs[:-1])
+
+
+class StaleVersionEngine(SimInferenceEngine):
+    """Broken: new tokens report version 0 whatever was loaded."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        r = await super().generate(request)
+        k = len(request.resume_versions)
+        return dataclasses.replace(r, versions=r.versions[:k] + (0,) * (len(r.tokens) - k))
+
+
+class DeafAbortEngine(SimInferenceEngine):
+    """Broken: abort() does nothing."""
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        return None
+
+
+class HangingEngine(SimInferenceEngine):
+    """Broken: generate never returns."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class LenientEngine(SimInferenceEngine):
+    """Broken: a negative max_tokens is taken as 0 instead of rejected."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if request.params.max_tokens < 0:
+            params = dataclasses.replace(request.params, max_tokens=0)
+            request = dataclasses.replace(request, params=params)
+        return await super().generate(request)
+
+
+class MadeUpLogprobsEngine(TinyInferenceEngine):
+    """Broken: samples from the policy but reports a fixed log-prob."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        r = await super().generate(request)
+        k = len(request.resume_logprobs)
+        return dataclasses.replace(r, logprobs=r.logprobs[:k] + (-0.1,) * (len(r.tokens) - k))
+
+
+class _BrokenSimInference(InferenceEngineConformance):
+    virtual_clock = True
+    supports_real_logprobs = False
+    real_timeout_s = 30.0
+    engine_cls: ClassVar[type[SimInferenceEngine]] = SimInferenceEngine
+
+    def make_engine(self) -> SimInferenceEngine:
+        return self.engine_cls(COST, seed=3)
+
+
+@pytest.mark.parametrize(
+    ("engine_cls", "law", "message"),
+    [
+        (ShortLogprobsEngine, "test_results_are_well_formed", "log-probs and"),
+        (StaleVersionEngine, "test_load_weights_sets_the_version", "yet new tokens report"),
+        (DeafAbortEngine, "test_abort_returns_the_prefix", "returned none of them"),
+        (HangingEngine, "test_results_are_well_formed", r"did not return within 60\.0 s"),
+    ],
+    ids=["mismatched-lengths", "stale-versions", "deaf-abort", "hang"],
+)
+def test_a_broken_inference_engine_fails_its_law(
+    engine_cls: type[SimInferenceEngine], law: str, message: str
+) -> None:
+    suite = type("Broken", (_BrokenSimInference,), {"engine_cls": engine_cls})()
+    with pytest.raises(AssertionError, match=message):
+        getattr(suite, law)()
+
+
+def test_accepting_a_negative_max_tokens_fails_the_bad_request_law() -> None:
+    suite = type("Broken", (_BrokenSimInference,), {"engine_cls": LenientEngine})()
+    with pytest.raises(AssertionError, match="was accepted"):
+        suite.test_bad_requests_are_rejected("negative-max-tokens")
+
+
+def test_known_failures_are_strict_expected_failures() -> None:
+    tracked = {"known_failures": {"test_results_are_well_formed": "tracked defect"}}
+    broken = type("Tracked", (_BrokenSimInference,), {"engine_cls": ShortLogprobsEngine, **tracked})
+    with pytest.raises(pytest.xfail.Exception, match="known failure: tracked defect"):
+        broken().test_results_are_well_formed()
+    fixed = type("Fixed", (_BrokenSimInference,), tracked)
+    with pytest.raises(pytest.fail.Exception, match="but passed: remove the entry"):
+        fixed().test_results_are_well_formed()
+
+
+class _MadeUpLogprobs(TestTinyInferenceEngine):
+    def make_engine(self) -> TinyInferenceEngine:
+        return MadeUpLogprobsEngine(tiny_weights(0))
+
+
+def test_made_up_logprobs_fail_the_logprob_law() -> None:
+    with pytest.raises(AssertionError, match="summing to"):
+        _MadeUpLogprobs().test_logprobs_match_the_sampling_distribution()
+
+
+class NoBumpTrainer(SimTrainEngine):
+    """Broken: train_step reports the next version but leaves weight_version unchanged."""
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        metrics = await super().train_step(batch, loss_fn)
+        self._version -= 1
+        return metrics
+
+
+class OneBucketTrainer(SimTrainEngine):
+    """Broken: ignores bucket_bytes and exports everything in one bucket."""
+
+    async def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        async for bucket in super().export_weights(1 << 62):
+            yield bucket
+
+
+class VersionOnlyCheckpointTrainer(TinyTrainEngine):
+    """Broken: load_checkpoint restores the version but keeps the current weights."""
+
+    async def load_checkpoint(self, path: str) -> None:
+        self._version = int(torch.load(path, weights_only=True)["version"])
+
+
+class _BrokenSimTrain(TestSimTrainEngine):
+    real_timeout_s = 30.0
+    trainer_cls: ClassVar[type[SimTrainEngine]] = SimTrainEngine
+
+    def make_engine(self) -> SimTrainEngine:
+        return self.trainer_cls(COST, 8, token_fields=("response",))
+
+
+@pytest.mark.parametrize(
+    ("trainer_cls", "law", "message"),
+    [
+        (NoBumpTrainer, "test_train_step_adds_one_version", "adds exactly 1"),
+        (OneBucketTrainer, "test_export_yields_every_parameter_once", "over bucket_bytes"),
+    ],
+    ids=["no-version-bump", "one-bucket"],
+)
+def test_a_broken_train_engine_fails_its_law(
+    trainer_cls: type[SimTrainEngine], law: str, message: str
+) -> None:
+    suite = type("Broken", (_BrokenSimTrain,), {"trainer_cls": trainer_cls})()
+    with pytest.raises(AssertionError, match=message):
+        getattr(suite, law)()
+
+
+class _VersionOnlyCheckpoint(TestTinyTrainEngine):
+    def make_engine(self) -> TinyTrainEngine:
+        return VersionOnlyCheckpointTrainer(tiny_weights(0))
+
+
+def test_a_checkpoint_that_forgets_the_weights_fails_the_round_trip() -> None:
+    suite = _VersionOnlyCheckpoint()
+    suite.test_checkpoint_restores_the_version()  # the version part it does honour
+    with pytest.raises(AssertionError, match="differ from the saved weights"):
+        suite.test_checkpoint_restores_the_weights()
+
+
+class ForgetfulSync(InProcessWeightSync):
+    """Broken: finish() ends the phase but loads nothing into the targets."""
+
+    async def finish(self, version: Version) -> None:
+        self._phases.expect("finish")
+        self._staged = []
+        self._phases.move("finish")
+
+
+class LaxSync(InProcessWeightSync):
+    """Broken: update() is accepted outside a sync."""
+
+    async def update(self, bucket: WeightBucket) -> None:
+        if self._phases.state != "open":
+            return
+        await super().update(bucket)
+
+
+class CorruptingSync(InProcessWeightSync):
+    """Broken: the last tensor of every bucket arrives with one value changed."""
+
+    async def update(self, bucket: WeightBucket) -> None:
+        tensors = list(bucket.tensors)
+        damaged = tensors[-1].detach().clone()
+        damaged.view(-1)[0] += 1
+        tensors[-1] = damaged
+        await super().update(WeightBucket(bucket.names, tuple(tensors)))
+
+
+def _sync_suite(base: type[WeightSyncConformance], cls: type[InProcessWeightSync]) -> Any:
+    def make_sync(self: Any, targets: Sequence[Any]) -> InProcessWeightSync:
+        return cls(targets)
+
+    return type("Broken", (base,), {"make_sync": make_sync, "real_timeout_s": 30.0})()
+
+
+def test_a_broken_weight_sync_fails_its_law() -> None:
+    forgetful = _sync_suite(TestInProcessWeightSyncOnSim, ForgetfulSync)
+    with pytest.raises(AssertionError, match=r"reports weight_version 0, not 1"):
+        forgetful.test_finish_sets_every_target_version()
+    with pytest.raises(AssertionError, match="reports weight_version 0, not 1"):
+        forgetful.test_a_sync_of_zero_buckets_sets_the_version()
+    lax = _sync_suite(TestInProcessWeightSyncOnSim, LaxSync)
+    misuse = {m.id: m for m in PHASE_MISUSES}["update-before-start"]
+    with pytest.raises(AssertionError, match="was accepted"):
+        lax.test_out_of_order_phases_raise(misuse)
+    corrupting = _sync_suite(TestTinyInProcessWeightSync, CorruptingSync)
+    with pytest.raises(AssertionError, match="not byte-equal"):
+        corrupting.test_bucket_round_trip_is_byte_equal()
+
+
+# --------------------------------------------------------------------------------------------
+# The guide's snippets run as written
+# --------------------------------------------------------------------------------------------
+README = Path(__file__).resolve().parent.parent / "conformance" / "README.md"
+SECTION = "## Test your engine in 10 lines"
+
+
+def test_the_readme_engine_snippets_pass_from_outside(tmp_path: Path) -> None:
+    text = README.read_text()
+    start = text.index(SECTION)
+    end = text.find("\n## ", start + len(SECTION))
+    snippets = re.findall(r"```python\n(.*?)```", text[start : end if end > 0 else None], re.S)
+    assert len(snippets) == 3, "one snippet per suite"
+    files = []
+    for i, snippet in enumerate(snippets):
+        code_lines = [ln for ln in snippet.splitlines() if ln.strip() and not ln.startswith("#")]
+        assert len(code_lines) <= 12, f"snippet {i} has {len(code_lines)} lines of code"
+        path = tmp_path / f"test_engine_snippet_{i}.py"
+        path.write_text(snippet)
+        files.append(str(path))
+    report = tmp_path / "report.xml"
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "asyncflow_conformance", "-p", "no:cacheprovider",
+         "-q", *files, f"--junitxml={report}"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and report.exists(), out[-3000:]
+    outcomes: dict[str, str] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        name = f"{case.attrib['classname']}::{case.attrib['name']}"
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[name] = kinds[0] if kinds else "passed"
+    failed = {name: kind for name, kind in outcomes.items() if kind in ("failure", "error")}
+    assert not failed, failed
+    # every law of every suite was collected (a parametrized law once per parameter)
+    suites = Counter(name.split("::")[0].rsplit(".", 1)[-1] for name in outcomes)
+    assert sorted(suites.values()) == sorted(LAW_COUNTS.values()), (suites, LAW_COUNTS)
+
+
+LAW_COUNTS = {
+    "inference": 11 + 2 + len(BAD_REQUESTS),  # 11 laws, 2 pause modes, each bad request
+    "train": 8 + 2 + 1,  # 8 laws, 2 bad bucket sizes, the default required field "response"
+    "weight sync": 3 + len(PHASE_MISUSES),
+}
