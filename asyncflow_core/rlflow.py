@@ -646,6 +646,8 @@ class RLJob:
         finally:
             self._closing = True  # aborted generations are not re-submitted any more
             await self._abort_inflight()
+            if self._sleeping:  # colocated: hand the engines back awake (no sync after the end)
+                await self._wake()
         return RLResult(
             self.config, tuple(self.steps), result.wall_s, self._sampler.dropped,
             self.generated, result, self.tracer,

@@ -288,3 +288,33 @@ def test_on_step_sees_every_step_with_its_mean_reward() -> None:
     assert tuple(seen) == result.steps and [s.version for s in seen] == [1, 2, 3]
     # the toy reward is the response length (1..20 tokens): each step's mean lies in that range
     assert all(1.0 <= s.reward_mean <= 20.0 for s in seen)
+
+
+class SleepyEngine(ToyEngine):
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.asleep = False
+        self.calls: list[str] = []
+
+    async def sleep(self, level: int = 1) -> None:
+        self.asleep = True
+        self.calls.append("sleep")
+
+    async def wake_up(self) -> None:
+        self.asleep = False
+        self.calls.append("wake")
+
+
+def test_colocated_job_hands_the_engines_back_awake() -> None:
+    engine = SleepyEngine(0)
+
+    async def main() -> RLResult:
+        cfg = RLConfig(steps=2, prompts_per_step=2, n=2, staleness=0, mode="colocated",
+                       weight_sync="blocking")  # fmt: skip
+        job = RLJob(cfg, RLEngines([engine], ToyTrainer()), ([1] for _ in range(100)),
+                    lambda p, r: 1.0)  # fmt: skip
+        return await job.run()
+
+    run_virtual(main())
+    assert engine.calls[:2] == ["sleep", "wake"] and engine.calls[-1] == "wake"
+    assert not engine.asleep  # no sync follows the last step, yet the engine is awake again
