@@ -24,6 +24,8 @@ from asyncflow_conformance import (
     WeightSyncConformance,
 )
 from asyncflow_conformance.engines import BAD_REQUESTS, PHASE_MISUSES
+from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
+from asyncflow_reference.model import ModelConfig
 from asyncflow_reference.sim import (
     CostModel,
     SimInferenceEngine,
@@ -358,6 +360,53 @@ class TestTinyInProcessWeightSync(WeightSyncConformance):
     def target_weights(self, engine: Any) -> Mapping[str, torch.Tensor]:
         assert isinstance(engine, TinyInferenceEngine)
         return engine.weights
+
+
+# --------------------------------------------------------------------------------------------
+# The pure-PyTorch reference engines (asyncflow_reference.engines), on a plain event loop
+# --------------------------------------------------------------------------------------------
+TORCH_MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
+
+
+class TestTorchInferenceEngine(InferenceEngineConformance):
+    vocab_size = TORCH_MODEL.vocab_size
+    context_window = TORCH_MODEL.max_seq_len
+    long_max_tokens = 400
+    timeout_s = 30.0
+    real_timeout_s = 60.0
+
+    def make_engine(self) -> TorchInferenceEngine:
+        return TorchInferenceEngine(TORCH_MODEL, max_batch=8, seed=0)
+
+    async def close_engine(self, engine: Any) -> None:
+        await engine.close()
+
+
+class TestTorchTrainEngine(TrainEngineConformance):
+    vocab_size = TORCH_MODEL.vocab_size
+    required_fields = ("prompt", "response", "advantage")
+    real_timeout_s = 60.0
+
+    def make_engine(self) -> TorchTrainEngine:
+        return TorchTrainEngine(TORCH_MODEL, micro_batch_size=2, seed=0)
+
+
+class TestTorchInProcessWeightSync(WeightSyncConformance):
+    bucket_bytes = 16 << 10
+    real_timeout_s = 60.0
+
+    def make_source(self) -> TorchTrainEngine:
+        return TorchTrainEngine(TORCH_MODEL, seed=1)
+
+    def make_targets(self) -> list[TorchInferenceEngine]:
+        return [TorchInferenceEngine(TORCH_MODEL, max_batch=4, seed=0) for _ in range(2)]
+
+    def make_sync(self, targets: Sequence[Any]) -> InProcessWeightSync:
+        return InProcessWeightSync(targets)
+
+    def target_weights(self, engine: Any) -> Mapping[str, torch.Tensor]:
+        assert isinstance(engine, TorchInferenceEngine)
+        return dict(engine.model.state_dict())
 
 
 # --------------------------------------------------------------------------------------------
