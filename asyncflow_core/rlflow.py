@@ -103,6 +103,7 @@ class RLConfig:
     mode: Mode = "async"
     weight_sync: SyncStrategy = "staged"
     sampling: SamplingParams = _DEFAULT_SAMPLING
+    """Every request's sampling; with a ``seed``, request number i samples with ``seed + i``."""
     rollout_concurrency: int | None = None
     """Groups generating at once (default: enough for the staleness bound to be the limit)."""
     bucket_bytes: int = 1 << 30
@@ -454,7 +455,10 @@ class RLJob:
         rid = f"r{self._rid}"
         name = self.router.route(rid, len(prompt) + cfg.sampling.max_tokens, group)
         engine = self.engines.rollout[int(name)]
-        request = GenerationRequest(rid, prompt, cfg.sampling, group=group)
+        params = cfg.sampling
+        if params.seed is not None:  # one seed per request, or a group's samples would be equal
+            params = replace(params, seed=params.seed + self._rid)
+        request = GenerationRequest(rid, prompt, params, group=group)
         try:
             while True:
                 self._inflight[rid] = engine

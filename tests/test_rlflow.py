@@ -318,3 +318,24 @@ def test_colocated_job_hands_the_engines_back_awake() -> None:
     run_virtual(main())
     assert engine.calls[:2] == ["sleep", "wake"] and engine.calls[-1] == "wake"
     assert not engine.asleep  # no sync follows the last step, yet the engine is awake again
+
+
+def test_a_sampling_seed_gives_each_request_its_own_seed() -> None:
+    from asyncflow_core.protocols import SamplingParams
+
+    seeds: list[int | None] = []
+
+    class SeedEngine(ToyEngine):
+        async def generate(self, request: GenerationRequest) -> GenerationResult:
+            seeds.append(request.params.seed)
+            return await super().generate(request)
+
+    async def main() -> RLResult:
+        cfg = RLConfig(steps=2, prompts_per_step=2, n=3, sampling=SamplingParams(seed=100))
+        job = RLJob(cfg, RLEngines([SeedEngine(0)], ToyTrainer()), ([1] for _ in range(100)),
+                    lambda p, r: 1.0)  # fmt: skip
+        return await job.run()
+
+    run_virtual(main())
+    assert len(seeds) >= 12 and len(set(seeds)) == len(seeds)  # distinct per request
+    assert all(s is not None and s > 100 for s in seeds)
