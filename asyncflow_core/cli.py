@@ -85,12 +85,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncflow", description=__doc__)
     parser.add_argument("--version", action="version", version=f"asyncflow {__version__}")
     sub = parser.add_subparsers(dest="command")
-    for name in ("run", "selfcheck"):
-        p = sub.add_parser(name, help="the main job" if name == "run" else "store self-check")
-        p.add_argument("--prompts", type=int, default=500)
-        p.add_argument("--group", type=int, default=8)
-        p.add_argument("--batch", type=int, default=64)
-        p.add_argument("--seed", type=int, default=0)
+    run = sub.add_parser(
+        "run",
+        help="the main job: async GRPO on the reference engines (CPU), with a run folder",
+        description="Asynchronous RL on the pure-PyTorch reference engines: a tiny model learns "
+        "a built-in verifiable task. Writes config.toml, metrics.jsonl, trace.json, "
+        "summary.json and PNG plots to the run folder.",
+    )
+    run.add_argument("--config", default=None, metavar="FILE", help="a TOML config file")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override one config key, e.g. --set rl.staleness=2 (repeatable; see --keys)",
+    )  # fmt: skip
+    run.add_argument("--out", default=None, metavar="DIR", help="run folder (runs/<timestamp>)")
+    run.add_argument("--keys", action="store_true", help="list every config key and exit")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = sub.add_parser("selfcheck", help="store self-check: stream rows through three tasks")
+    p.add_argument("--prompts", type=int, default=500)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
     trace = sub.add_parser("trace", help="read traces written by asyncflow_core.trace")
     trace_sub = trace.add_subparsers(dest="trace_command", metavar="COMMAND", required=True)
     summarize = trace_sub.add_parser(
@@ -132,11 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "trace":
         return _trace_summarize(args.file, args.json, args.throughput_task, args.png)
     if args.command == "run":
-        print(
-            "asyncflow run: the RL main job (async GRPO on the reference engines) is not built "
-            "yet (issue #4); running the streaming store self-check instead.",
-            file=sys.stderr,
-        )
+        job = importlib.import_module("asyncflow_reference.job")
+        return int(job.main_job(args))
     result = asyncio.run(_selfcheck(args.prompts, args.group, args.batch, args.seed))
     print(
         f"selfcheck ok: {result['rows']:.0f} rows streamed prompt -> rollout -> train, each "

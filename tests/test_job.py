@@ -1,0 +1,121 @@
+"""The main job (`asyncflow run`): config handling, the run folder and its summary, on a few
+steps of the real reference engines."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from asyncflow_reference.job import RunConfig
+
+from asyncflow_core.cli import main as cli_main
+from asyncflow_core.config import load_config
+from asyncflow_core.errors import ConfigError
+
+QUICK = [
+    "rl.steps=4", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=2", "eval_prompts=8",
+]  # fmt: skip
+
+SUMMARY_KEYS = {
+    "mode", "staleness", "steps", "samples", "tokens", "wall_s", "samples_per_s",
+    "reward_first", "reward_last", "bubble_ratio", "staleness_hist", "sync_exposed_s",
+    "sync_hidden_s",
+}  # fmt: skip
+
+
+def _run_cli(tmp_path: Path, *extra: str) -> tuple[int, dict[str, object]]:
+    out = tmp_path / "run"
+    args = ["run", "--out", str(out), "--quiet"]
+    for item in [*QUICK, *extra]:
+        args += ["--set", item]
+    code = cli_main(args)
+    return code, json.loads((out / "summary.json").read_text())
+
+
+def test_run_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, summary = _run_cli(tmp_path)
+    assert code == 0
+    out = tmp_path / "run"
+    for name in ("config.toml", "metrics.jsonl", "trace.json", "summary.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert set(summary) >= SUMMARY_KEYS
+    assert summary["mode"] == "async" and summary["staleness"] == 1 and summary["steps"] == 4
+    assert summary["samples"] == 4 * 16
+    for key in ("reward_first", "reward_last", "eval_reward"):
+        value = summary[key]
+        assert isinstance(value, float) and 0.0 <= value <= 1.0, key
+    assert {"rollout", "trainer"} <= set(summary["bubble_ratio"])  # type: ignore[arg-type]
+    hist = summary["staleness_hist"]
+    assert isinstance(hist, dict) and sum(hist.values()) == 4 * 16
+    assert set(hist) <= {"0", "1"}  # η = 1: never staler than one version
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    # the written config reproduces the run's config
+    again = load_config(RunConfig, out / "config.toml")
+    assert again.rl.steps == 4 and again.task.warmup_steps == 2
+    printed = capsys.readouterr().out
+    assert "reward first → last 10%" in printed and "run folder:" in printed
+
+
+def test_colocated_mode_runs_on_one_resource(tmp_path: Path) -> None:
+    code, summary = _run_cli(tmp_path, "rl.mode=colocated", "train.loss=pg")
+    assert code == 0
+    assert summary["mode"] == "colocated" and summary["staleness"] == 0
+    assert "devices" in summary["bubble_ratio"]  # type: ignore[operator]
+    assert summary["staleness_hist"] == {"0": 4 * 16}
+
+
+def test_decoupled_ppo_gets_proximal_logprobs(tmp_path: Path) -> None:
+    code, summary = _run_cli(tmp_path, "train.loss=decoupled-ppo", "rl.staleness=2")
+    assert code == 0 and summary["loss"] == "decoupled-ppo"
+    assert math.isfinite(float(summary["reward_last"]))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rl.mode=sync", "rl.mode must be one of 'async', 'colocated', got 'sync'"),
+        ("train.loss=sft", "train.loss must be one of 'pg', 'ppo', 'decoupled-ppo'"),
+        ("rl.stalenes=2", "unknown key 'rl.stalenes' (did you mean 'rl.staleness'?)"),
+        ("task.name=mul", "task.name must be one of 'reverse', 'sort', 'add', got 'mul'"),
+        ("task.digits=9", "task digits must be in 1..8, got 9"),
+        ("rl.sync_every=3", "raise staleness to >= 2 or lower sync_every"),
+        ("rollout.temperature=0", "rollout.temperature must be > 0"),
+    ],
+)
+def test_bad_config_is_a_clear_error_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, message: str
+) -> None:
+    code = cli_main(["run", "--out", str(tmp_path / "x"), "--set", override])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # nothing was written
+    with pytest.raises(ConfigError):
+        load_config(RunConfig, None, [override]).validate()
+
+
+def test_keys_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["run", "--keys"]) == 0
+    out = capsys.readouterr().out
+    for key in ("rl.staleness = 1", "train.loss = 'ppo'", "task.name = 'reverse'", "seed = 0"):
+        assert key in out
+
+
+def test_config_file_and_set_compose(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[rl]\nstaleness = 3\n[train]\nloss = "decoupled-ppo"\n')
+    cfg = load_config(RunConfig, path, ["rl.staleness=2"])
+    assert cfg.rl.staleness == 2 and cfg.train.loss == "decoupled-ppo"
+    assert cfg.rl_config().proximal_logprobs
+
+
+def test_asyncflow_run_help_as_a_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncflow_core.cli", "run", "--help"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and "--set KEY=VALUE" in done.stdout
