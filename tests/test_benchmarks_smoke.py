@@ -87,3 +87,22 @@ def test_pipeline_benchmark_quick_emits_json() -> None:
     for key in ("speedup", "ideal_speedup", "efficiency"):
         _positive_finite(key, last[key])
     assert "ideal overlap bound" in proc.stdout
+
+
+@pytest.mark.slow
+def test_cpu_pipeline_benchmark_quick_emits_json() -> None:
+    """benchmarks/cpu_pipeline.py --quick: the four runs on the reference engines; the last
+    line is one JSON object with the speedup and the four final rewards."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_pipeline.py"), "--quick"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    _positive_finite("speedup", last["speedup"])
+    for key in ("reward_sync", "reward_async", "reward_eta4_naive", "reward_eta4_decoupled"):
+        assert 0.0 <= last[key] <= 1.0, (key, last[key])
+    runs = last["runs"]
+    assert runs["colocated"]["staleness"] == 0 and runs["async"]["staleness"] == 1
+    assert runs["eta4_decoupled"]["loss"] == "decoupled-ppo" and runs["eta4_naive"]["loss"] == "ppo"
+    assert "speedup async/colocated" in proc.stdout
