@@ -48,7 +48,6 @@ import dataclasses
 import inspect
 import math
 import tempfile
-import threading
 from collections import Counter
 from collections.abc import (
     AsyncIterator,
@@ -65,6 +64,7 @@ from typing import Any, ClassVar, Literal, TypeVar, cast
 import pytest
 import torch
 
+from asyncflow_conformance._guard import run_on_fresh_loop
 from asyncflow_core.errors import AsyncFlowError, WeightSyncError
 from asyncflow_core.protocols import (
     Batch,
@@ -83,7 +83,7 @@ from asyncflow_core.protocols import (
     WeightSync,
 )
 from asyncflow_core.rl import policy_gradient_loss
-from asyncflow_core.vclock import SimulationDeadlockError, VirtualClockLoop
+from asyncflow_core.vclock import SimulationDeadlockError
 
 __all__ = [
     "BAD_REQUESTS",
@@ -113,13 +113,6 @@ HUGE_BUCKET = 1 << 62
 # --------------------------------------------------------------------------------------------
 # Running a law: a fresh loop in a watched thread, every await bounded
 # --------------------------------------------------------------------------------------------
-@dataclass
-class _Box:
-    loop: asyncio.AbstractEventLoop | None = None
-    main: asyncio.Task[Any] | None = None
-    error: BaseException | None = None
-
-
 def run_law(
     make_main: Callable[[], Coroutine[Any, Any, None]],
     *,
@@ -132,41 +125,18 @@ def run_law(
     in a daemon thread, and re-raise here whatever it raised (an ``AssertionError`` of a law,
     pytest's skip). If it is still running after ``real_timeout_s`` real seconds it is
     cancelled and an ``AssertionError`` names ``what``; so is a virtual-clock deadlock."""
-    box = _Box()
-
-    def target() -> None:
-        def factory() -> asyncio.AbstractEventLoop:
-            if virtual_clock:
-                return VirtualClockLoop(deadlock_timeout=deadlock_timeout_s)
-            return asyncio.new_event_loop()
-
-        async def main() -> None:
-            box.main = asyncio.current_task()
-            await make_main()
-
-        try:
-            with asyncio.Runner(loop_factory=factory) as runner:
-                box.loop = runner.get_loop()
-                runner.run(main())
-        except BaseException as exc:  # handed to the calling thread
-            box.error = exc
-
-    thread = threading.Thread(target=target, name=f"asyncflow-conformance: {what}", daemon=True)
-    thread.start()
-    thread.join(real_timeout_s)
-    if thread.is_alive():
-        loop, main = box.loop, box.main
-        if loop is not None and main is not None:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(main.cancel)
-        thread.join(10.0)
+    run = run_on_fresh_loop(
+        make_main, name=f"asyncflow-conformance: {what}", virtual_clock=virtual_clock,
+        real_timeout_s=real_timeout_s, deadlock_timeout_s=deadlock_timeout_s,
+    )  # fmt: skip
+    if run.timed_out:
         raise AssertionError(
             f"{what}: still running after {real_timeout_s} s of real time and cancelled: the "
             "engine hangs while blocking its event loop (a timeout on the loop cannot fire), "
             "or the law needs a larger real_timeout_s"
-            + ("" if not thread.is_alive() else "; it ignored the cancellation too")
+            + ("" if not run.stuck else "; it ignored the cancellation too")
         )
-    error = box.error
+    error = run.error
     if error is None:
         return
     if isinstance(error, SimulationDeadlockError):
@@ -254,6 +224,36 @@ class _Suite:
                 f"{what} is listed in known_failures ({reason!r}) but passed: remove the entry",
                 pytrace=False,
             )
+
+    async def close_engine(self, engine: Any) -> None:
+        """Release an engine after a law (default: its ``close()``, if it has one)."""
+        await _close(engine)
+
+    def _engine_law(
+        self,
+        name: str,
+        body: Callable[[Any], Coroutine[Any, Any, None]],
+        protocol: type,
+        lacks: str,
+    ) -> None:
+        """Run ``body`` on a fresh engine from ``make_engine()`` (which must implement
+        ``protocol``; ``lacks`` completes the error otherwise), closing it afterwards."""
+
+        async def main() -> None:
+            make = self.make_engine  # type: ignore[attr-defined]
+            engine = await self._wait(_resolve(make()), "make_engine()")
+            assert isinstance(engine, protocol), (
+                f"make_engine() returned {type(engine).__name__}, which lacks {lacks}"
+            )
+            try:
+                await body(engine)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._wait(self.close_engine(engine), "close_engine()")
+                raise
+            await self._wait(self.close_engine(engine), "close_engine()")
+
+        self._run(name, main)
 
     async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
         return await bounded(awaitable, self.timeout_s, what)
@@ -558,27 +558,12 @@ class InferenceEngineConformance(_Suite):
         only); an engine that needs real tensors returns its current weights here."""
         return ()
 
-    async def close_engine(self, engine: Any) -> None:
-        """Release an engine after a law (default: its ``close()``, if it has one)."""
-        await _close(engine)
-
     # -- plumbing ----------------------------------------------------------------------------
     def _law(self, name: str, body: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
-        async def main() -> None:
-            engine = await self._wait(_resolve(self.make_engine()), "make_engine()")
-            assert isinstance(engine, InferenceEngine), (
-                f"make_engine() returned {type(engine).__name__}, which lacks the "
-                "InferenceEngine protocol (weight_version, generate, abort)"
-            )
-            try:
-                await body(engine)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self._wait(self.close_engine(engine), "close_engine()")
-                raise
-            await self._wait(self.close_engine(engine), "close_engine()")
-
-        self._run(name, main)
+        self._engine_law(
+            name, body, InferenceEngine,
+            "the InferenceEngine protocol (weight_version, generate, abort)",
+        )  # fmt: skip
 
     def _request(
         self, rid: str, index: int, max_tokens: int, *, seed: int | None = None
@@ -1162,26 +1147,9 @@ class TrainEngineConformance(_Suite):
             return [int(t.shape[0]) for t in value]
         return [int(value.shape[1])] * len(batch)
 
-    async def close_engine(self, engine: Any) -> None:
-        await _close(engine)
-
     # -- plumbing ----------------------------------------------------------------------------
     def _law(self, name: str, body: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
-        async def main() -> None:
-            engine = await self._wait(_resolve(self.make_engine()), "make_engine()")
-            assert isinstance(engine, TrainEngine), (
-                f"make_engine() returned {type(engine).__name__}, which lacks the TrainEngine "
-                "protocol"
-            )
-            try:
-                await body(engine)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self._wait(self.close_engine(engine), "close_engine()")
-                raise
-            await self._wait(self.close_engine(engine), "close_engine()")
-
-        self._run(name, main)
+        self._engine_law(name, body, TrainEngine, "the TrainEngine protocol")
 
     async def _step(self, engine: TrainEngine, batch: Batch) -> TrainMetrics:
         before = engine.weight_version
@@ -1572,9 +1540,6 @@ class WeightSyncConformance(_Suite):
     def prompt_tokens(self) -> Sequence[int]:
         """The prompt each target generates from after a sync."""
         return (1, 2, 3, 4)
-
-    async def close_engine(self, engine: Any) -> None:
-        await _close(engine)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _law(self, name: str, body: Callable[[_SyncSetup], Coroutine[Any, Any, None]]) -> None:

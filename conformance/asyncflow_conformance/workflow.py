@@ -46,7 +46,6 @@ used on a ``WorkflowRun`` outside pytest.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import threading
@@ -59,6 +58,7 @@ from typing import Any, ClassVar, Literal
 import pytest
 import torch
 
+from asyncflow_conformance._guard import CANCEL_GRACE_S, run_on_fresh_loop
 from asyncflow_core.errors import TaskFailedError
 from asyncflow_core.protocols import (
     Batch,
@@ -78,7 +78,6 @@ from asyncflow_core.protocols import (
     WeightSync,
 )
 from asyncflow_core.rlflow import Mode, RLConfig, RLEngines, RLJob, RLResult, SyncStrategy
-from asyncflow_core.vclock import VirtualClockLoop
 
 __all__ = [
     "DEFAULT_CASES",
@@ -463,14 +462,6 @@ def _describe_task(task: asyncio.Task[Any]) -> str:
     return f"{task.get_name()} ({what})"
 
 
-@dataclass
-class _Box:
-    loop: asyncio.AbstractEventLoop | None = None
-    main: asyncio.Task[Any] | None = None
-    error: BaseException | None = None
-    done: bool = False
-
-
 def _run_guarded(
     make_main: Callable[[], Coroutine[Any, Any, None]],
     *,
@@ -482,52 +473,25 @@ def _run_guarded(
     escaped the loop (e.g. ``SimulationDeadlockError``), whether the real-time limit ran out
     (the main task is then cancelled), and the new non-daemon threads still alive after the
     loop closed. A loop that ignores the cancellation fails the calling test."""
-    box = _Box()
     before = set(threading.enumerate())
-
-    def target() -> None:
-        def factory() -> asyncio.AbstractEventLoop:
-            if virtual_clock:
-                return VirtualClockLoop(deadlock_timeout=deadlock_timeout_s)
-            return asyncio.new_event_loop()
-
-        async def main() -> None:
-            box.main = asyncio.current_task()
-            await make_main()
-
-        try:
-            with asyncio.Runner(loop_factory=factory) as runner:
-                box.loop = runner.get_loop()
-                runner.run(main())
-        except BaseException as exc:
-            box.error = exc
-        finally:
-            box.done = True
-
-    thread = threading.Thread(target=target, name="asyncflow-conformance-job", daemon=True)
-    thread.start()
-    thread.join(real_timeout_s)
-    timed_out = thread.is_alive()
-    if timed_out:
-        loop, main = box.loop, box.main
-        if loop is not None and main is not None:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(main.cancel)
-        thread.join(10.0)
-        if thread.is_alive():
-            pytest.fail(
-                f"the job ran past the real-time limit of {real_timeout_s} s and did not stop "
-                "within 10 s of being cancelled (a task ignores cancellation or a thread "
-                "blocks forever); its thread is left behind as a daemon"
-            )
+    run = run_on_fresh_loop(
+        make_main, name="asyncflow-conformance-job", virtual_clock=virtual_clock,
+        real_timeout_s=real_timeout_s, deadlock_timeout_s=deadlock_timeout_s,
+    )  # fmt: skip
+    if run.stuck:
+        pytest.fail(
+            f"the job ran past the real-time limit of {real_timeout_s} s and did not stop "
+            f"within {CANCEL_GRACE_S:.0f} s of being cancelled (a task ignores cancellation or "
+            "a thread blocks forever); its thread is left behind as a daemon"
+        )
     leftover = tuple(
         sorted(
             t.name
             for t in threading.enumerate()
-            if t not in before and t is not thread and t.is_alive() and not t.daemon
+            if t not in before and t is not run.thread and t.is_alive() and not t.daemon
         )
     )
-    return box.error, timed_out, leftover
+    return run.error, run.timed_out, leftover
 
 
 # --------------------------------------------------------------------------------------------
