@@ -42,7 +42,7 @@ import torch
 
 from asyncflow_core.config import load_config, to_toml
 from asyncflow_core.errors import ConfigError
-from asyncflow_core.protocols import Batch, LossFn, SamplingParams
+from asyncflow_core.protocols import Batch, GenerationRequest, LossFn, SamplingParams
 from asyncflow_core.rl import DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult, StepRecord
 from asyncflow_core.trace import Tracer
@@ -288,8 +288,6 @@ async def _warm_up(cfg: RunConfig, model: TransformerLM) -> TransformerLM:
 
 async def _evaluate(cfg: RunConfig, engine: TorchInferenceEngine) -> tuple[float, float]:
     """Greedy decoding on fresh prompts (a seed the training stream never used)."""
-    from asyncflow_core.protocols import GenerationRequest
-
     task = cfg.task_spec()
     params = SamplingParams(
         max_tokens=task.max_tokens, temperature=0.0, stop_token_ids=task.stop_token_ids
@@ -490,9 +488,10 @@ def main_job(args: Any) -> int:
         print(f"asyncflow run: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    rl = cfg.rl_config()
     print(
         f"asyncflow run: {cfg.task.name}-{cfg.task.digits} with {cfg.rl.mode} RL "
-        f"(η={cfg.rl_config().staleness}, {cfg.rl_config().weight_sync} sync, loss "
+        f"(η={rl.staleness}, {rl.weight_sync} sync, loss "
         f"{cfg.train.loss}), {cfg.rl.steps} steps x {cfg.rl.prompts_per_step * cfg.rl.n} "
         f"samples; writing {out}/",
         file=sys.stderr,

@@ -86,7 +86,8 @@ class SimPreset:
     ``scaled(devices)`` weak-scales: prompts per step grow with devices (samples per device
     stay fixed), the split is re-balanced, and the step count shrinks from ``max_steps``
     (default: ``steps``) so that ``steps x samples_per_step`` stays within ``sample_budget``
-    (never below ``min_steps``), which keeps a 1024-device run to seconds of real time.
+    (never below ``min_steps``), which keeps a 1024-device run to minutes of real time (4 to 9
+    on 2 cores).
     """
 
     name: str
@@ -221,7 +222,8 @@ colocated switch; and better data-parallel scaling (more compute per byte of gra
 #   its 8k stage (train batch 128 prompts, 8 samples each), the data set the paper used.
 #   That is 32 samples per device, kept fixed by weak scaling (4096 prompts at 1024 devices).
 # - 10 steps at 32 devices (10,240 samples); scaled() keeps steps x samples <= 65,536 with at
-#   least 3 steps (at 1024 devices: 3 steps x 32,768 samples), so a run replays in seconds.
+#   least 3 steps (at 1024 devices: 3 steps x 32,768 samples), so the largest run replays in
+#   minutes.
 PRESETS: dict[str, SimPreset] = {
     "qwen2.5-7b-grpo": SimPreset(
         name="qwen2.5-7b-grpo",
