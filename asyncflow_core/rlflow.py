@@ -369,6 +369,10 @@ class RLJob:
         train_res = "devices" if coloc else "trainer"
         concurrency = cfg.rollout_concurrency or (cfg.staleness + 1) * cfg.prompts_per_step
         update_consumes = ["prompt", "response", "logprobs", "reward", "advantage"]
+        # reward and advantage take whole groups greedily, up to one step's worth: one group at
+        # a time while they keep up, many per call (fewer store round trips) once behind
+        per_call = cfg.batch_size
+        whole_groups = lambda: GroupSampler(cfg.n, greedy=True)  # noqa: E731
         tasks = [
             Task(
                 "rollout", self._rollout, consumes=("prompt",),
@@ -377,11 +381,11 @@ class RLJob:
             ),
             Task(
                 "reward", self._reward, consumes=("prompt", "response"), produces=("reward",),
-                batch_size=cfg.n, layout="list", resource="reward",
+                batch_size=per_call, sampler=whole_groups, layout="list", resource="reward",
             ),
             Task(
                 "advantage", self._advantage, consumes=("reward",), produces=("advantage",),
-                batch_size=cfg.n, sampler=lambda: GroupSampler(cfg.n), resource="reward",
+                batch_size=per_call, sampler=whole_groups, resource="reward",
             ),
         ]  # fmt: skip
         if cfg.reference_logprobs:

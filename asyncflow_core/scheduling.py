@@ -36,6 +36,12 @@ def _check_batch_size(sampler: str, request: SampleRequest) -> None:
         )
 
 
+def _check_flag(sampler: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequestError(f"{sampler}: {name} must be True or False, got {value!r}")
+    return value
+
+
 def _rows(array: IntArray) -> tuple[int, ...]:
     """Plain-int tuple of a numpy int array (numpy ints would leak into the store's metadata)."""
     values: list[int] = array.tolist()  # int64 -> Python ints
@@ -53,16 +59,24 @@ class SequentialSampler:
     order is kept, never re-sorted. With fewer than ``batch_size`` candidates it returns no
     rows ("wait for more"), unless ``request.final`` is set: then it returns all of them (a
     short final batch). It never drops or holds anything.
+
+    ``greedy=True``: never wait for a full batch; take the candidates there are (at least one,
+    at most ``batch_size``). A consumer that keeps up then gets small batches at no added
+    latency, and one that falls behind gets bigger ones, so its per-call overhead (store round
+    trips, a thread hand-off) is paid per batch rather than per row.
     """
+
+    def __init__(self, *, greedy: bool = False) -> None:
+        self.greedy = _check_flag("SequentialSampler", "greedy", greedy)
 
     def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
         _check_batch_size("SequentialSampler", request)
-        if len(candidates) < request.batch_size and not request.final:
+        if len(candidates) < request.batch_size and not (request.final or self.greedy):
             return Selection()
         return Selection(rows=_rows(candidates.rows[: request.batch_size]))
 
     def __repr__(self) -> str:
-        return "SequentialSampler()"
+        return "SequentialSampler(greedy=True)" if self.greedy else "SequentialSampler()"
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,15 +105,19 @@ class GroupSampler:
     up to ``g % n``, the last ones in the order given, go to ``Selection.dropped`` (the store
     marks them consumed and counts them as dropped). Leftovers of a group whose size is a
     multiple of ``n`` are kept: their missing rows are leased elsewhere and may come back.
+
+    ``greedy=True``: never wait for a full batch; hand out the complete chunks there are (at
+    least one, at most ``batch_size // n``), as ``SequentialSampler(greedy=True)`` does rows.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, greedy: bool = False) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise BadRequestError(f"GroupSampler: group size n must be an int >= 1, got {n!r}")
         self.n = n
+        self.greedy = _check_flag("GroupSampler", "greedy", greedy)
 
     def __repr__(self) -> str:
-        return f"GroupSampler(n={self.n})"
+        return f"GroupSampler(n={self.n}{', greedy=True' if self.greedy else ''})"
 
     def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
         _check_batch_size("GroupSampler", request)
@@ -137,7 +155,8 @@ class GroupSampler:
         chunks_app = chunks[appearance]
         before = np.cumsum(chunks_app) - chunks_app
         max_chunks = request.batch_size // n
-        if int(chunks_app.sum()) < max_chunks and not request.final:
+        have = int(chunks_app.sum())
+        if not request.final and (have == 0 if self.greedy else have < max_chunks):
             return Selection()
         taken = np.empty(n_groups, dtype=np.int64)
         taken[appearance] = np.clip(max_chunks - before, 0, chunks_app)

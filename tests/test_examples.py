@@ -42,3 +42,18 @@ def test_conformance_guide_example_passes() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert " passed" in out and "failed" not in out
+
+
+def test_adapter_guide_example_passes() -> None:
+    """examples/adapter runs every engine suite on the engines of examples/custom_engine.py
+    (docs/writing-an-adapter.md); the only law that may skip is sleep's (no SupportsSleep)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "asyncflow_conformance", "-p", "no:cacheprovider",
+         "-q", "-rs", "examples/adapter"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert " passed" in out and "failed" not in out
+    skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    assert all("SupportsSleep" in line for line in skipped), skipped

@@ -39,6 +39,20 @@ class TestGroupSamplerPairs(SchedulerConformance):
         return lambda: GroupSampler(2)
 
 
+class TestSequentialSamplerGreedy(SchedulerConformance):
+    @pytest.fixture
+    def scheduler_factory(self) -> SchedulerFactory:
+        return lambda: SequentialSampler(greedy=True)
+
+
+class TestGroupSamplerGreedy(SchedulerConformance):
+    needs_groups = True
+
+    @pytest.fixture
+    def scheduler_factory(self) -> SchedulerFactory:
+        return lambda: GroupSampler(self.group_n, greedy=True)
+
+
 class TestTokenBalancedSampler(SchedulerConformance):
     @pytest.fixture
     def scheduler_factory(self) -> SchedulerFactory:

@@ -119,7 +119,7 @@ def grouped_candidates(draw: st.DrawFn, n: int) -> Candidates:
     return cands(rows, groups=codes, sizes=[sizes[g] for g in codes])
 
 
-def group_model(c: Candidates, request: SampleRequest, n: int) -> Selection:
+def group_model(c: Candidates, request: SampleRequest, n: int, greedy: bool = False) -> Selection:
     """A slow, obviously-correct statement of GroupSampler's documented policy."""
     order: list[int] = []
     members: dict[int, list[int]] = {}
@@ -133,7 +133,7 @@ def group_model(c: Candidates, request: SampleRequest, n: int) -> Selection:
     room = request.batch_size // n
     rows: list[int] = []
     available = sum(len(members[g]) // n for g in order)
-    if available < room and not request.final:
+    if not request.final and (available == 0 if greedy else available < room):
         return Selection()
     for g in order:
         take = min(len(members[g]) // n, room)
@@ -248,6 +248,46 @@ def test_group_sampler_errors() -> None:
         GroupSampler(4).select(cands([1, 2, 3, 4], groups=[0, 0, 0, 0]), req(3))
     with pytest.raises(BadRequestError, match="n must be an int >= 1"):
         GroupSampler(0)
+
+
+def test_greedy_samplers_take_what_is_there_without_waiting() -> None:
+    assert SequentialSampler(greedy=True).select(cands([3, 5]), req(8)) == Selection(rows=(3, 5))
+    assert SequentialSampler(greedy=True).select(cands([3, 5, 7]), req(2)).rows == (3, 5)
+    assert SequentialSampler(greedy=True).select(Candidates.empty(), req(8)) == Selection()
+    c = cands([0, 1, 2, 3, 4], groups=[1, 1, 2, 2, 2], sizes=[2, 2, 3, 3, 3])
+    # one complete chunk per group is there: both come out now, the odd row waits (not final)
+    assert GroupSampler(2, greedy=True).select(c, req(16)) == Selection(rows=(0, 1, 2, 3))
+    assert GroupSampler(2, greedy=True).select(c, req(2)) == Selection(rows=(0, 1))
+    partial = cands([0, 1, 2], groups=[1, 2, 2], sizes=[2, 2, 2])
+    assert GroupSampler(2, greedy=True).select(partial, req(8)).rows == (1, 2)
+    assert GroupSampler(2, greedy=True).select(cands([0], groups=[1]), req(8)) == Selection()
+    for bad in (1, "yes", None):
+        with pytest.raises(BadRequestError, match="greedy must be True or False"):
+            SequentialSampler(greedy=bad)  # type: ignore[arg-type]
+        with pytest.raises(BadRequestError, match="greedy must be True or False"):
+            GroupSampler(2, greedy=bad)  # type: ignore[arg-type]
+    assert repr(GroupSampler(2, greedy=True)) == "GroupSampler(n=2, greedy=True)"
+
+
+@fast
+@given(m=st.integers(0, 30), bs=st.integers(1, 40), final=st.booleans())
+def test_sequential_greedy_law(m: int, bs: int, final: bool) -> None:
+    rows = list(range(10, 10 + 3 * m, 3))
+    sel = SequentialSampler(greedy=True).select(cands(rows), req(bs, final=final))
+    assert sel == Selection(rows=tuple(rows[:bs]))
+
+
+@fast
+@given(data=st.data(), n=st.integers(1, 4), final=st.booleans(), chunks=st.integers(1, 4))
+def test_group_sampler_greedy_matches_model(
+    data: st.DataObject, n: int, final: bool, chunks: int
+) -> None:
+    c = data.draw(grouped_candidates(n))
+    request = req(n * chunks + data.draw(st.integers(0, n - 1)), final=final)
+    sel = GroupSampler(n, greedy=True).select(c, request)
+    assert sel == group_model(c, request, n, greedy=True)
+    complete = sum(v // n for v in Counter(c.groups.tolist()).values())
+    assert len(sel.rows) == n * min(complete, chunks)  # never waits while a chunk is there
 
 
 @fast
