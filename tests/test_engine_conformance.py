@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -35,6 +36,7 @@ from asyncflow_reference.sim import (
 )
 
 from asyncflow_core.errors import EngineError
+from asyncflow_core.process import ProcessTrainEngine
 from asyncflow_core.protocols import (
     Batch,
     FinishReason,
@@ -389,6 +391,22 @@ class TestTorchTrainEngine(TrainEngineConformance):
 
     def make_engine(self) -> TorchTrainEngine:
         return TorchTrainEngine(TORCH_MODEL, micro_batch_size=2, seed=0)
+
+
+class TestProcessTrainEngine(TrainEngineConformance):
+    """The reference trainer hosted in a child process (asyncflow_core.process)."""
+
+    vocab_size = TORCH_MODEL.vocab_size
+    required_fields = ("prompt", "response", "advantage")
+    real_timeout_s = 120.0
+
+    def make_engine(self) -> ProcessTrainEngine:
+        return ProcessTrainEngine(
+            functools.partial(TorchTrainEngine, TORCH_MODEL, micro_batch_size=2, seed=0, threads=1)
+        )
+
+    async def close_engine(self, engine: Any) -> None:
+        await engine.close()
 
 
 class TestTorchInProcessWeightSync(WeightSyncConformance):

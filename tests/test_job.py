@@ -3,6 +3,7 @@ steps of the real reference engines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -10,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from asyncflow_reference.job import RunConfig
+from asyncflow_reference.job import RLSection, RunConfig, TaskSection, run
 
 from asyncflow_core.cli import main as cli_main
-from asyncflow_core.config import load_config
+from asyncflow_core.config import apply_override, load_config
 from asyncflow_core.errors import ConfigError
 
 QUICK = [
@@ -119,3 +120,15 @@ def test_asyncflow_run_help_as_a_command() -> None:
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0 and "--set KEY=VALUE" in done.stdout
+
+
+def test_trainer_in_its_own_process_learns_like_the_in_process_one() -> None:
+    """``train.process = true`` hosts the trainer in a child process: same job, same figures."""
+    cfg = RunConfig(
+        eval_prompts=0, task=TaskSection(warmup_steps=5),
+        rl=RLSection(steps=4, prompts_per_step=4, n=4, mode="colocated", staleness=0),
+    )  # fmt: skip
+    here = asyncio.run(run(cfg)).result.steps
+    there = asyncio.run(run(apply_override(cfg, "train.process=true"))).result.steps
+    assert [s.metrics.loss for s in there] == [s.metrics.loss for s in here]
+    assert [s.reward_mean for s in there] == [s.reward_mean for s in here]

@@ -1088,6 +1088,40 @@ class InferenceEngineConformance(_Suite):
 # --------------------------------------------------------------------------------------------
 # TrainEngine
 # --------------------------------------------------------------------------------------------
+class RecordingLoss:
+    """Wraps a loss and records each call's log-prob shape and whether they carry gradients.
+
+    Picklable, so an engine in another process can call it: its copy's observations come back
+    as three metrics (``conformance_rows``, ``conformance_ndim``, ``conformance_grad``;
+    engines average a metric over micro-batches, so ``reported`` recovers one call of the mean
+    shape: enough for the law's bounds)."""
+
+    def __init__(self, inner: LossFn) -> None:
+        self.inner = inner
+        self.calls: list[tuple[tuple[int, ...], bool]] = []
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Batch
+    ) -> tuple[torch.Tensor, Mapping[str, float]]:
+        self.calls.append((tuple(logprobs.shape), bool(logprobs.requires_grad)))
+        loss, metrics = self.inner(logprobs, batch)
+        return loss, {
+            **metrics,
+            "conformance_rows": float(logprobs.shape[0]) if logprobs.dim() else 0.0,
+            "conformance_ndim": float(logprobs.dim()),
+            "conformance_grad": float(logprobs.requires_grad),
+        }
+
+    @staticmethod
+    def reported(metrics: TrainMetrics) -> list[tuple[tuple[int, ...], bool]]:
+        extra = metrics.extra
+        if "conformance_grad" not in extra:
+            return []
+        ndim = round(extra.get("conformance_ndim", 0.0))
+        shape = (extra.get("conformance_rows", 0.0),) + (1,) * max(ndim - 1, 0)
+        return [(tuple(math.ceil(x) for x in shape), extra["conformance_grad"] >= 1.0)]
+
+
 class TrainEngineConformance(_Suite):
     """The ``TrainEngine`` laws; subclass it (as ``Test...``) and implement ``make_engine``
     (and ``make_batch`` unless the default padded batch suits the engine)."""
@@ -1221,17 +1255,7 @@ class TrainEngineConformance(_Suite):
 
         async def body(engine: TrainEngine) -> None:
             rows = len(self.make_batch())
-            loss_fn = self.make_loss_fn()
-            calls: list[tuple[int, ...]] = []
-            grads: list[bool] = []
-
-            def recording(
-                logprobs: torch.Tensor, batch: Batch
-            ) -> tuple[torch.Tensor, Mapping[str, float]]:
-                calls.append(tuple(logprobs.shape))
-                grads.append(bool(logprobs.requires_grad))
-                return loss_fn(logprobs, batch)
-
+            recording = RecordingLoss(self.make_loss_fn())
             before = engine.weight_version
             metrics = await self._wait(
                 engine.train_step(self.make_batch(), recording), "train_step()"
@@ -1239,13 +1263,19 @@ class TrainEngineConformance(_Suite):
             assert engine.weight_version == before + 1, (
                 f"train_step took weight_version from {before} to {engine.weight_version}"
             )
-            assert calls, "train_step never called the loss function"
-            for shape in calls:
+            # an engine in this process leaves the calls in `recording`; one in another process
+            # called a copy, whose observations come back in the loss's metrics
+            calls = recording.calls or recording.reported(metrics)
+            assert calls, (
+                "train_step never called the loss function (an engine in another process must "
+                "return the loss's metrics in TrainMetrics.extra for this law to see the calls)"
+            )
+            for shape, grad in calls:
                 assert len(shape) == 2 and 1 <= shape[0] <= rows, (
                     f"the loss got log-probs of shape {list(shape)}; expected [b, T] with "
                     f"1 <= b <= {rows}"
                 )
-            assert all(grads), "the loss got log-probs without gradients; nothing can train"
+                assert grad, "the loss got log-probs without gradients; nothing can train"
             assert math.isfinite(metrics.loss), f"TrainMetrics.loss is {metrics.loss}"
             assert math.isfinite(metrics.grad_norm) and metrics.grad_norm >= 0, (
                 f"TrainMetrics.grad_norm is {metrics.grad_norm}"

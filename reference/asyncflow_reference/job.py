@@ -27,6 +27,7 @@ start from those weights at version 0.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -42,6 +43,7 @@ import torch
 
 from asyncflow_core.config import load_config, to_toml
 from asyncflow_core.errors import ConfigError
+from asyncflow_core.process import ProcessTrainEngine
 from asyncflow_core.protocols import Batch, GenerationRequest, LossFn, SamplingParams
 from asyncflow_core.rl import DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult, StepRecord
@@ -121,6 +123,11 @@ class TrainSection:
     micro_batch_size: int = 256
     clip: float = 0.2
     kl_coef: float = 0.0
+    process: bool = False
+    """Run the trainer in a child process of its own (``asyncflow_core.process``): it then
+    does not share the interpreter lock with rollout and the store, which is what limits the
+    async run's throughput on CPU. Off by default so the whole job stays in one process
+    (``breakpoint()`` works anywhere)."""
     is_cap: float | None = 2.0
     """decoupled-ppo only (ignored otherwise): truncate the importance weight π_prox/π_behav at
     this value (none: uncapped). At η = 4 on the default task, uncapped stalled near 0.17
@@ -236,6 +243,8 @@ class RunSummary:
     sync_exposed_s: float
     sync_hidden_s: float
     threads: int
+    trainer: str = "thread"
+    """Where the trainer ran: ``thread`` (this process) or ``process`` (``train.process``)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -329,11 +338,16 @@ async def run(
         model = await _warm_up(cfg, TransformerLM(cfg.model_config(), seed=cfg.seed))
         warmup_s = time.perf_counter() - t0
         t = cfg.train
-        trainer = TorchTrainEngine(
-            model, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-            micro_batch_size=t.micro_batch_size, seed=cfg.seed,
+        make_trainer = functools.partial(
+            TorchTrainEngine, model, lr=t.lr, weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size, seed=cfg.seed,
             temperature=cfg.rollout.temperature,
         )  # fmt: skip
+        trainer: TorchTrainEngine | ProcessTrainEngine = (
+            ProcessTrainEngine(functools.partial(make_trainer, threads=threads))
+            if t.process
+            else make_trainer()
+        )
         engines = [
             TorchInferenceEngine(
                 model,
@@ -400,6 +414,7 @@ def _summarize(
         sync_exposed_s=trace["sync"]["exposed_s"],
         sync_hidden_s=trace["sync"]["hidden_s"],
         threads=threads,
+        trainer="process" if cfg.train.process else "thread",
     )
 
 
@@ -451,6 +466,7 @@ def plot_rewards(result: RLResult, path: str | Path, *, title: str = "") -> Path
 def format_summary(s: RunSummary) -> str:
     rows = [
         ("task / mode", f"{s.task}, {s.mode} (η={s.staleness}), loss {s.loss}"),
+        ("trainer", "its own process" if s.trainer == "process" else "a thread of this process"),
         ("steps / samples", f"{s.steps} / {s.samples} ({s.dropped} dropped as stale)"),
         ("wall (RL) / warm-up", f"{s.wall_s:.1f} s / {s.warmup_s:.1f} s"),
         ("samples/s, tokens/s", f"{s.samples_per_s:.1f}, {s.tokens_per_s:.0f}"),
