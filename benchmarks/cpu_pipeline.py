@@ -15,10 +15,13 @@ task, colocated-sync vs asynchronous, in one run.
   policy), same seed.
 
 Throughput is trained samples per second of the RL phase (warm-up and process start
-excluded). Rewards are the mean over the last 10% of steps (``reward_last``) plus a greedy
-evaluation on fresh prompts. The last stdout line is one JSON object.
+excluded). Each run has a fresh interpreter; the three throughput configurations (colocated,
+async with the trainer as a thread, async with it in a process) run ``--repeat`` times (3),
+interleaved, and each reports its median run. Rewards are the mean over the last 10% of
+steps (``reward_last``) plus a greedy evaluation on fresh prompts. The last stdout line is one
+JSON object.
 
-    python benchmarks/cpu_pipeline.py            # the full comparison (about 2 minutes)
+    python benchmarks/cpu_pipeline.py            # the full comparison (about 3 minutes)
     python benchmarks/cpu_pipeline.py --quick    # a few steps each: checks it runs
 """
 
@@ -66,6 +69,15 @@ def _run(cfg: RunConfig, label: str) -> RunSummary:
     return summary
 
 
+_REPEATED = ("colocated", "async_thread", "async")
+
+
+def _median(runs: list[RunSummary]) -> RunSummary:
+    """The run of median throughput (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r.samples_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def _one(config: str) -> int:
     cfg = load_config(RunConfig, config, ())
     print(json.dumps(asyncio.run(run(cfg)).summary.as_json()))
@@ -80,6 +92,10 @@ def main() -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a RunConfig key for every run (see asyncflow run --keys)",
     )  # fmt: skip
+    parser.add_argument(
+        "--repeat", type=int, default=3,
+        help="runs of each throughput configuration (colocated, async_thread, async); median",
+    )  # fmt: skip
     parser.add_argument("--one", metavar="CONFIG", help=argparse.SUPPRESS)  # a child's run
     args = parser.parse_args()
     if args.one:
@@ -90,29 +106,39 @@ def main() -> int:
         base = apply_override(base, item)
     if args.quick:
         base = replace(base, rl=replace(base.rl, steps=8), eval_prompts=32)
-    runs: dict[str, RunSummary] = {}
+        args.repeat = 1
     coloc = replace(base.rl, mode="colocated", staleness=0)
     async1 = replace(base.rl, mode="async", staleness=1, weight_sync="staged")
     eta4 = replace(base.rl, mode="async", staleness=4, weight_sync="staged")
     here, there = replace(base.train, process=False), replace(base.train, process=True)
-    runs["colocated"] = _run(replace(base, rl=coloc, train=here), "colocated η=0")
-    runs["colocated_proc"] = _run(
-        replace(base, rl=coloc, train=there), "colocated η=0, trainer process"
-    )
-    runs["async_thread"] = _run(replace(base, rl=async1, train=here), "async η=1 staged, thread")
-    runs["async"] = _run(replace(base, rl=async1, train=there), "async η=1 staged, trainer process")
-    runs["eta4_naive"] = _run(
-        replace(base, rl=eta4, train=replace(there, loss="ppo")), "async η=4 naive PPO"
-    )
-    runs["eta4_decoupled"] = _run(
-        replace(base, rl=eta4, train=replace(there, loss="decoupled-ppo")),
-        "async η=4 decoupled PPO",
-    )
-    baseline = max(runs["colocated"], runs["colocated_proc"], key=lambda r: r.samples_per_s)
+    configs = {
+        "colocated": (replace(base, rl=coloc, train=here), "colocated η=0"),
+        "colocated_proc": (replace(base, rl=coloc, train=there), "colocated η=0, trainer process"),
+        "async_thread": (replace(base, rl=async1, train=here), "async η=1 staged, thread"),
+        "async": (replace(base, rl=async1, train=there), "async η=1 staged, trainer process"),
+        "eta4_naive": (
+            replace(base, rl=eta4, train=replace(there, loss="ppo")),
+            "async η=4 naive PPO",
+        ),
+        "eta4_decoupled": (
+            replace(base, rl=eta4, train=replace(there, loss="decoupled-ppo")),
+            "async η=4 decoupled PPO",
+        ),
+    }
+    # the throughput runs repeat, interleaved (a slow spell of the machine hits each alike);
+    # the figure of a configuration is its median run
+    reps: dict[str, list[RunSummary]] = {name: [] for name in configs}
+    for r in range(args.repeat):
+        for name, (cfg, label) in configs.items():
+            if r == 0 or name in _REPEATED:
+                reps[name].append(_run(cfg, f"{label} [{r + 1}/{args.repeat}]"))
+    runs = {name: _median(rs) for name, rs in reps.items()}
+    baseline_name = max(("colocated", "colocated_proc"), key=lambda n: runs[n].samples_per_s)
+    baseline = runs[baseline_name]
 
     header = (
         f"{'run':<16} {'η':>2} {'loss':<14} {'trainer':<8} {'threads':>7} {'samples/s':>10} "
-        f"{'wall s':>7} "
+        f"{'[min-max]':>13} {'n':>2} {'wall s':>7} "
         f"{'reward first':>12} {'reward last':>11} {'eval':>6} {'dropped':>7}"
     )
     print(f"== reference engines, task {base.task.name}-{base.task.digits}, "
@@ -121,32 +147,35 @@ def main() -> int:
     print("-" * len(header))
     for name, s in runs.items():
         ev = f"{s.eval_reward:.3f}" if s.eval_reward is not None else "-"
+        rates = [x.samples_per_s for x in reps[name]]
+        spread = f"[{min(rates):.0f}-{max(rates):.0f}]"
         print(
             f"{name:<16} {s.staleness:>2} {s.loss:<14} {s.trainer:<8} {s.threads:>7} "
-            f"{s.samples_per_s:>10.1f} {s.wall_s:>7.1f} {s.reward_first:>12.3f} "
-            f"{s.reward_last:>11.3f} {ev:>6} "
-            f"{s.dropped:>7}"
+            f"{s.samples_per_s:>10.1f} {spread:>13} {len(rates):>2} {s.wall_s:>7.1f} "
+            f"{s.reward_first:>12.3f} {s.reward_last:>11.3f} {ev:>6} {s.dropped:>7}"
         )
     speedup = runs["async"].samples_per_s / baseline.samples_per_s
     speedup_thread = runs["async_thread"].samples_per_s / baseline.samples_per_s
     gap = runs["async"].reward_last - baseline.reward_last
     print(
-        f"speedup async/colocated {speedup:.2f}x with the trainer in its own process (target "
-        f">= {TARGET_SPEEDUP}x), {speedup_thread:.2f}x with it as a thread; final reward "
-        f"async - colocated {gap:+.3f} (target within {TARGET_REWARD_GAP}); η=4 final reward: "
-        f"naive PPO {runs['eta4_naive'].reward_last:.3f}, decoupled PPO "
+        f"speedup async/colocated (medians) {speedup:.2f}x with the trainer in its own process "
+        f"(target >= {TARGET_SPEEDUP}x), {speedup_thread:.2f}x with it as a thread; final "
+        f"reward async - colocated {gap:+.3f} (target within {TARGET_REWARD_GAP}); η=4 final "
+        f"reward: naive PPO {runs['eta4_naive'].reward_last:.3f}, decoupled PPO "
         f"{runs['eta4_decoupled'].reward_last:.3f}"
     )
     result: dict[str, Any] = {
         "benchmark": "cpu_pipeline",
         "speedup": round(speedup, 4),
         "speedup_thread": round(speedup_thread, 4),
-        "baseline": "colocated" if baseline is runs["colocated"] else "colocated_proc",
+        "baseline": baseline_name,
+        "repeat": args.repeat,
         "reward_sync": round(baseline.reward_last, 4),
         "reward_async": round(runs["async"].reward_last, 4),
         "reward_eta4_naive": round(runs["eta4_naive"].reward_last, 4),
         "reward_eta4_decoupled": round(runs["eta4_decoupled"].reward_last, 4),
         "targets": {"speedup": TARGET_SPEEDUP, "reward_gap": TARGET_REWARD_GAP},
+        "samples_per_s": {k: [round(x.samples_per_s, 1) for x in v] for k, v in reps.items()},
         "runs": {k: v.as_json() for k, v in runs.items()},
     }
     print(json.dumps(result))
