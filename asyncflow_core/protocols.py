@@ -254,6 +254,43 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def slice(self, start: int, stop: int) -> Batch:
+        """Rows ``start:stop`` of every field, length, row id and tag: a micro-batch (views,
+        no copies, except for a ``torch.nested`` field, rebuilt from its rows). Raises
+        ``ValueError`` naming a field that does not hold one value per row. A batch built
+        without row ids (``rows=()``) counts its rows from its first field."""
+        b = len(self.rows)
+        if not b:
+            first = next(iter(self.lengths.values()), None)
+            if first is None:
+                first = next(iter(self.data.values()), None)
+            b = len(first) if first is not None and hasattr(first, "__len__") else 0
+        data: dict[str, Any] = {}
+        for name, value in self.data.items():
+            if isinstance(value, torch.Tensor) and value.is_nested:
+                parts = list(value.unbind())
+                if len(parts) != b:
+                    raise ValueError(f"field {name!r} has {len(parts)} rows, not {b}")
+                data[name] = torch.nested.nested_tensor(parts[start:stop], layout=torch.jagged)
+            elif (isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == b) or (
+                isinstance(value, list | tuple) and len(value) == b
+            ):
+                data[name] = value[start:stop]
+            else:
+                raise ValueError(
+                    f"cannot split field {name!r} ({type(value).__name__} "
+                    f"{tuple(getattr(value, 'shape', ())) or ''}) into micro-batches: give one "
+                    f"value per row ({b} rows)"
+                )
+        lengths: dict[str, torch.Tensor] = {}
+        for name, value in self.lengths.items():
+            if value.shape[0] != b:
+                raise ValueError(f"lengths[{name!r}] has {value.shape[0]} rows, not {b}")
+            lengths[name] = value[start:stop]
+        tags = self.tags[start:stop] if len(self.tags) == b else self.tags
+        row_ids = self.rows[start:stop] if len(self.rows) == b else self.rows
+        return Batch(row_ids, data, lengths, tags)
+
 
 @dataclass(frozen=True, slots=True)
 class PartitionStats:

@@ -312,7 +312,7 @@ class BigramTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for start in range(0, b, self.micro_batch_size):
-            part = _rows(batch, start, min(start + self.micro_batch_size, b))
+            part = batch.slice(start, min(start + self.micro_batch_size, b))
             loss, _ = loss_fn(self._logprobs(part), part)
             weight = int(part.lengths["response"].sum()) / total  # token-weighted accumulation
             (loss * weight).backward()  # type: ignore[no-untyped-call]
@@ -343,13 +343,6 @@ class BigramTrainEngine:
             raise EngineError(f"{self.name}: checkpoint {path!r} does not hold {own}")
         self.model.load_state_dict(state, strict=True)
         self._version = version
-
-
-def _rows(batch: Batch, start: int, stop: int) -> Batch:
-    """Rows ``start:stop`` of a padded batch: what ``loss_fn`` sees for one micro-batch."""
-    data = {k: v[start:stop] for k, v in batch.data.items()}  # tensors [B, ...] or lists
-    lengths = {k: v[start:stop] for k, v in batch.lengths.items()}
-    return Batch(batch.rows[start:stop], data, lengths, batch.tags[start:stop])
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from asyncflow_core.errors import (
     UnknownPartitionError,
     UnknownRowError,
 )
-from asyncflow_core.protocols import Capacity, CellValue, Tags
+from asyncflow_core.protocols import Batch, Capacity, CellValue, Tags
 from asyncflow_core.scheduling import (
     GroupSampler,
     RankAwareSampler,
@@ -531,3 +531,26 @@ def test_a_lingering_row_does_not_pin_the_metadata() -> None:
         assert store.controller._parts["p"].cap <= 256
 
     run(go())
+
+
+def test_batch_slice_takes_rows_of_every_field_and_names_a_bad_one() -> None:
+    nested = torch.nested.nested_tensor(
+        [torch.ones(2), torch.ones(3), torch.ones(1)], layout=torch.jagged
+    )
+    batch = Batch(
+        rows=(10, 11, 12),
+        data={"x": torch.arange(6).view(3, 2), "n": nested, "s": ["a", "b", "c"]},
+        lengths={"x": torch.tensor([2, 1, 2])},
+        tags=(Tags(group=1), Tags(group=1), Tags(group=2)),
+    )
+    part = batch.slice(1, 3)
+    assert part.rows == (11, 12) and part.tags == batch.tags[1:]
+    assert torch.equal(part["x"], torch.tensor([[2, 3], [4, 5]]))
+    assert [t.shape[0] for t in part["n"].unbind()] == [3, 1]
+    assert part["s"] == ["b", "c"] and torch.equal(part.lengths["x"], torch.tensor([1, 2]))
+    unnamed = Batch((), {"x": torch.zeros(4, 2)}, {"x": torch.ones(4)})  # no row ids
+    assert unnamed.slice(0, 2)["x"].shape == (2, 2) and unnamed.slice(0, 2).rows == ()
+    with pytest.raises(ValueError, match="cannot split field 'scale'"):
+        Batch((1, 2), {"scale": 0.5}).slice(0, 1)
+    with pytest.raises(ValueError, match=r"lengths\['x'\] has 3 rows, not 2"):
+        Batch((1, 2), {"x": torch.zeros(2)}, {"x": torch.ones(3)}).slice(0, 1)

@@ -1260,7 +1260,7 @@ class TorchTrainEngine:
         if b <= mbs:
             return [(0, b, batch)]
         spans = [(s, min(s + mbs, b)) for s in range(0, b, mbs)]
-        return [(s, e, _slice_batch(self.name, batch, s, e, b)) for s, e in spans]
+        return [(s, e, _slice_batch(self.name, batch, s, e)) for s, e in spans]
 
     def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
         rows = self._prepare(batch)
@@ -1396,33 +1396,11 @@ class TorchTrainEngine:
         self._version = version
 
 
-def _slice_batch(who: str, batch: Batch, start: int, stop: int, b: int) -> Batch:
-    """Rows ``start:stop`` of every field, length and tag of ``batch`` (``b`` rows)."""
-    data: dict[str, Any] = {}
-    for name, value in batch.data.items():
-        if isinstance(value, Tensor) and value.is_nested:
-            rows = list(value.unbind())
-            if len(rows) != b:
-                raise EngineError(f"{who}: field {name!r} has {len(rows)} rows, not {b}")
-            data[name] = torch.nested.nested_tensor(rows[start:stop], layout=torch.jagged)
-        elif (isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == b) or (
-            isinstance(value, list | tuple) and len(value) == b
-        ):
-            data[name] = value[start:stop]
-        else:
-            raise EngineError(
-                f"{who}: cannot split field {name!r} ({type(value).__name__} "
-                f"{tuple(getattr(value, 'shape', ())) or ''}) into micro-batches: give one "
-                f"value per row ({b} rows)"
-            )
-    lengths: dict[str, Tensor] = {}
-    for name, value in batch.lengths.items():
-        if value.shape[0] != b:
-            raise EngineError(f"{who}: lengths[{name!r}] has {value.shape[0]} rows, not {b}")
-        lengths[name] = value[start:stop]
-    tags = batch.tags[start:stop] if len(batch.tags) == b else batch.tags
-    rows_ids = batch.rows[start:stop] if len(batch.rows) == b else batch.rows
-    return Batch(rows_ids, data, lengths, tags)
+def _slice_batch(who: str, batch: Batch, start: int, stop: int) -> Batch:
+    try:
+        return batch.slice(start, stop)
+    except ValueError as exc:
+        raise EngineError(f"{who}: {exc}") from exc
 
 
 # --------------------------------------------------------------------------------------------
