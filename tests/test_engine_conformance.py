@@ -14,7 +14,7 @@ import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 from xml.etree import ElementTree
 
 import pytest
@@ -34,6 +34,7 @@ from asyncflow_reference.sim import (
     SimWeightTransport,
     qwen2_param_count,
 )
+from fake_engine_gate import RequestGate
 
 from asyncflow_core.errors import EngineError
 from asyncflow_core.process import ProcessTrainEngine
@@ -139,37 +140,17 @@ def _logits(weights: Mapping[str, torch.Tensor], prev: torch.Tensor) -> torch.Te
     return weights["embed.weight"][prev] @ weights["head.weight"].T + weights["head.bias"]
 
 
-class TinyInferenceEngine:
+class TinyInferenceEngine(RequestGate):
     """Samples one token per ``token_s`` real seconds from the bigram policy (temperature
     applied; top-k/top-p ignored). A seeded request draws token i with a generator seeded by
     (seed, i), so it does not depend on its batch or on an abort/resume. Pause (keep/abort),
     sleep, load_weights (names and shapes checked), abort; malformed requests raise."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], token_s: float = 0.001) -> None:
+        super().__init__()
         self.token_s = token_s
         self.weights = {n: t.detach().clone() for n, t in weights.items()}
-        self._version: Version = 0
-        self._paused = False
-        self._asleep = False
-        self._inflight: set[str] = set()
-        self._aborted: set[str] = set()
-        self._changed: asyncio.Event | None = None
         self._rng = torch.Generator().manual_seed(1)
-
-    @property
-    def weight_version(self) -> Version:
-        return self._version
-
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    async def _runnable(self, rid: str) -> None:
-        while (self._paused or self._asleep) and rid not in self._aborted:
-            if self._changed is None:
-                self._changed = asyncio.Event()
-            await self._changed.wait()
 
     def logprobs(self, prev: int, temperature: float) -> torch.Tensor:
         return torch.log_softmax(_logits(self.weights, torch.tensor(prev)) / temperature, -1)
@@ -202,10 +183,10 @@ class TinyInferenceEngine:
         self._inflight.add(rid)
         try:
             while len(tokens) < params.max_tokens:
-                await self._runnable(rid)
+                await self._wait_runnable(rid)
                 if rid not in self._aborted:
                     await asyncio.sleep(self.token_s)
-                    await self._runnable(rid)  # a pause(keep) freezes the token being made
+                    await self._wait_runnable(rid)  # a pause(keep) freezes the token being made
                 if rid in self._aborted:
                     return result("abort")
                 prev = tokens[-1] if tokens else request.prompt_tokens[-1]
@@ -225,20 +206,6 @@ class TinyInferenceEngine:
             self._inflight.discard(rid)
             self._aborted.discard(rid)
 
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        self._aborted.update(set(request_ids) & self._inflight)
-        self._notify()
-
-    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
-        self._paused = True
-        if mode == "abort":
-            self._aborted.update(self._inflight)
-        self._notify()
-
-    async def resume(self) -> None:
-        self._paused = False
-        self._notify()
-
     async def load_weights(
         self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
     ) -> None:
@@ -248,13 +215,6 @@ class TinyInferenceEngine:
         for name, tensor in weights:
             self.weights[name] = tensor.detach().clone()
         self._version = version
-
-    async def sleep(self, level: int = 1) -> None:
-        self._asleep = True
-
-    async def wake_up(self) -> None:
-        self._asleep = False
-        self._notify()
 
 
 class TinyTrainEngine:

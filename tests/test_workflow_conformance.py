@@ -38,6 +38,7 @@ from asyncflow_reference.sim import (
     SimTrainEngine,
     SimWeightTransport,
 )
+from fake_engine_gate import RequestGate
 
 from asyncflow_core.protocols import (
     Batch,
@@ -81,33 +82,13 @@ class TestSimEngines(WorkflowConformance):
 # --------------------------------------------------------------------------------------------
 # A tiny honest engine pair on real time: a token every few milliseconds
 # --------------------------------------------------------------------------------------------
-class TinyEngine:
+class TinyEngine(RequestGate):
     """Generates a token per ``token_s`` seconds; pause (abort/keep), resume, load_weights,
     sleep/wake_up (generation waits while asleep), abort."""
 
     def __init__(self, token_s: float = 0.001) -> None:
+        super().__init__()
         self.token_s = token_s
-        self._version: Version = 0
-        self._paused = False
-        self._asleep = False
-        self._inflight: set[str] = set()
-        self._aborted: set[str] = set()
-        self._changed: asyncio.Event | None = None
-
-    @property
-    def weight_version(self) -> Version:
-        return self._version
-
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-        self._changed = None
-
-    async def _wait_runnable(self, rid: str) -> None:
-        while (self._paused or self._asleep) and rid not in self._aborted:
-            if self._changed is None:
-                self._changed = asyncio.Event()
-            await self._changed.wait()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         rid = request.request_id
@@ -142,31 +123,10 @@ class TinyEngine:
             self._inflight.discard(rid)
             self._aborted.discard(rid)
 
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        self._aborted.update(set(request_ids) & self._inflight)
-        self._notify()
-
-    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
-        self._paused = True
-        if mode == "abort":
-            self._aborted.update(self._inflight)
-        self._notify()
-
-    async def resume(self) -> None:
-        self._paused = False
-        self._notify()
-
     async def load_weights(
         self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
     ) -> None:
         self._version = version
-
-    async def sleep(self, level: int = 1) -> None:
-        self._asleep = True
-
-    async def wake_up(self) -> None:
-        self._asleep = False
-        self._notify()
 
 
 class TinyTrainer:
