@@ -281,6 +281,26 @@ class _Suite:
 # --------------------------------------------------------------------------------------------
 # Checks usable outside the classes
 # --------------------------------------------------------------------------------------------
+def check_resumed_prefix(request: GenerationRequest, result: GenerationResult, what: str) -> int:
+    """The resume law: a result starts with the request's ``resume_tokens``, with their
+    versions and (to float tolerance) log-probs unchanged. Returns the prefix's length."""
+    k = len(request.resume_tokens)
+    if k:
+        assert tuple(result.tokens[:k]) == tuple(request.resume_tokens), (
+            f"{what}: resumed {k} tokens but the result does not start with them"
+        )
+        assert tuple(result.versions[:k]) == tuple(request.resume_versions), (
+            f"{what}: the resumed prefix's versions {tuple(request.resume_versions)} came back "
+            f"as {tuple(result.versions[:k])}; resumed tokens keep their versions"
+        )
+        same = all(
+            math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+            for a, b in zip(result.logprobs[:k], request.resume_logprobs, strict=True)
+        )
+        assert same, f"{what}: the resumed prefix's log-probs changed"
+    return k
+
+
 def check_generation_result(
     request: GenerationRequest,
     result: GenerationResult,
@@ -329,20 +349,7 @@ def check_generation_result(
         )
     if reason == "stop":
         assert n >= 1, f"{what}: finish_reason 'stop' with no token; the stop token is included"
-    k = len(request.resume_tokens)
-    if k:
-        assert tuple(result.tokens[:k]) == tuple(request.resume_tokens), (
-            f"{what}: resumed {k} tokens but the result does not start with them"
-        )
-        assert tuple(result.versions[:k]) == tuple(request.resume_versions), (
-            f"{what}: the resumed prefix's versions {tuple(request.resume_versions)} came back "
-            f"as {tuple(result.versions[:k])}; resumed tokens keep their versions"
-        )
-        same = all(
-            math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
-            for a, b in zip(result.logprobs[:k], request.resume_logprobs, strict=True)
-        )
-        assert same, f"{what}: the resumed prefix's log-probs changed"
+    k = check_resumed_prefix(request, result, what)
     for i in range(k, n):
         token, lp = result.tokens[i], result.logprobs[i]
         assert isinstance(token, int), f"{what}: token {i} is {token!r}, not an int"

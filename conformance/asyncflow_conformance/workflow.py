@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import threading
 import time
 from collections import Counter
@@ -59,6 +58,7 @@ import pytest
 import torch
 
 from asyncflow_conformance._guard import CANCEL_GRACE_S, run_on_fresh_loop
+from asyncflow_conformance.engines import check_resumed_prefix
 from asyncflow_core.errors import TaskFailedError
 from asyncflow_core.protocols import (
     Batch,
@@ -605,20 +605,7 @@ def check_generations_report_synced_versions(run: WorkflowRun) -> None:
             f"{what}: {len(r.tokens)} tokens, {len(r.logprobs)} log-probs and "
             f"{len(r.versions)} versions; the result needs one of each per token"
         )
-        k = len(req.resume_tokens)
-        if k:
-            assert tuple(r.tokens[:k]) == tuple(req.resume_tokens), (
-                f"{what}: resumed {k} tokens but the result does not start with them"
-            )
-            assert tuple(r.versions[:k]) == tuple(req.resume_versions), (
-                f"{what}: the resumed prefix's versions {tuple(req.resume_versions)} came back "
-                f"as {tuple(r.versions[:k])}; resumed tokens keep their versions"
-            )
-            same_lp = all(
-                math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
-                for a, b in zip(r.logprobs[:k], req.resume_logprobs, strict=True)
-            )
-            assert same_lp, f"{what}: the resumed prefix's log-probs changed"
+        k = check_resumed_prefix(req, r, what)
         stale = sorted({v for v in r.versions[k:] if v < call.loaded_version})
         assert not stale, (
             f"{what}: started after load_weights(version={call.loaded_version}) completed, "
