@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -372,7 +373,7 @@ class RLJob:
         # reward and advantage take whole groups greedily, up to one step's worth: one group at
         # a time while they keep up, many per call (fewer store round trips) once behind
         per_call = cfg.batch_size
-        whole_groups = lambda: GroupSampler(cfg.n, greedy=True)  # noqa: E731
+        whole_groups = functools.partial(GroupSampler, cfg.n, greedy=True)
         tasks = [
             Task(
                 "rollout", self._rollout, consumes=("prompt",),
