@@ -46,18 +46,25 @@ import operator
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import numpy as np
 import safetensors.torch
 import torch
 from torch import Tensor
 
 from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
+from asyncflow_core.lmtrain import (
+    MetricMeans,
+    TokenRows,
+    check_loss,
+    slice_batch,
+    token_rows,
+    worker_thread,
+)
+from asyncflow_core.lmtrain import is_int as _is_int
 from asyncflow_core.protocols import (
     Batch,
     FinishReason,
@@ -78,10 +85,6 @@ _T = TypeVar("_T")
 # --------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------
-def _is_int(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
 def _take_model(model_or_config: TransformerLM | ModelConfig, seed: int, who: str) -> TransformerLM:
     """A private CPU fp32 copy of the model, or a fresh one initialised from ``seed``."""
     if isinstance(model_or_config, ModelConfig):
@@ -98,27 +101,6 @@ def _check_seed(who: str, seed: object) -> int:
     if not 0 <= value < 2**63:
         raise ConfigError(f"{who}: seed must be an int in [0, 2**63), got {seed!r}")
     return value
-
-
-def _worker(name: str, threads: int | None, who: str) -> ThreadPoolExecutor:
-    """A single-thread executor whose thread runs torch ops on ``threads`` intra-op threads.
-
-    ``torch.set_num_threads`` acts on the calling thread (OpenMP/MKL settings are per thread)
-    but also becomes the default of threads created later; the caller's value is restored as
-    that default, so only the worker thread changes."""
-    if threads is not None and (not _is_int(threads) or not 1 <= threads <= 1024):
-        raise ConfigError(f"{who}: threads must be None or an int in [1, 1024], got {threads!r}")
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-    if threads is not None:
-        caller = torch.get_num_threads()
-        executor.submit(_set_threads, int(threads)).result()
-        torch.set_num_threads(caller)
-    return executor
-
-
-def _set_threads(threads: int) -> None:
-    torch.get_num_threads()  # torch initialises a thread's setting lazily, from the default:
-    torch.set_num_threads(threads)  # let that happen first, or it would undo this later
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +239,7 @@ class TorchInferenceEngine:
         self.requests_finished = 0
         self._aborted_in_slots = 0
         # ---- event-loop state ---------------------------------------------------------------
-        self._executor = _worker(name, threads, who)
+        self._executor = worker_thread(name, threads, who)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -953,24 +935,6 @@ class TorchInferenceEngine:
 # --------------------------------------------------------------------------------------------
 # Train engine
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Rows:
-    """A batch's prompt and response tokens, right-padded, with their lengths."""
-
-    prompt: Tensor  # [B, P] long
-    plen: Tensor  # [B]
-    response: Tensor  # [B, R] long
-    rlen: Tensor  # [B]
-
-    def part(self, start: int, stop: int) -> _Rows:
-        return _Rows(
-            self.prompt[start:stop],
-            self.plen[start:stop],
-            self.response[start:stop],
-            self.rlen[start:stop],
-        )
-
-
 CHECKPOINT_WEIGHTS = "model.safetensors"
 CHECKPOINT_OPTIMIZER = "optimizer.pt"
 CHECKPOINT_META = "trainer.json"
@@ -1095,7 +1059,7 @@ class TorchTrainEngine:
             eps=1e-8,
         )
         self._version: Version = 0
-        self._executor = _worker(name, threads, who)
+        self._executor = worker_thread(name, threads, who)
 
     @property
     def weight_version(self) -> Version:
@@ -1141,111 +1105,23 @@ class TorchTrainEngine:
     def _snapshot(self) -> list[tuple[str, Tensor]]:
         return [(n, t.detach().clone()) for n, t in self.model.state_dict().items()]
 
-    def _field(self, batch: Batch, name: str) -> tuple[Tensor, Tensor]:
-        """``(padded [B, W] long, lengths [B] long)`` of token field ``name``."""
-        if name not in batch.data:
-            raise EngineError(
-                f"{self.name}: the batch has no {name!r} field (fields: {sorted(batch.data)}); "
-                f"read {name!r} with get_data"
-            )
-        value = batch.data[name]
-        if isinstance(value, Tensor) and value.is_nested:
-            value = list(value.unbind())
-        if isinstance(value, list | tuple):
-            rows: list[Tensor] = []
-            for i, t in enumerate(value):
-                if not isinstance(t, Tensor) or t.dim() != 1 or t.is_floating_point():
-                    raise EngineError(
-                        f"{self.name}: {name!r} row {i} must be a 1-D integer tensor of token "
-                        f"ids, got {getattr(t, 'dtype', type(t).__name__)} "
-                        f"{tuple(getattr(t, 'shape', ()))}"
-                    )
-                rows.append(t.long())
-            lengths = torch.tensor([t.shape[0] for t in rows], dtype=torch.long)
-            if not rows:
-                return torch.zeros(0, 0, dtype=torch.long), lengths
-            return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
-        if not isinstance(value, Tensor) or value.dim() != 2:
-            raise EngineError(
-                f"{self.name}: {name!r} must be a padded [B, T] tensor, a list of 1-D tensors "
-                f"or a nested tensor, got {type(value).__name__} "
-                f"{tuple(getattr(value, 'shape', ()))}"
-            )
-        if value.is_floating_point() or value.dtype == torch.bool or value.is_complex():
-            raise EngineError(
-                f"{self.name}: {name!r} must hold integer token ids, got dtype {value.dtype}"
-            )
-        b, w = value.shape
-        given = batch.lengths.get(name)
-        if given is None:
-            lengths = torch.full((b,), w, dtype=torch.long)
-        else:
-            lengths = torch.as_tensor(given).reshape(-1).long()
-            if lengths.shape[0] != b or bool(((lengths < 0) | (lengths > w)).any()):
-                raise EngineError(
-                    f"{self.name}: lengths[{name!r}]={lengths.tolist()} do not fit a "
-                    f"[{b}, {w}] tensor; give one length in [0, {w}] per row"
-                )
-        return value.long(), lengths
+    def _prepare(self, batch: Batch) -> TokenRows:
+        return token_rows(
+            batch,
+            who=self.name,
+            vocab_size=self.config.vocab_size,
+            max_seq_len=self.config.max_seq_len,
+        )
 
-    def _prepare(self, batch: Batch) -> _Rows:
-        if not isinstance(batch, Batch):
-            raise EngineError(f"{self.name}: expected a Batch, got {type(batch).__name__}")
-        prompt, plen = self._field(batch, "prompt")
-        response, rlen = self._field(batch, "response")
-        b = prompt.shape[0]
-        if response.shape[0] != b or (batch.rows and len(batch.rows) != b):
-            raise EngineError(
-                f"{self.name}: the batch has {len(batch.rows)} rows, {b} prompts and "
-                f"{response.shape[0]} responses; give one of each per row"
-            )
-        if bool((plen < 1).any()):
-            row = int((plen < 1).nonzero()[0, 0])
-            raise EngineError(
-                f"{self.name}: prompt of row {row} is empty; every prompt needs at least one "
-                "token (the first response token is predicted from it)"
-            )
-        total = plen + rlen
-        s = self.config.max_seq_len
-        if bool((total > s).any()):
-            row = int((total > s).nonzero()[0, 0])
-            raise EngineError(
-                f"{self.name}: row {row} has prompt + response = {int(total[row])} tokens > "
-                f"max_seq_len={s}; truncate it or use a longer model"
-            )
-        vocab = self.config.vocab_size
-        for name, tokens, lengths in (("prompt", prompt, plen), ("response", response, rlen)):
-            real = torch.arange(tokens.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-            bad = real & ((tokens < 0) | (tokens >= vocab))
-            if bool(bad.any()):
-                row, col = (int(x) for x in bad.nonzero()[0])
-                raise EngineError(
-                    f"{self.name}: {name}[{row}, {col}]={int(tokens[row, col])} is not a token "
-                    f"id; use ints in [0, {vocab})"
-                )
-        return _Rows(prompt, plen, response, rlen)
-
-    def _response_logprobs(self, rows: _Rows) -> Tensor:
+    def _response_logprobs(self, rows: TokenRows) -> Tensor:
         """``[b, R]`` log-probs of the response tokens (0 beyond each row's length)."""
         b, r = rows.response.shape
         if r == 0 or b == 0:
             return torch.zeros(b, r)
-        plen, rlen = rows.plen, rows.rlen
-        total = plen + rlen
-        t = int(total.max())
-        j = torch.arange(t).unsqueeze(0)
-        from_prompt = rows.prompt.gather(1, j.clamp(max=rows.prompt.shape[1] - 1).expand(b, t))
-        from_response = rows.response.gather(1, (j - plen.unsqueeze(1)).clamp(0, r - 1))
-        seq = torch.where(j < plen.unsqueeze(1), from_prompt, from_response)
-        seq = torch.where(j < total.unsqueeze(1), seq, torch.zeros_like(seq))
-        hidden = self.model.hidden(seq)  # [b, t, D]
-        k = torch.arange(r).unsqueeze(0)
-        source = (plen.unsqueeze(1) - 1 + k).clamp(max=t - 1)  # position predicting token k
+        seq, source = rows.inputs()
+        hidden = self.model.hidden(seq)  # [b, t, D]; only the source positions get logits
         picked = hidden.gather(1, source.unsqueeze(2).expand(b, r, hidden.shape[2]))
-        logp = torch.log_softmax(self.model.head(picked) / self.temperature, dim=-1)
-        tokens = rows.response.clamp(0, self.config.vocab_size - 1)
-        out = logp.gather(2, tokens.unsqueeze(2)).squeeze(2)
-        return torch.where(k < rlen.unsqueeze(1), out, torch.zeros_like(out))
+        return rows.logprobs(self.model.head(picked), self.temperature)
 
     def _compute_logprobs(self, batch: Batch) -> Tensor:
         rows = self._prepare(batch)
@@ -1260,7 +1136,7 @@ class TorchTrainEngine:
         if b <= mbs:
             return [(0, b, batch)]
         spans = [(s, min(s + mbs, b)) for s in range(0, b, mbs)]
-        return [(s, e, _slice_batch(self.name, batch, s, e)) for s, e in spans]
+        return [(s, e, slice_batch(self.name, batch, s, e)) for s, e in spans]
 
     def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
         rows = self._prepare(batch)
@@ -1271,8 +1147,7 @@ class TorchTrainEngine:
         total = int(rows.rlen.sum())
         params = [p for p in self.model.parameters() if p.requires_grad]
         loss_sum = 0.0
-        sums: dict[str, float] = {}
-        shares: dict[str, float] = {}
+        means = MetricMeans(self.name)
         self._optimizer.zero_grad(set_to_none=True)
         try:
             for start, stop, part in parts:
@@ -1281,19 +1156,10 @@ class TorchTrainEngine:
                 if weight == 0:
                     continue
                 logprobs = self._response_logprobs(rows.part(start, stop))
-                loss, metrics = self._check_loss(loss_fn(logprobs, part))
+                loss, metrics = check_loss(self.name, loss_fn(logprobs, part))
                 (loss * weight).backward()  # type: ignore[no-untyped-call]
                 loss_sum += weight * float(loss.detach())
-                for key, value in metrics.items():
-                    try:
-                        number = float(value)
-                    except (TypeError, ValueError) as exc:
-                        raise EngineError(
-                            f"{self.name}: loss_fn's metric {key!r}={value!r:.40} is not a "
-                            "number; report floats"
-                        ) from exc
-                    sums[key] = sums.get(key, 0.0) + weight * number
-                    shares[key] = shares.get(key, 0.0) + weight
+                means.add(weight, metrics)
             max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if not math.isfinite(grad_norm):
@@ -1305,7 +1171,7 @@ class TorchTrainEngine:
         finally:
             self._optimizer.zero_grad(set_to_none=True)
         self._version += 1
-        extra = {key: sums[key] / shares[key] for key in sums if shares[key] > 0}
+        extra = means.means()
         extra["micro_batches"] = float(len(parts))
         return TrainMetrics(
             version=self._version,
@@ -1315,33 +1181,6 @@ class TorchTrainEngine:
             tokens=int(rows.plen.sum()) + total,
             extra=extra,
         )
-
-    def _check_loss(self, result: object) -> tuple[Tensor, Mapping[str, float]]:
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise EngineError(
-                f"{self.name}: loss_fn must return (loss, metrics), got {result!r:.80}"
-            )
-        loss, metrics = result
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise EngineError(
-                f"{self.name}: loss_fn's loss must be a scalar tensor, got {loss!r:.80}"
-            )
-        if not loss.requires_grad:
-            raise EngineError(
-                f"{self.name}: loss_fn's loss does not depend on the log-probs (no gradient); "
-                "build it from the logprobs argument"
-            )
-        if not math.isfinite(float(loss.detach())):
-            raise EngineError(
-                f"{self.name}: loss_fn returned a non-finite loss ({float(loss.detach())}); "
-                "the step was skipped and nothing changed"
-            )
-        if not isinstance(metrics, Mapping):
-            raise EngineError(
-                f"{self.name}: loss_fn's metrics must be a mapping of floats, got "
-                f"{type(metrics).__name__}"
-            )
-        return loss.reshape(()), metrics
 
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -1394,13 +1233,6 @@ class TorchTrainEngine:
             raise EngineError(f"{where}: optimizer state does not fit ({exc})") from exc
         self.model.load_state_dict(weights, strict=True)
         self._version = version
-
-
-def _slice_batch(who: str, batch: Batch, start: int, stop: int) -> Batch:
-    try:
-        return batch.slice(start, stop)
-    except ValueError as exc:
-        raise EngineError(f"{who}: {exc}") from exc
 
 
 # --------------------------------------------------------------------------------------------
