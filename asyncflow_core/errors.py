@@ -91,6 +91,11 @@ class EngineError(AsyncFlowError):
     """An inference or training engine rejected a call or failed."""
 
 
+class PeerRankError(EngineError):
+    """A rank of a multi-rank engine gave up a call because *another* rank failed it (that
+    rank's error says why); this rank changed nothing."""
+
+
 class WeightSyncError(AsyncFlowError):
     """A weight transfer was misused (wrong phase order, unknown parameter, shape mismatch)."""
 

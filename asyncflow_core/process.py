@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import multiprocessing
 import pickle
+import socket
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncflow_core.errors import ConfigError, EngineError
+from asyncflow_core.errors import ConfigError, EngineError, PeerRankError
 from asyncflow_core.protocols import Batch, LossFn, TrainEngine, TrainMetrics, Version, WeightBucket
 
 DEFAULT_START_TIMEOUT_S = 300.0
@@ -167,7 +170,9 @@ class ProcessTrainEngine:
     ``spawn``. The constructor waits for the engine to be built (``start_timeout_s``) and
     raises the child's error if the factory failed. Arguments of every call (batch, loss
     function) must pickle: a lambda loss function is refused with an error saying so.
-    ``close()`` closes the child's engine and ends the process.
+    ``close()`` closes the child's engine and ends the process. (``wait=False`` returns as
+    soon as the process is started, for ``SPMDTrainEngine``, which then waits for all its
+    ranks at once: they can only become ready together.)
     """
 
     def __init__(
@@ -178,6 +183,7 @@ class ProcessTrainEngine:
         name: str = "trainer",
         start_method: str | None = None,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        wait: bool = True,
     ) -> None:
         if not callable(factory):
             raise ConfigError(f"ProcessTrainEngine: factory must be callable, got {factory!r}")
@@ -208,7 +214,7 @@ class ProcessTrainEngine:
         self._dead: str | None = None
         ctx: Any = multiprocessing.get_context(method)  # typeshed's BaseContext lacks Process
         if method == "forkserver":  # the server imports these once; each engine forks from it
-            home = getattr(getattr(factory, "func", factory), "__module__", None)
+            home = _factory_module(factory)
             preload = ["torch", "torch.optim", "torch._dynamo", "asyncflow_core.process"]
             ctx.set_forkserver_preload(preload + ([home] if home and home != "__main__" else []))
         parent, child = ctx.Pipe(duplex=True)
@@ -218,10 +224,17 @@ class ProcessTrainEngine:
         )
         self._process.start()
         child.close()
-        if not parent.poll(start_timeout_s):
+        self.engine_type = ""
+        if wait:
+            self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Wait for the child's "ready" (or its error) and start the reply reader."""
+        name, parent = self.name, self._conn
+        if not parent.poll(timeout_s):
             self._kill()
             raise EngineError(
-                f"{name}: the engine process did not report ready within {start_timeout_s} s "
+                f"{name}: the engine process did not report ready within {timeout_s} s "
                 "(building the engine hung?); raise start_timeout_s if it is just slow"
             )
         try:
@@ -237,7 +250,7 @@ class ProcessTrainEngine:
         if kind == _ERR:
             self._kill()
             raise EngineError(f"{name}: building the engine in its process failed") from payload
-        self.engine_type: str = payload
+        self.engine_type = payload
         self._version = version
         self._reader = threading.Thread(target=self._read, name=f"{name}-proxy", daemon=True)
         self._reader.start()
@@ -326,6 +339,11 @@ class ProcessTrainEngine:
 
     async def _stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
         call_id, call = self._send(method, args, stream=True)
+        async for item in self._receive(call_id, call):
+            yield item
+
+    async def _receive(self, call_id: int, call: _Call) -> AsyncIterator[Any]:
+        """The items of a streaming call already sent."""
         assert call.queue is not None
         try:
             while True:
@@ -377,7 +395,329 @@ class ProcessTrainEngine:
             self._conn.close()
 
 
+# --------------------------------------------------------------------------------------------
+# Several ranks: one SPMD trainer over N processes
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RankContext:
+    """Where one rank of an ``SPMDTrainEngine`` stands: its ``rank`` among ``world_size``, and
+    the rendezvous of the group's default process group (``init_method``, a ``tcp://`` URL on
+    this host that the group chose for this run)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def _factory_module(factory: Callable[..., Any]) -> str | None:
+    """The module that defines the user's factory (for the forkserver to import once)."""
+    while isinstance(factory, functools.partial):
+        factory = factory.args[0] if factory.func is _build_rank else factory.func
+    module = getattr(factory, "__module__", None)
+    return module if isinstance(module, str) else None
+
+
+def _build_rank(factory: Callable[[RankContext], Any], context: RankContext) -> Any:
+    return factory(context)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def split_rows(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``(start, stop)`` spans covering ``range(n)``, sizes differing by at
+    most one (the first spans get the extra rows; a span may be empty)."""
+    base, extra = divmod(n, parts)
+    spans, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
+class SPMDTrainEngine:
+    """One ``TrainEngine`` made of ``world_size`` rank processes that run an SPMD trainer
+    together (data parallel: DeepSpeed, FSDP, ...), driven from this process.
+
+    ``factory(context)`` runs in each rank's process with its ``RankContext`` and returns that
+    rank's engine (or an awaitable of it), which must join the group's default process group
+    at ``context.init_method`` (``torch.distributed.init_process_group(backend,
+    init_method=context.init_method, rank=context.rank, world_size=context.world_size)``). The
+    factory must pickle (a module-level function or a ``functools.partial`` of one).
+
+    Every call goes to every rank, in the same order (so their collectives line up):
+
+    * ``compute_logprobs(batch)``, ``train_step(batch, loss_fn)``: the batch's rows are split
+      into ``world_size`` contiguous shards (``split_rows``; a shard may be empty) and rank
+      ``r`` gets shard ``r``. ``compute_logprobs`` concatenates the ranks' results in order
+      (right-padded with 0 to the widest). ``train_step`` returns rank 0's ``TrainMetrics``:
+      **a rank engine reports the whole step's metrics** (its collectives sum them over the
+      ranks), and all ranks must agree on the version.
+    * ``export_weights(bucket_bytes)``: every rank runs it (gathering sharded parameters is a
+      collective); **rank 0 yields the buckets, the other ranks must yield none**.
+    * ``save_checkpoint`` / ``load_checkpoint`` / ``sleep`` / ``wake_up``: every rank, with the
+      same arguments.
+
+    **Failures.** A rank engine must reject bad input on every rank alike (agree with the
+    others before any collective that could hang), raising ``PeerRankError`` on the ranks
+    that only follow another's failure; the group raises the first rank's own error, with a
+    note naming the rank and its rows of the batch. If a rank's *process* dies, its peers may
+    be stuck in a collective: the group kills every rank and raises, and later calls fail
+    saying so.
+    ``close()`` closes every rank. Keep the script's ``if __name__ == "__main__":`` guard, as
+    for ``ProcessTrainEngine``.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[RankContext], Any],
+        world_size: int,
+        *,
+        threads: int | None = None,
+        name: str = "spmd-trainer",
+        start_method: str | None = None,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(
+                f"SPMDTrainEngine: world_size must be an int >= 1, got {world_size!r}"
+            )
+        if not callable(factory):
+            raise ConfigError(f"SPMDTrainEngine: factory must be callable, got {factory!r}")
+        port = free_port(master_addr) if master_port is None else master_port
+        self.name = name
+        self.world_size = world_size
+        self._closed = False
+        self._failed: str | None = None
+        self._pending: list[tuple[ProcessTrainEngine, int]] = []
+        self.ranks: list[ProcessTrainEngine] = []
+        try:
+            for rank in range(world_size):
+                context = RankContext(rank, world_size, master_addr, port)
+                self.ranks.append(
+                    ProcessTrainEngine(
+                        functools.partial(_build_rank, factory, context),
+                        threads=threads,
+                        name=f"{name}-rank{rank}",
+                        start_method=start_method,
+                        start_timeout_s=start_timeout_s,
+                        wait=False,
+                    )
+                )
+            for engine in self.ranks:
+                engine._wait_ready(start_timeout_s)
+        except BaseException:
+            for engine in self.ranks:
+                engine._kill()
+            raise
+        self.engine_type = self.ranks[0].engine_type
+
+    # -- TrainEngine -------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> Version:
+        return self.ranks[0].weight_version
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [engine.pid for engine in self.ranks]
+
+    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        shards, spans = self._shards(batch)
+        parts: list[torch.Tensor] = await self._all("compute_logprobs", shards, spans)
+        width = max((int(p.shape[1]) for p in parts if p.dim() == 2), default=0)
+        padded = [torch.nn.functional.pad(p, (0, width - int(p.shape[1]))) for p in parts]
+        return torch.cat(padded) if padded else torch.zeros(0, 0)
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        shards, spans = self._shards(batch)
+        results: list[TrainMetrics] = await self._all(
+            "train_step", [(shard, loss_fn) for (shard,) in shards], spans
+        )
+        versions = {m.version for m in results}
+        if len(versions) != 1:
+            raise EngineError(
+                f"{self.name}: the ranks disagree on the version after the step "
+                f"({[m.version for m in results]}); their engines diverged"
+            )
+        return results[0]
+
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        return self._export(bucket_bytes)
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self._all("save_checkpoint", [(path,)] * self.world_size)
+
+    async def load_checkpoint(self, path: str) -> None:
+        await self._all("load_checkpoint", [(path,)] * self.world_size)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Every rank's ``sleep(level)`` (its engine must have one)."""
+        await self._all("sleep", [(level,)] * self.world_size)
+
+    async def wake_up(self) -> None:
+        await self._all("wake_up", [()] * self.world_size)
+
+    async def close(self) -> None:
+        """Close every rank (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(engine.close() for engine in self.ranks))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else (self._failed or "running")
+        return f"SPMDTrainEngine({self.name!r}, world_size={self.world_size}, {state})"
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _shards(self, batch: Batch) -> tuple[list[tuple[Batch]], list[tuple[int, int]]]:
+        """Rank ``r``'s part of the batch, and which rows of it that is."""
+        if not isinstance(batch, Batch):
+            raise EngineError(f"{self.name}: expected a Batch, got {type(batch).__name__}")
+        if self.world_size == 1:
+            return [(batch,)], []
+        try:
+            spans = split_rows(_row_count(batch), self.world_size)
+            shards = [(batch.slice(a, b),) for a, b in spans]
+        except ValueError as e:
+            raise EngineError(f"{self.name}: cannot split the batch over the ranks: {e}") from e
+        return shards, spans
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise EngineError(f"{self.name}: {method} after close(); build a new engine")
+        if self._failed is not None:
+            raise EngineError(f"{self.name}: {method} failed: {self._failed}")
+
+    def _send_all(self, method: str, args: list[tuple[Any, ...]], stream: bool) -> list[_Call]:
+        """Send one call to every rank, with no await in between: every rank then sees the
+        group's calls in the same order."""
+        self._check_open(method)
+        if len(args) != self.world_size:
+            raise EngineError(f"{self.name}: {method} needs one argument set per rank")
+        for engine in self.ranks:  # fail before sending anything if a rank is gone
+            engine._check_open(method)
+        sent: list[tuple[ProcessTrainEngine, int, _Call]] = []
+        try:
+            for engine, rank_args in zip(self.ranks, args, strict=True):
+                call_id, call = engine._send(method, rank_args, stream)
+                sent.append((engine, call_id, call))
+        except BaseException:
+            if sent:  # some ranks got the call and would wait for the others forever
+                self._fail(f"{method} reached only ranks 0..{len(sent) - 1}")
+            raise
+        self._pending = [(engine, call_id) for engine, call_id, _ in sent]
+        return [call for _, _, call in sent]
+
+    async def _all(
+        self, method: str, args: list[tuple[Any, ...]], spans: Sequence[tuple[int, int]] = ()
+    ) -> Any:
+        calls = self._send_all(method, args, stream=False)
+        pending = self._pending
+        futures = [call.future for call in calls]
+        assert all(f is not None for f in futures)
+        try:
+            outcomes = await self._gather(method, [f for f in futures if f is not None], spans)
+        finally:
+            for engine, call_id in pending:
+                with engine._lock:
+                    engine._calls.pop(call_id, None)
+        return outcomes
+
+    async def _gather(
+        self,
+        method: str,
+        futures: Sequence[asyncio.Future[Any]],
+        spans: Sequence[tuple[int, int]] = (),
+    ) -> list[Any]:
+        """Every rank's result; the first rank's error (rank 0 first) if any failed. A dead
+        rank process fails the group at once instead of leaving its peers to hang."""
+        waiting: set[asyncio.Future[Any]] = set(futures)
+        while waiting:
+            _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_EXCEPTION)
+            dead = [i for i, engine in enumerate(self.ranks) if engine._dead is not None]
+            if dead:
+                self._fail(f"rank {dead[0]}: {self.ranks[dead[0]]._dead}")
+                for f in waiting:
+                    f.cancel()
+                raise EngineError(
+                    f"{self.name}: {method} failed: rank {dead[0]}'s process died "
+                    f"({self.ranks[dead[0]]._dead}); every rank was stopped, build a new engine"
+                )
+        failed = [(rank, f.exception()) for rank, f in enumerate(futures) if f.exception()]
+        if failed:  # the first rank that failed by itself, not because a peer did
+            rank, error = next(
+                ((r, e) for r, e in failed if not isinstance(e, PeerRankError)), failed[0]
+            )
+            assert error is not None
+            if rank < len(spans):
+                start, stop = spans[rank]
+                error.add_note(f"(rank {rank} had rows {start}:{stop} of the batch)")
+            raise error
+        return [f.result() for f in futures]
+
+    async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        calls = self._send_all("export_weights", [(bucket_bytes,)] * self.world_size, True)
+        pending = self._pending
+        streams = [
+            engine._receive(call_id, call)
+            for (engine, call_id), call in zip(pending, calls, strict=True)
+        ]
+
+        async def drain(rank: int) -> None:
+            async for _ in streams[rank]:
+                raise EngineError(
+                    f"{self.name}: rank {rank} yielded a weight bucket; only rank 0 may "
+                    "(the other ranks take part in the gathers and yield nothing)"
+                )
+
+        others = [asyncio.ensure_future(drain(r)) for r in range(1, self.world_size)]
+        try:
+            async for bucket in streams[0]:
+                yield bucket
+            await self._gather("export_weights", others)
+        finally:
+            for task in others:
+                if not task.done():
+                    task.cancel()
+
+    def _fail(self, why: str) -> None:
+        self._failed = why
+        for engine in self.ranks:
+            engine._kill()
+
+
+def _row_count(batch: Batch) -> int:
+    """Rows of a batch, from its row ids or else its first field."""
+    if batch.rows:
+        return len(batch.rows)
+    first = next(iter(batch.lengths.values()), None)
+    if first is None:
+        first = next(iter(batch.data.values()), None)
+    return len(first) if first is not None and hasattr(first, "__len__") else 0
+
+
 if TYPE_CHECKING:  # mypy proves the proxy satisfies the protocol it stands in for
     _protocol: type[TrainEngine] = ProcessTrainEngine
+    _spmd_protocol: type[TrainEngine] = SPMDTrainEngine
 
-__all__ = ["DEFAULT_START_TIMEOUT_S", "ProcessTrainEngine"]
+__all__ = [
+    "DEFAULT_START_TIMEOUT_S",
+    "ProcessTrainEngine",
+    "RankContext",
+    "SPMDTrainEngine",
+    "free_port",
+    "split_rows",
+]
