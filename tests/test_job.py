@@ -132,3 +132,36 @@ def test_trainer_in_its_own_process_learns_like_the_in_process_one() -> None:
     there = asyncio.run(run(apply_override(cfg, "train.process=true"))).result.steps
     assert [s.metrics.loss for s in there] == [s.metrics.loss for s in here]
     assert [s.reward_mean for s in there] == [s.reward_mean for s in here]
+
+
+@pytest.mark.slow
+def test_the_deepspeed_trainer_learns_like_the_reference_one() -> None:
+    """``train.engine = "deepspeed"`` (ZeRO-0, fp32, in this process) runs the main job end to
+    end with the same micro-batching, AdamW and clipping as the reference trainer: in
+    colocated mode (deterministic) the per-step losses and rewards agree to rounding."""
+    pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
+    cfg = RunConfig(
+        eval_prompts=0, task=TaskSection(warmup_steps=5),
+        rl=RLSection(steps=4, prompts_per_step=4, n=4, mode="colocated", staleness=0),
+    )  # fmt: skip
+    here = asyncio.run(run(cfg))
+    there = asyncio.run(run(apply_override(cfg, "train.engine=deepspeed")))
+    assert there.summary.trainer == "deepspeed ZeRO-0 fp32, thread"
+    for a, b in zip(there.result.steps, here.result.steps, strict=True):
+        assert a.metrics.loss == pytest.approx(b.metrics.loss, rel=1e-4, abs=1e-6)
+        assert a.reward_mean == pytest.approx(b.reward_mean, abs=0.07)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("train.zero_stage=2", "apply to train.engine = 'deepspeed'"),
+        ("train.ranks=0", "train.ranks must be >= 1"),
+    ],
+)
+def test_bad_trainer_choices_are_refused(override: str, match: str) -> None:
+    cfg = RunConfig()
+    if override.startswith("train.ranks"):
+        cfg = apply_override(cfg, "train.engine=deepspeed")
+    with pytest.raises(ConfigError, match=match):
+        apply_override(cfg, override).validate()

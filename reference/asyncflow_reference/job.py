@@ -44,7 +44,13 @@ import torch
 from asyncflow_core.config import load_config, to_toml
 from asyncflow_core.errors import ConfigError
 from asyncflow_core.process import ProcessTrainEngine
-from asyncflow_core.protocols import Batch, GenerationRequest, LossFn, SamplingParams
+from asyncflow_core.protocols import (
+    Batch,
+    GenerationRequest,
+    LossFn,
+    SamplingParams,
+    TrainEngine,
+)
 from asyncflow_core.rl import DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult, StepRecord
 from asyncflow_core.trace import Tracer
@@ -128,6 +134,17 @@ class TrainSection:
     does not share the interpreter lock with rollout and the store, which is what limits the
     async run's throughput on CPU. Off by default so the whole job stays in one process
     (``breakpoint()`` works anywhere)."""
+    engine: Literal["torch", "deepspeed"] = "torch"
+    """``torch``: the reference trainer (``TorchTrainEngine``); ``deepspeed``: the DeepSpeed
+    adapter (``asyncflow_deepspeed``, needs the ``[deepspeed]`` extra) with ``zero_stage``,
+    ``dtype`` and ``ranks`` below."""
+    zero_stage: int = 0
+    """deepspeed only: the ZeRO stage (0-3)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """deepspeed only: the training precision."""
+    ranks: int = 1
+    """deepspeed only: data-parallel rank processes (``asyncflow_deepspeed.launch``); 1 keeps
+    the trainer in this process unless ``process`` is set."""
     is_cap: float | None = 2.0
     """decoupled-ppo only (ignored otherwise): truncate the importance weight π_prox/π_behav at
     this value (none: uncapped). At η = 4 on the default task, uncapped stalled near 0.17
@@ -163,6 +180,20 @@ class RunConfig:
     rl: RLSection = field(default_factory=RLSection)
 
     def validate(self) -> None:
+        t = self.train
+        if t.engine not in ("torch", "deepspeed"):
+            raise ConfigError(f"train.engine must be 'torch' or 'deepspeed', got {t.engine!r}")
+        if t.engine == "torch" and (t.zero_stage, t.dtype, t.ranks) != (0, "fp32", 1):
+            raise ConfigError(
+                "train.zero_stage, train.dtype and train.ranks apply to train.engine = "
+                "'deepspeed'; the torch trainer is one fp32 process"
+            )
+        if t.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {t.zero_stage!r}")
+        if t.dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"train.dtype must be 'fp32' or 'bf16', got {t.dtype!r}")
+        if t.ranks < 1:
+            raise ConfigError(f"train.ranks must be >= 1, got {t.ranks}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0 = auto), got {self.threads}")
         if self.eval_prompts < 0:
@@ -244,7 +275,8 @@ class RunSummary:
     sync_hidden_s: float
     threads: int
     trainer: str = "thread"
-    """Where the trainer ran: ``thread`` (this process) or ``process`` (``train.process``)."""
+    """Where the trainer ran: ``thread`` (this process) or ``process`` (``train.process``);
+    for ``train.engine = "deepspeed"``, the stage, precision and ranks as well."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -337,17 +369,7 @@ async def run(
         t0 = time.perf_counter()
         model = await _warm_up(cfg, TransformerLM(cfg.model_config(), seed=cfg.seed))
         warmup_s = time.perf_counter() - t0
-        t = cfg.train
-        make_trainer = functools.partial(
-            TorchTrainEngine, model, lr=t.lr, weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size, seed=cfg.seed,
-            temperature=cfg.rollout.temperature,
-        )  # fmt: skip
-        trainer: TorchTrainEngine | ProcessTrainEngine = (
-            ProcessTrainEngine(functools.partial(make_trainer, threads=threads))
-            if t.process
-            else make_trainer()
-        )
+        trainer = _make_trainer(cfg, model, threads)
         engines = [
             TorchInferenceEngine(
                 model,
@@ -370,7 +392,7 @@ async def run(
         finally:
             for e in engines:
                 await e.close()
-            await trainer.close()
+            await trainer.close()  # type: ignore[attr-defined]  # every trainer here has one
     finally:
         torch.set_num_threads(previous_threads)
     summary = _summarize(cfg, result, tracer, warmup_s, eval_reward, eval_exact, threads)
@@ -378,6 +400,34 @@ async def run(
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
     return RunOutput(summary, result, out)
+
+
+def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int) -> TrainEngine:
+    """The trainer ``train`` asks for: the reference or DeepSpeed, here or in processes."""
+    t = cfg.train
+    common: dict[str, Any] = {
+        "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
+        "micro_batch_size": t.micro_batch_size, "seed": cfg.seed,
+        "temperature": cfg.rollout.temperature,
+    }  # fmt: skip
+    if t.engine == "deepspeed":
+        import asyncflow_deepspeed
+
+        ds: dict[str, Any] = {**common, "zero_stage": t.zero_stage, "dtype": t.dtype}
+        if t.ranks > 1 or t.process:
+            return asyncflow_deepspeed.launch(model, t.ranks, threads=threads, **ds)
+        return asyncflow_deepspeed.DeepSpeedTrainEngine(model, threads=threads, **ds)
+    make = functools.partial(TorchTrainEngine, model, **common)
+    if t.process:
+        return ProcessTrainEngine(functools.partial(make, threads=threads))
+    return make()
+
+
+def _trainer_label(t: TrainSection) -> str:
+    if t.engine == "deepspeed":
+        where = f"{t.ranks} rank process(es)" if t.ranks > 1 or t.process else "thread"
+        return f"deepspeed ZeRO-{t.zero_stage} {t.dtype}, {where}"
+    return "process" if t.process else "thread"
 
 
 def _summarize(
@@ -414,7 +464,7 @@ def _summarize(
         sync_exposed_s=trace["sync"]["exposed_s"],
         sync_hidden_s=trace["sync"]["hidden_s"],
         threads=threads,
-        trainer="process" if cfg.train.process else "thread",
+        trainer=_trainer_label(cfg.train),
     )
 
 
@@ -463,10 +513,13 @@ def plot_rewards(result: RLResult, path: str | Path, *, title: str = "") -> Path
 # --------------------------------------------------------------------------------------------
 # The command
 # --------------------------------------------------------------------------------------------
+_TRAINER_WORDS = {"process": "its own process", "thread": "a thread of this process"}
+
+
 def format_summary(s: RunSummary) -> str:
     rows = [
         ("task / mode", f"{s.task}, {s.mode} (η={s.staleness}), loss {s.loss}"),
-        ("trainer", "its own process" if s.trainer == "process" else "a thread of this process"),
+        ("trainer", _TRAINER_WORDS.get(s.trainer, s.trainer)),
         ("steps / samples", f"{s.steps} / {s.samples} ({s.dropped} dropped as stale)"),
         ("wall (RL) / warm-up", f"{s.wall_s:.1f} s / {s.warmup_s:.1f} s"),
         ("samples/s, tokens/s", f"{s.samples_per_s:.1f}, {s.tokens_per_s:.0f}"),

@@ -1,0 +1,423 @@
+"""The DeepSpeed adapter (``asyncflow_deepspeed``), run for real on CPU with gloo.
+
+* The ``TrainEngine`` conformance suite, in this process (a world of one), for ZeRO stages
+  0-3 in fp32 and stages 0 and 3 in bf16.
+* The same numbers as the reference trainer: DeepSpeed's micro-batching and accumulation
+  give the reference's losses, gradient norms and weights.
+* Every stage x precision on **two rank processes** started by the test (``launch``): the
+  sharded step equals the one-process reference step, rank 0 exports full weights, DeepSpeed
+  checkpoints restore exactly, and a bad batch or a failing loss on one rank changes nothing
+  on either.
+* Failure paths: a loss that fails mid-step, sleep on stage 0, bad configuration, DeepSpeed
+  missing or of an untested version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from asyncflow_conformance import TrainEngineConformance
+from asyncflow_conformance.engines import padded_batch
+from asyncflow_reference.engines import TorchTrainEngine
+from asyncflow_reference.model import ModelConfig, TransformerLM
+
+from asyncflow_core.errors import ConfigError, EngineError, MissingExtraError
+from asyncflow_core.protocols import Batch, TrainEngine, TrainMetrics
+from asyncflow_core.rl import policy_gradient_loss
+
+pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
+
+from asyncflow_deepspeed import (
+    CHECKPOINT_META,
+    DeepSpeedTrainEngine,
+    check_version,
+    launch,
+    require_deepspeed,
+)
+
+CONFIG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def batch5() -> Batch:
+    """Five rows: two ranks get 3 and 2, and micro-batches of 2 give them 2 and 1."""
+    return padded_batch(
+        prompts=[[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [3, 3]],
+        responses=[[11, 12, 13, 14], [15], [16, 17, 18], [19, 20], [5, 6, 7]],
+        advantages=[1.0, -1.0, 0.5, -0.5, 0.2],
+    )
+
+
+async def weights(engine: TrainEngine, bucket_bytes: int = 10_000) -> dict[str, torch.Tensor]:
+    return {
+        n: t for bucket in [b async for b in engine.export_weights(bucket_bytes)] for n, t in bucket
+    }
+
+
+class FailOn:
+    """A picklable loss that fails (raises, or returns NaN) on a micro-batch holding a row
+    whose advantage is ``marker``; otherwise the policy-gradient loss."""
+
+    def __init__(self, marker: float, how: str = "nan") -> None:
+        self.marker, self.how = marker, how
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Batch
+    ) -> tuple[torch.Tensor, Mapping[str, float]]:
+        if bool((batch["advantage"] == self.marker).any()):
+            if self.how == "raise":
+                raise ValueError("the loss failed on purpose")
+            return logprobs.sum() * float("nan"), {}
+        return policy_gradient_loss(logprobs, batch)
+
+
+# --------------------------------------------------------------------------------------------
+# Conformance, in this process
+# --------------------------------------------------------------------------------------------
+class _DeepSpeedSuite(TrainEngineConformance):
+    zero_stage: ClassVar[int] = 0
+    dtype: ClassVar[str] = "fp32"
+    required_fields = ("prompt", "response", "advantage")
+    logprob_atol = 0.0  # the same weights give the same log-probs, bit for bit
+
+    def make_engine(self) -> TrainEngine:
+        return DeepSpeedTrainEngine(
+            CONFIG, zero_stage=self.zero_stage, dtype=self.dtype,  # type: ignore[arg-type]
+            micro_batch_size=2, lr=1e-2, threads=1,
+        )  # fmt: skip
+
+    def close_engine(self, engine: Any) -> Any:
+        return engine.close()
+
+    def expected_parameters(self, engine: Any) -> Mapping[str, list[int]]:
+        return {n: list(t.shape) for n, t in TransformerLM(CONFIG).state_dict().items()}
+
+
+class TestConformanceStage0(_DeepSpeedSuite):
+    zero_stage = 0
+
+
+class TestConformanceStage1(_DeepSpeedSuite):
+    zero_stage = 1
+
+
+class TestConformanceStage2(_DeepSpeedSuite):
+    zero_stage = 2
+
+
+class TestConformanceStage3(_DeepSpeedSuite):
+    zero_stage = 3
+
+
+class TestConformanceStage0Bf16(_DeepSpeedSuite):
+    zero_stage, dtype = 0, "bf16"
+
+
+class TestConformanceStage3Bf16(_DeepSpeedSuite):
+    zero_stage, dtype = 3, "bf16"
+
+
+# --------------------------------------------------------------------------------------------
+# The reference's numbers
+# --------------------------------------------------------------------------------------------
+async def _steps(engine: Any, n: int = 3) -> list[TrainMetrics]:
+    return [await engine.train_step(batch5(), policy_gradient_loss) for _ in range(n)]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_one_rank_matches_the_reference_trainer(zero_stage: int) -> None:
+    """Micro-batches of 2 over 5 rows, DeepSpeed's accumulation and clipping: the same losses,
+    gradient norms and weights as ``TorchTrainEngine`` (fp32)."""
+
+    async def body() -> None:
+        ds = DeepSpeedTrainEngine(CONFIG, zero_stage=zero_stage, micro_batch_size=2, lr=1e-2)
+        ref = TorchTrainEngine(CONFIG, micro_batch_size=2, lr=1e-2)
+        try:
+            assert torch.equal(
+                await ds.compute_logprobs(batch5()), await ref.compute_logprobs(batch5())
+            )
+            mine, theirs = await _steps(ds), await _steps(ref)
+            for a, b in zip(mine, theirs, strict=True):
+                assert (a.version, a.samples, a.tokens) == (b.version, b.samples, b.tokens)
+                assert a.loss == pytest.approx(b.loss, rel=1e-5)
+                assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+                assert a.extra["pg_loss"] == pytest.approx(b.extra["pg_loss"], rel=1e-5)
+            assert mine[0].extra["micro_batches"] == 3
+            got, want = await weights(ds), await weights(ref)
+            assert list(got) == list(want)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+        finally:
+            await ds.close()
+            await ref.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize(("zero_stage", "how"), [(0, "raise"), (2, "nan"), (3, "nan")])
+def test_a_loss_failing_mid_step_changes_nothing(zero_stage: int, how: str) -> None:
+    """The loss fails on the third micro-batch, after two backwards: EngineError (or the
+    loss's own error), no version, and the gradients already accumulated are dropped: the
+    next good step gives exactly what a fresh engine's first step gives."""
+
+    async def body() -> None:
+        make = lambda: DeepSpeedTrainEngine(  # noqa: E731
+            CONFIG, zero_stage=zero_stage, micro_batch_size=2, lr=1e-2
+        )
+        engine, fresh = make(), make()
+        try:
+            with pytest.raises((EngineError, ValueError), match=r"non-finite|on purpose"):
+                await engine.train_step(batch5(), FailOn(0.2, how))  # row 4: micro-batch 3
+            assert engine.weight_version == 0
+            (a,) = await _steps(engine, 1)
+            (b,) = await _steps(fresh, 1)
+            assert a.version == b.version == 1 and a.loss == b.loss
+            got, want = await weights(engine), await weights(fresh)
+            assert all(torch.equal(got[n], want[n]) for n in want)
+        finally:
+            await engine.close()
+            await fresh.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_sleep_offloads_and_wake_up_restores_the_optimizer(zero_stage: int) -> None:
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(CONFIG, zero_stage=zero_stage, micro_batch_size=2)
+        twin = DeepSpeedTrainEngine(CONFIG, zero_stage=zero_stage, micro_batch_size=2)
+        try:
+            await _steps(engine, 1)
+            await _steps(twin, 1)
+            await engine.sleep()
+            await engine.wake_up()
+            (a,) = await _steps(engine, 1)
+            (b,) = await _steps(twin, 1)
+            assert a.loss == b.loss and a.version == 2
+        finally:
+            await engine.close()
+            await twin.close()
+
+    run(body())
+
+
+def test_sleep_needs_a_zero_optimizer() -> None:
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(CONFIG, zero_stage=0)
+        try:
+            with pytest.raises(EngineError, match="zero_stage 1-3"):
+                await engine.sleep()
+            (metrics,) = await _steps(engine, 1)
+            assert metrics.version == 1
+        finally:
+            await engine.close()
+
+    run(body())
+
+
+def test_a_checkpoint_from_another_stage_is_refused_without_change(tmp_path: Path) -> None:
+    async def body() -> None:
+        two = DeepSpeedTrainEngine(CONFIG, zero_stage=2)
+        zero = DeepSpeedTrainEngine(CONFIG, zero_stage=0)
+        try:
+            await _steps(two, 1)
+            await two.save_checkpoint(str(tmp_path / "ckpt"))
+            assert (tmp_path / "ckpt" / CHECKPOINT_META).exists()
+            before = await weights(zero)
+            with pytest.raises(EngineError, match=r"zero_stage=2.*has 0"):
+                await zero.load_checkpoint(str(tmp_path / "ckpt"))
+            with pytest.raises(EngineError, match="not readable"):
+                await zero.load_checkpoint(str(tmp_path / "nothing"))
+            assert zero.weight_version == 0
+            after = await weights(zero)
+            assert all(torch.equal(before[n], after[n]) for n in before)
+        finally:
+            await two.close()
+            await zero.close()
+
+    run(body())
+
+
+def test_the_callers_model_is_never_changed() -> None:
+    model = TransformerLM(CONFIG, seed=3)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(model, zero_stage=3, dtype="bf16", lr=1e-2)
+        try:
+            await _steps(engine, 2)
+        finally:
+            await engine.close()
+
+    run(body())
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_engines_of_one_process_share_its_world_of_one() -> None:
+    """Two engines at once, closed in turn: closing one leaves the other working."""
+
+    async def body() -> None:
+        a = DeepSpeedTrainEngine(CONFIG)
+        b = DeepSpeedTrainEngine(CONFIG, zero_stage=3)
+        await a.close()
+        (metrics,) = await _steps(b, 1)
+        assert metrics.version == 1
+        await b.close()
+        await b.close()  # idempotent
+        with pytest.raises(EngineError, match="after close"):
+            await b.train_step(batch5(), policy_gradient_loss)
+
+    run(body())
+
+
+# --------------------------------------------------------------------------------------------
+# Two rank processes
+# --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_two_ranks(zero_stage: int, dtype: str, tmp_path: Path) -> None:
+    """Two rank processes, each holding half the batch: the step equals the one-process
+    reference step (fp32: to rounding; bf16: to bf16's precision); rank 0 exports every
+    parameter full size; a DeepSpeed checkpoint restores byte for byte; a bad row in rank 1's
+    half, or a loss failing on rank 1 only, is refused by both ranks and changes nothing."""
+    fp32 = dtype == "fp32"
+
+    async def body() -> None:
+        group = launch(CONFIG, 2, zero_stage=zero_stage, dtype=dtype, micro_batch_size=2, lr=1e-2)
+        ref = TorchTrainEngine(CONFIG, micro_batch_size=2, lr=1e-2)
+        try:
+            assert group.world_size == 2 and len(set(group.pids)) == 2
+            logprobs = await group.compute_logprobs(batch5())
+            torch.testing.assert_close(
+                logprobs, await ref.compute_logprobs(batch5()),
+                rtol=0, atol=1e-6 if fp32 else 0.05,
+            )  # fmt: skip
+            mine, theirs = await _steps(group, 2), await _steps(ref, 2)
+            for a, b in zip(mine, theirs, strict=True):
+                assert (a.version, a.samples, a.tokens) == (b.version, b.samples, b.tokens)
+                assert a.loss == pytest.approx(b.loss, rel=1e-5 if fp32 else 0.02)
+                assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4 if fp32 else 0.05)
+            exported = await weights(group)
+            want = await weights(ref)
+            assert list(exported) == list(want)
+            for name, tensor in exported.items():
+                assert tensor.shape == want[name].shape, name
+                assert tensor.dtype == (torch.float32 if fp32 else torch.bfloat16), name
+                torch.testing.assert_close(
+                    tensor.float(), want[name], rtol=0, atol=1e-5 if fp32 else 0.05
+                )
+
+            await group.save_checkpoint(str(tmp_path / "ckpt"))
+            await _steps(group, 1)
+            await group.load_checkpoint(str(tmp_path / "ckpt"))
+            assert group.weight_version == 2
+            restored = await weights(group)
+            assert all(torch.equal(restored[n], exported[n]) for n in exported)
+
+            bad = batch5()
+            bad.data["response"][4, 0] = 99  # row 4 is in rank 1's half
+            with pytest.raises(EngineError, match=r"response\[1, 0\]=99") as info:
+                await group.train_step(bad, policy_gradient_loss)
+            assert "rank 1 had rows 3:5" in "".join(getattr(info.value, "__notes__", []))
+            with pytest.raises(EngineError, match="non-finite"):
+                await group.train_step(batch5(), FailOn(0.2))  # fails on rank 1 only
+            assert group.weight_version == 2
+            after = await weights(group)
+            assert all(torch.equal(after[n], exported[n]) for n in exported)
+            (metrics,) = await _steps(group, 1)
+            assert metrics.version == 3 and math.isfinite(metrics.loss)
+        finally:
+            await group.close()
+            await ref.close()
+
+    run(body())
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_group_instead_of_hanging() -> None:
+    async def body() -> None:
+        group = launch(CONFIG, 2, zero_stage=3, micro_batch_size=2)
+        try:
+            group.ranks[1]._process.kill()
+            with pytest.raises(EngineError, match="rank 1"):
+                await asyncio.wait_for(group.train_step(batch5(), policy_gradient_loss), 60)
+            with pytest.raises(EngineError, match="rank 1"):
+                await group.compute_logprobs(batch5())
+        finally:
+            await group.close()
+        assert all(not engine._process.is_alive() for engine in group.ranks)
+
+    run(body())
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and installation errors
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3"),
+        ({"dtype": "fp16"}, "dtype must be 'fp32' or 'bf16'"),
+        ({"lr": 0}, "lr must be a number > 0"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be an int >= 1"),
+        ({"ds_config": {"gradient_clipping": 2.0}}, "use its argument max_grad_norm"),
+        ({"ds_config": {"zero_optimization": {"stage": 3}}}, "use its argument zero_stage"),
+        ({"ds_config": {"bf16": {"enabled": True}}}, "use its argument dtype"),
+        ({"world_size": 2}, r"world_size=2"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        DeepSpeedTrainEngine(CONFIG, **kwargs)
+
+
+def test_a_model_that_does_not_return_logits_is_refused() -> None:
+    class Scalar(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.w * tokens.float().sum()
+
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(Scalar())
+        try:
+            with pytest.raises(EngineError, match=r"must return logits \[B, T, V\]"):
+                await engine.compute_logprobs(batch5())
+        finally:
+            await engine.close()
+
+    run(body())
+    with pytest.raises(ConfigError, match=r"takes a torch.nn.Module"):
+        DeepSpeedTrainEngine("gpt2")
+
+
+def test_without_deepspeed_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    with pytest.raises(MissingExtraError, match=r"asyncflow\[deepspeed\]"):
+        DeepSpeedTrainEngine(CONFIG)
+    with pytest.raises(MissingExtraError, match=r"asyncflow\[deepspeed\]"):
+        launch(CONFIG, 2)
+    with pytest.raises(MissingExtraError, match=r"asyncflow\[deepspeed\]"):
+        require_deepspeed()
+
+
+def test_an_untested_deepspeed_version_is_refused() -> None:
+    check_version("0.19.8")
+    check_version("0.19.9+cpu")
+    for version in ("0.18.2", "0.20.0", "1.0"):
+        with pytest.raises(ConfigError, match=r"tested with deepspeed >=0\.19\.8,<0\.20"):
+            check_version(version)
