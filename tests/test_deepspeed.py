@@ -127,6 +127,17 @@ class TestConformanceStage3Bf16(_DeepSpeedSuite):
     zero_stage, dtype = 3, "bf16"
 
 
+@pytest.mark.slow
+class TestConformanceTwoRanksStage3(_DeepSpeedSuite):
+    """The suite on two rank processes (``launch``: an ``SPMDTrainEngine``), ZeRO-3: the
+    hardest layout (parameters themselves sharded, every forward a collective)."""
+
+    zero_stage = 3
+
+    def make_engine(self) -> TrainEngine:
+        return launch(CONFIG, 2, zero_stage=self.zero_stage, micro_batch_size=2, lr=1e-2)
+
+
 # --------------------------------------------------------------------------------------------
 # The reference's numbers
 # --------------------------------------------------------------------------------------------
