@@ -292,6 +292,43 @@ def test_engines_of_one_process_share_its_world_of_one() -> None:
     run(body())
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_hugging_face_causal_lm(zero_stage: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen2 built from a config in code (no download; tied embeddings): the
+    engine's log-probs are the model's own, it trains, and it exports every ``state_dict``
+    name (both names of the tied weight)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    batch = padded_batch(
+        prompts=[[1, 2, 3], [4, 5]], responses=[[11, 12, 13, 14], [15]], advantages=[1.0, -1.0]
+    )
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 11, 12, 13, 14]])).logits[0, 2:6]
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor([[11], [12], [13], [14]]))
+
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(model, zero_stage=zero_stage, micro_batch_size=1, lr=1e-2)
+        try:
+            assert engine.vocab_size == 64 and engine.max_seq_len == 32
+            logprobs = await engine.compute_logprobs(batch)
+            torch.testing.assert_close(logprobs[0], want.squeeze(1), rtol=0, atol=1e-6)
+            losses = [(await engine.train_step(batch, policy_gradient_loss)).loss for _ in range(3)]
+            assert losses[2] < losses[0]
+            names = list(await weights(engine, 1 << 20))
+            assert names == list(model.state_dict()) and "lm_head.weight" in names
+        finally:
+            await engine.close()
+
+    run(body())
+
+
 # --------------------------------------------------------------------------------------------
 # Two rank processes
 # --------------------------------------------------------------------------------------------
