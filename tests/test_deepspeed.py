@@ -260,8 +260,11 @@ def test_a_checkpoint_from_another_stage_is_refused_without_change(tmp_path: Pat
 
 
 def test_the_callers_model_is_never_changed() -> None:
+    """Nor the process: ZeRO-3 would swap ``torch.nn.functional.linear`` for every model of
+    the process (its memory-efficient linear); the engine turns that off."""
     model = TransformerLM(CONFIG, seed=3)
     before = {n: t.clone() for n, t in model.state_dict().items()}
+    linear = torch.nn.functional.linear
 
     async def body() -> None:
         engine = DeepSpeedTrainEngine(model, zero_stage=3, dtype="bf16", lr=1e-2)
@@ -273,6 +276,7 @@ def test_the_callers_model_is_never_changed() -> None:
     run(body())
     assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
     assert next(model.parameters()).dtype == torch.float32
+    assert torch.nn.functional.linear is linear
 
 
 def test_engines_of_one_process_share_its_world_of_one() -> None:

@@ -221,7 +221,9 @@ class DeepSpeedTrainEngine:
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.max_grad_norm or 0.0,
-            "zero_optimization": {"stage": self.zero_stage},
+            # memory_efficient_linear would replace torch.nn.functional.linear for the whole
+            # process, for good (DeepSpeed's words), changing every other model's numerics
+            "zero_optimization": {"stage": self.zero_stage, "memory_efficient_linear": False},
             "bf16": {"enabled": self.dtype == "bf16", "check_grad_overflow": True},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,
