@@ -73,6 +73,7 @@ from asyncflow_core.store import InProcessDataStore, StorageUnit
 from asyncflow_core.trace import Span, Tracer
 from asyncflow_core.weightsync import (
     BlockingUpdate,
+    BroadcastGroup,
     DiskWeightSync,
     DistributedWeightReceiver,
     DistributedWeightSync,
@@ -80,6 +81,7 @@ from asyncflow_core.weightsync import (
     InProcessWeightSync,
     StagedUpdate,
     SyncTiming,
+    WeightSyncGroup,
     bucketize,
     read_weights,
 )
@@ -98,6 +100,7 @@ __all__ = [
     "Batch",
     "BatchMeta",
     "BlockingUpdate",
+    "BroadcastGroup",
     "Candidates",
     "Capacity",
     "CapacityError",
@@ -165,6 +168,7 @@ __all__ = [
     "WeightBucket",
     "WeightSync",
     "WeightSyncError",
+    "WeightSyncGroup",
     "__version__",
     "bucketize",
     "karmarkar_karp",

@@ -106,3 +106,36 @@ def test_cpu_pipeline_benchmark_quick_emits_json() -> None:
     assert runs["colocated"]["staleness"] == 0 and runs["async"]["staleness"] == 1
     assert runs["eta4_decoupled"]["loss"] == "decoupled-ppo" and runs["eta4_naive"]["loss"] == "ppo"
     assert "speedup async/colocated" in proc.stdout
+
+
+@pytest.mark.slow
+def test_weight_sync_benchmark_quick_emits_json() -> None:
+    """benchmarks/weight_sync.py --quick: bucketed vs flat broadcast between two processes and
+    staged vs blocking exposed time; the last line is one JSON object of positive figures."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "weight_sync.py"), "--quick"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    last = json.loads(lines[-1])
+    for key in (
+        "bucketed_vs_flat",
+        "bucketed_vs_flat_min",
+        "bucketed_vs_flat_max",
+        "flat_gbps",
+        "bucketed_gbps",
+        "staged_exposed_s",
+        "blocking_exposed_s",
+        "staged_transfer_s",
+        "blocking_transfer_s",
+        "model_mb",
+        "bucket_mb",
+        "repeats",
+    ):
+        assert key in last, f"missing {key!r} in {sorted(last)}"
+        _positive_finite(key, last[key])
+    assert last["bucketed_vs_flat_min"] <= last["bucketed_vs_flat"] <= last["bucketed_vs_flat_max"]
+    assert last["quick"] is True
+    table = "\n".join(lines[:-1])  # the readable table comes before the JSON line
+    assert all(word in table for word in ("vs flat", "bucketed", "staged", "blocking"))

@@ -1,29 +1,40 @@
-"""WeightSync transports: phase order, staging, in-process, safetensors on disk, and a
-bucketed torch.distributed broadcast between two real processes (gloo)."""
+"""WeightSync transports: phase order, staging, in-process, safetensors on disk, and the
+bucketed broadcast: between two real processes over the default group (gloo), and its wire in
+one process over a loopback group (byte exactness, in-place views, bad headers, the event loop
+kept free). Real process groups and inference workers in other processes:
+tests/test_weightsync_collective.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from asyncflow_core import weightsync
 from asyncflow_core.errors import WeightSyncError
+from asyncflow_core.process import free_port
 from asyncflow_core.protocols import SupportsLoadWeights, WeightBucket, WeightSync
 from asyncflow_core.weightsync import (
     BlockingUpdate,
+    BroadcastGroup,
     DiskWeightSync,
+    DistributedWeightReceiver,
     DistributedWeightSync,
     InProcessWeightSync,
     StagedUpdate,
     SyncTiming,
+    WeightSyncGroup,
     bucketize,
     read_weights,
 )
@@ -148,7 +159,11 @@ def test_disk_sync_writes_versions_atomically_and_reads_back_exactly(tmp_path: P
         read_weights(tmp_path)
 
 
-def test_distributed_sync_refuses_an_uninitialised_group() -> None:
+def test_distributed_sync_refuses_an_uninitialised_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    # another test of this session (an in-process DeepSpeed engine) may have initialised it
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(WeightSyncError, match="not initialised"):
         run(DistributedWeightSync().init())
 
@@ -208,19 +223,13 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_bucketed_broadcast_between_two_processes_is_byte_exact(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         env = {
@@ -353,3 +362,331 @@ def test_staged_update_keeps_only_the_newest_untaken_version() -> None:
 
     asyncio.run(go())
     assert engine.loads == [2]
+
+
+# --- the collective transport's wire, in one process ---------------------------------------
+class Loopback:
+    """A ``BroadcastGroup`` of two ranks inside one process: what rank ``src`` broadcasts is
+    queued, and the other rank's next broadcast takes it (a wire to inspect and to forge).
+    ``delay_s`` makes every broadcast block that long, like a slow link."""
+
+    def __init__(self, wire: deque[torch.Tensor], rank: int, delay_s: float = 0.0) -> None:
+        self.wire, self._rank, self.delay_s = wire, rank, delay_s
+        self.sent: list[torch.Tensor] = []  # what this rank broadcast, uncopied
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def connect(self) -> None:
+        return None
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None) -> None:
+        time.sleep(self.delay_s)
+        if src == self._rank:
+            self.sent.append(tensor)
+            self.wire.append(tensor.clone())
+        else:
+            sent = self.wire.popleft()
+            assert sent.shape == tensor.shape, (sent.shape, tensor.shape)
+            tensor.copy_(sent)
+
+
+def loopback(delay_s: float = 0.0) -> tuple[Loopback, Loopback]:
+    wire: deque[torch.Tensor] = deque()
+    return Loopback(wire, 0, delay_s), Loopback(wire, 1, delay_s)
+
+
+def odd_weights(step: int) -> list[tuple[str, torch.Tensor]]:
+    """Every layout the wire must carry: dtypes of 1-8 bytes, a strided view, 0-dim, empty."""
+    g = torch.Generator().manual_seed(step)
+    return [
+        ("embed.weight", torch.randn(40, 16, generator=g)),
+        ("layer.0.w", torch.randn(16, 16, generator=g).to(torch.bfloat16)),
+        ("layer.0.w_t", torch.randn(16, 5, generator=g).t()),  # not contiguous
+        ("layer.0.scale", torch.tensor(1.5 * step, dtype=torch.float64)),  # 0-dim
+        ("layer.0.empty", torch.zeros(0, 4)),
+        ("mask", torch.arange(7) % (step + 1) == 0),  # bool, 7 bytes: pads the next one
+        ("rope.positions", torch.arange(9, dtype=torch.int64) * step),
+        ("head.weight", torch.randn(16, 40, generator=g)),
+    ]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.contiguous().view(-1).view(torch.uint8).tolist()
+        == b.contiguous().view(-1).view(torch.uint8).tolist()
+    )
+
+
+async def send_syncs(
+    sync: DistributedWeightSync, syncs: Sequence[tuple[int, list[WeightBucket]]]
+) -> None:
+    await sync.init()
+    for version, buckets in syncs:
+        await sync.start()
+        for bucket in buckets:
+            await sync.update(bucket)
+        await sync.finish(version)
+    await sync.close()
+
+
+def test_the_wire_is_byte_exact_and_receivers_view_one_buffer_per_bucket() -> None:
+    send_group, recv_group = loopback()
+    syncs = [(v, bucketize(odd_weights(v), 1200, pack=pack)) for v, pack in ((3, False), (4, True))]
+    run(send_syncs(DistributedWeightSync(group=send_group), syncs))
+    target = Recorder()
+    receiver = DistributedWeightReceiver(target, group=recv_group)
+    assert run(receiver.serve()) == [3, 4]
+    assert not recv_group.wire  # every broadcast was taken, in order
+    for (version, buckets), (loaded, got_version) in zip(syncs, target.loads, strict=True):
+        assert got_version == version
+        assert list(loaded) == [n for n, _ in odd_weights(version)]
+        for bucket in buckets:
+            storages = {loaded[n].untyped_storage().data_ptr() for n in bucket.names}
+            assert len(storages) == 1  # one receive buffer per bucket, viewed in place
+            for name, tensor in bucket:
+                assert same_bytes(loaded[name], tensor), name
+    # pre-packed buckets (bucketize(pack=True)) went out from their own memory, not a copy
+    payloads = {t.untyped_storage().data_ptr() for t in send_group.sent}
+    for bucket in syncs[1][1]:
+        assert bucket.tensors[0].untyped_storage().data_ptr() in payloads
+
+
+def test_bucketize_pack_makes_a_snapshot_laid_out_as_the_wire() -> None:
+    weights = odd_weights(1)
+    buckets = bucketize(weights, 1200, pack=True)
+    assert [b.names for b in buckets] == [b.names for b in bucketize(weights, 1200)]
+    for bucket in buckets:
+        assert len({t.untyped_storage().data_ptr() for t in bucket.tensors}) == 1
+    before = dict(buckets[0])["embed.weight"].clone()
+    weights[0][1].add_(1.0)  # the trainer steps in place: the packed snapshot does not move
+    assert torch.equal(dict(buckets[0])["embed.weight"], before)
+    for (name, want), (got_name, have) in zip(
+        odd_weights(1), [p for b in buckets for p in b], strict=True
+    ):
+        assert name == got_name and same_bytes(have, want)
+
+
+def test_a_packed_bucket_is_copied_before_update_returns() -> None:
+    """The caller may change its tensors in place as soon as update() returns."""
+    send_group, recv_group = loopback()
+    weights = odd_weights(1)
+    sent = [(n, t.clone()) for n, t in weights]
+
+    async def go() -> None:
+        sync = DistributedWeightSync(group=send_group)
+        await sync.init()
+        await sync.start()
+        for bucket in bucketize(weights, 1200):
+            await sync.update(bucket)
+            for t in bucket.tensors:
+                t.zero_() if t.dtype != torch.bool else t.fill_(True)
+        await sync.finish(1)
+        await sync.close()
+
+    run(go())
+    target = Recorder()
+    run(DistributedWeightReceiver(target, group=recv_group).receive_one())
+    ((loaded, _),) = target.loads
+    for name, tensor in sent:
+        assert same_bytes(loaded[name], tensor), name
+
+
+def test_reuse_buffers_receives_every_sync_into_the_same_memory() -> None:
+    send_group, recv_group = loopback()
+    syncs = [(v, bucketize(odd_weights(v), 1200)) for v in (1, 2)]
+    run(send_syncs(DistributedWeightSync(group=send_group), syncs))
+    ptrs: list[list[int]] = []
+
+    class Copier:  # done with the tensors when load_weights returns, as reuse_buffers asks
+        def __init__(self) -> None:
+            self.loads: list[dict[str, torch.Tensor]] = []
+
+        async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], v: int) -> None:
+            ptrs.append([t.data_ptr() for _, t in weights])
+            self.loads.append({n: t.clone() for n, t in weights})
+
+    target = Copier()
+    assert run(DistributedWeightReceiver(target, group=recv_group, reuse_buffers=True).serve())
+    assert ptrs[0] == ptrs[1]
+    for (version, _), loaded in zip(syncs, target.loads, strict=True):
+        for name, tensor in odd_weights(version):
+            assert same_bytes(loaded[name], tensor), name
+
+
+def test_collectives_run_off_the_event_loop() -> None:
+    """Every broadcast blocks 50 ms here, on both sides; the loop keeps ticking meanwhile."""
+    send_group, recv_group = loopback(delay_s=0.05)
+    buckets = bucketize(odd_weights(1), 1200)
+
+    async def ticking(coro: Coroutine[Any, Any, Any]) -> tuple[Any, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await coro, ticks
+        finally:
+            ticker.cancel()
+
+    _, ticks = run(ticking(send_syncs(DistributedWeightSync(group=send_group), [(1, buckets)])))
+    broadcasts = len(send_group.sent)  # start, finish, close headers + 2 per bucket
+    assert broadcasts == 3 + 2 * len(buckets)
+    assert ticks > broadcasts * 2  # ~10 ticks per 50 ms broadcast; ~0 if the loop were blocked
+    target = Recorder()
+    versions, ticks = run(ticking(DistributedWeightReceiver(target, group=recv_group).serve()))
+    assert versions == [1] and ticks > broadcasts * 2
+
+
+def frame(header: dict[str, Any] | bytes) -> torch.Tensor:
+    """A header as it travels: its length (8 bytes, little-endian), then its JSON, in one slot."""
+    data = header if isinstance(header, bytes) else json.dumps(header).encode()
+    framed = (len(data).to_bytes(8, "little") + data).ljust(weightsync._HEADER_SLOT, b"\0")
+    return torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+
+
+def bucket_header(**changes: Any) -> dict[str, Any]:
+    header = {"op": "bucket", "names": ["w"], "dtypes": ["torch.float32"], "shapes": [[2]]}
+    return {**header, "nbytes": 8, **changes}
+
+
+START = frame({"op": "start"})
+BAD_WIRES = {  # what the receiver reads -> what its error says
+    "dtype": ([START, frame(bucket_header(dtypes=["torch.float33"]))], "dtype 'torch.float33'"),
+    "nbytes": ([START, frame(bucket_header(nbytes=9))], "says 9 bytes, its tensors take 8"),
+    "shape": ([START, frame(bucket_header(shapes=[[-2]]))], r"shape \[-2\] of 'w' is not"),
+    "lengths": ([START, frame(bucket_header(dtypes=[]))], "1 names, 0 dtypes and 1 shapes"),
+    "names": ([START, frame(bucket_header(names=None))], "needs the lists"),
+    "duplicate": (
+        [START, frame(bucket_header()), torch.zeros(8, dtype=torch.uint8), frame(bucket_header())],
+        "got parameter 'w' twice",
+    ),
+    "json": ([frame(b"{not json")], "not JSON"),
+    "op": ([frame({"op": "bucket!"})], "expected an object with 'op'"),
+    "no-start": ([frame(bucket_header())], "expected a sync to start, got 'bucket'"),
+    "version": ([START, frame({"op": "finish", "version": "v1"})], "version 'v1'"),
+    "size": ([torch.full((weightsync._HEADER_SLOT,), 255, dtype=torch.uint8)], "header size of"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WIRES))
+def test_the_receiver_rejects_a_bad_header_and_loads_nothing(case: str) -> None:
+    wire, message = BAD_WIRES[case]
+    target = Recorder()
+    receiver = DistributedWeightReceiver(target, group=Loopback(deque(wire), rank=1))
+    with pytest.raises(WeightSyncError, match=message):
+        run(receiver.receive_one())
+    assert target.loads == []
+    with pytest.raises(WeightSyncError, match="out of step"):  # it never reads past the error
+        run(receiver.receive_one())
+
+
+def test_a_header_longer_than_its_slot_takes_a_second_broadcast() -> None:
+    send_group, recv_group = loopback()
+    names = [f"layers.{i}.a_rather_long_parameter_name.weight" for i in range(200)]
+    weights = [(n, torch.full((3,), float(i))) for i, n in enumerate(names)]
+    run(send_syncs(DistributedWeightSync(group=send_group), [(1, bucketize(weights, 1 << 20))]))
+    target = Recorder()
+    assert run(DistributedWeightReceiver(target, group=recv_group).serve()) == [1]
+    assert all(torch.equal(target.loads[0][0][n], t) for n, t in weights)
+
+
+def test_the_sender_checks_its_calls_and_a_rejected_one_changes_nothing() -> None:
+    send_group, _ = loopback()
+    sync = DistributedWeightSync(group=send_group)
+    bucket = bucketize(odd_weights(1), 1 << 20)[0]
+
+    async def go() -> None:
+        with pytest.raises(WeightSyncError, match=r"start\(\) called out of order.*init\(\)"):
+            await sync.start()
+        assert send_group.sent == []  # nothing went out
+        await sync.init()
+        await sync.start()
+        with pytest.raises(WeightSyncError, match="takes a WeightBucket"):
+            await sync.update(("w", torch.zeros(2)))  # type: ignore[arg-type]
+        meta = WeightBucket(("m",), (torch.empty(2, device="meta"),))
+        with pytest.raises(WeightSyncError, match="'m' must be a dense tensor with values"):
+            await sync.update(meta)
+        twice = WeightBucket(("a", "a"), (torch.zeros(1), torch.zeros(1)))
+        with pytest.raises(WeightSyncError, match="'a' was sent twice"):
+            await sync.update(twice)
+        await sync.update(bucket)
+        with pytest.raises(WeightSyncError, match=r"'embed\.weight' was sent twice"):
+            await sync.update(bucket)
+        with pytest.raises(WeightSyncError, match="version must be an int, got '2'"):
+            await sync.finish("2")  # type: ignore[arg-type]
+        await sync.finish(2)  # the rejected finish left the sync open
+        assert len(send_group.sent) == 4  # start, the bucket's header and bytes, finish
+        await sync.close()
+        with pytest.raises(WeightSyncError, match="closed; build a new one"):
+            await sync.start()
+
+    run(go())
+
+
+def test_ranks_and_groups_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    # another test of this session (an in-process DeepSpeed engine) may have initialised it
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    send_group, recv_group = loopback()
+    with pytest.raises(WeightSyncError, match="runs on the sending rank 1"):
+        run(DistributedWeightSync(src=1, group=send_group).init())
+    with pytest.raises(WeightSyncError, match="not on the sending rank 0"):
+        run(DistributedWeightReceiver(Recorder(), group=send_group).receive_one())
+    with pytest.raises(WeightSyncError, match=r"torch\.distributed is not initialised"):
+        run(DistributedWeightReceiver(Recorder()).receive_one())
+    with pytest.raises(WeightSyncError, match="idle_timeout_s needs a WeightSyncGroup"):
+        DistributedWeightReceiver(Recorder(), idle_timeout_s=1.0)
+    with pytest.raises(WeightSyncError, match="idle_timeout_s must be a number > 0"):
+        DistributedWeightReceiver(Recorder(), group=recv_group, idle_timeout_s=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"host": ""}, "host must be a non-empty address"),
+        ({"port": 0}, r"port must be an int in \[1, 65535\], got 0"),
+        ({"port": "29500"}, "port must be an int"),
+        ({"world_size": 1}, "world_size must be an int >= 2"),
+        ({"rank": 2}, r"rank must be an int in \[0, 1\]"),
+        ({"rank": True}, "rank must be an int"),
+        ({"timeout_s": 0}, "timeout_s must be a number > 0"),
+        ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
+    ],
+)
+def test_weight_sync_group_checks_its_arguments(kwargs: dict[str, Any], message: str) -> None:
+    args = {"host": "127.0.0.1", "port": 29500, "rank": 0, "world_size": 2, **kwargs}
+    backend = args.pop("backend", None)
+    timeout_s = args.pop("timeout_s", 5.0)
+    with pytest.raises(WeightSyncError, match=message):
+        WeightSyncGroup(**args, backend=backend, timeout_s=timeout_s)
+
+
+def test_weight_sync_group_refuses_to_broadcast_before_connect_or_after_close() -> None:
+    group = WeightSyncGroup("127.0.0.1", 29500, 0, 2, timeout_s=5)
+    assert isinstance(group, BroadcastGroup) and group.device == torch.device("cpu")
+    with pytest.raises(WeightSyncError, match=r"127.0.0.1:29500 .*not connected; call connect"):
+        group.broadcast(torch.zeros(1), 0)
+    group.close()
+    with pytest.raises(WeightSyncError, match="closed; build a new one"):
+        group.connect()
+    if not torch.cuda.is_available():
+        with pytest.raises(WeightSyncError, match="'nccl' needs CUDA"):
+            WeightSyncGroup("127.0.0.1", 29500, 0, 2, backend="nccl")
