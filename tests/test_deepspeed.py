@@ -398,6 +398,60 @@ def test_two_ranks(zero_stage: int, dtype: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_rank_0_broadcasts_to_an_inference_worker_in_another_process() -> None:
+    """The DeepSpeed trainer here (ZeRO-3: its export gathers the shards; its training world
+    is this process's default group) is rank 0 of a separate ``WeightSyncGroup``; a
+    ``TorchInferenceEngine`` in a worker process (rank 1) receives the buckets, holds the
+    exported bytes exactly and generates with the new version afterwards."""
+    from asyncflow_reference.worker import InferenceWorker, WorkerSpec
+
+    from asyncflow_core.process import free_port
+    from asyncflow_core.protocols import GenerationRequest, SamplingParams
+    from asyncflow_core.weightsync import DistributedWeightSync, WeightSyncGroup
+
+    port = free_port()
+    worker = InferenceWorker(WorkerSpec(CONFIG, "127.0.0.1", port, 1, 2, seed=1, mode="staged"))
+
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(CONFIG, zero_stage=3, micro_batch_size=2, lr=1e-2)
+        group = WeightSyncGroup("127.0.0.1", port, 0, 2, timeout_s=60)
+        sync = DistributedWeightSync(group=group)
+        try:
+            await sync.init()
+            for _ in range(2):
+                version = (await engine.train_step(batch5(), policy_gradient_loss)).version
+                sent: dict[str, torch.Tensor] = {}
+                await sync.start()
+                async for bucket in engine.export_weights(4096):
+                    sent.update(dict(bucket))
+                    await sync.update(bucket)
+                await sync.finish(version)
+                assert await asyncio.to_thread(worker.wait_for_version, version, 60) == version
+                got = await asyncio.to_thread(worker.weights, 60)
+                assert list(sent) == list(TransformerLM(CONFIG).state_dict())
+                assert sorted(got) == sorted(sent)
+                for name, tensor in sent.items():
+                    assert got[name].dtype == tensor.dtype and torch.equal(
+                        got[name].view(torch.uint8), tensor.view(torch.uint8)
+                    ), name
+                prompts = [
+                    GenerationRequest(f"v{version}-{i}", (1, 2, 3 + i), SamplingParams(4, seed=i))
+                    for i in range(3)
+                ]
+                results = await asyncio.to_thread(worker.generate, prompts, 60)
+                assert all(r.tokens and set(r.versions) == {version} for r in results)
+            await sync.close()
+        finally:
+            group.close()
+            await engine.close()
+
+    try:
+        run(body())
+    finally:
+        assert worker.close() == 0
+
+
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_group_instead_of_hanging() -> None:
     async def body() -> None:
         group = launch(CONFIG, 2, zero_stage=3, micro_batch_size=2)
