@@ -17,17 +17,22 @@ Every check raises ``EngineError`` naming the trainer (``who``), the field and w
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.protocols import Batch
+from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, WeightBucket
+
+_T = TypeVar("_T")
 
 
 def is_int(value: object) -> bool:
@@ -57,6 +62,59 @@ def worker_thread(name: str, threads: int | None, who: str) -> ThreadPoolExecuto
 def _set_threads(threads: int) -> None:
     torch.get_num_threads()  # torch initialises a thread's setting lazily, from the default:
     torch.set_num_threads(threads)  # let that happen first, or it would undo this later
+
+
+class ThreadedTrainer:
+    """The ``TrainEngine`` methods of a trainer whose work runs on one worker thread, one call
+    at a time in call order: each checks its arguments on the caller's side and hands the work
+    to ``_compute_logprobs(batch)``, ``_train_step(batch, loss_fn)``, ``_export(bucket_bytes)``
+    (an async iterator of buckets), ``_save(path)`` / ``_load(path)``, which a subclass
+    implements. A subclass sets ``name`` and ``_executor`` (``worker_thread``)."""
+
+    name: str
+    _executor: ThreadPoolExecutor
+
+    async def compute_logprobs(self, batch: Batch) -> Tensor:
+        return await self._run(self._compute_logprobs, batch)
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        if not callable(loss_fn):
+            raise EngineError(
+                f"{self.name}: loss_fn must be callable (logprobs, batch) -> (loss, metrics), "
+                f"got {loss_fn!r:.80}"
+            )
+        return await self._run(self._train_step, batch, loss_fn)
+
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        if not is_int(bucket_bytes) or bucket_bytes <= 0:
+            raise EngineError(f"{self.name}: bucket_bytes must be an int > 0, got {bucket_bytes!r}")
+        return self._export(int(bucket_bytes))
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self._run(self._save, Path(path))
+
+    async def load_checkpoint(self, path: str) -> None:
+        await self._run(self._load, Path(path))
+
+    async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    # -- what a subclass implements (on the worker thread, except _export) -------------------
+    def _compute_logprobs(self, batch: Batch) -> Tensor:
+        raise NotImplementedError
+
+    def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        raise NotImplementedError
+
+    def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        raise NotImplementedError
+
+    def _save(self, path: Path) -> None:
+        raise NotImplementedError
+
+    def _load(self, path: Path) -> None:
+        raise NotImplementedError
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,6 +334,7 @@ class MetricMeans:
 
 __all__ = [
     "MetricMeans",
+    "ThreadedTrainer",
     "TokenRows",
     "check_loss",
     "is_int",

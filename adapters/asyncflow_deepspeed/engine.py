@@ -28,6 +28,7 @@ from torch import Tensor
 from asyncflow_core.errors import ConfigError, EngineError, PeerRankError
 from asyncflow_core.lmtrain import (
     MetricMeans,
+    ThreadedTrainer,
     TokenRows,
     check_loss,
     is_int,
@@ -58,7 +59,7 @@ _OWNED = {
 }
 
 
-class DeepSpeedTrainEngine:
+class DeepSpeedTrainEngine(ThreadedTrainer):
     """Trains any ``torch.nn.Module`` that maps token ids ``[B, T]`` to next-token logits
     ``[B, T, V]`` (or to an output with a ``.logits`` field, as a Hugging Face causal LM does)
     with DeepSpeed: ZeRO stage 0-3, fp32 or bf16, one or several ranks.
@@ -324,28 +325,6 @@ class DeepSpeedTrainEngine:
     def weight_version(self) -> Version:
         return self._version
 
-    async def compute_logprobs(self, batch: Batch) -> Tensor:
-        return await self._run(self._compute_logprobs, batch)
-
-    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        if not callable(loss_fn):
-            raise EngineError(
-                f"{self.name}: loss_fn must be callable (logprobs, batch) -> (loss, metrics), "
-                f"got {loss_fn!r:.80}"
-            )
-        return await self._run(self._train_step, batch, loss_fn)
-
-    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        if not is_int(bucket_bytes) or bucket_bytes <= 0:
-            raise EngineError(f"{self.name}: bucket_bytes must be an int > 0, got {bucket_bytes!r}")
-        return self._export(int(bucket_bytes))
-
-    async def save_checkpoint(self, path: str) -> None:
-        await self._run(self._save, Path(path))
-
-    async def load_checkpoint(self, path: str) -> None:
-        await self._run(self._load, Path(path))
-
     async def sleep(self, level: int = 1) -> None:
         """Offload the optimizer's states (``offload_states``; ZeRO stages 1-3)."""
         await self._run(self._sleep)
@@ -376,8 +355,7 @@ class DeepSpeedTrainEngine:
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
         if self._closed:
             raise EngineError(f"{self.name}: called after close(); build a new engine")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
+        return await super()._run(fn, *args)
 
     def _prepare(self, batch: Batch) -> TokenRows:
         return token_rows(

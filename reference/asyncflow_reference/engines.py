@@ -46,7 +46,7 @@ import operator
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -58,6 +58,7 @@ from torch import Tensor
 from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
 from asyncflow_core.lmtrain import (
     MetricMeans,
+    ThreadedTrainer,
     TokenRows,
     check_loss,
     slice_batch,
@@ -941,7 +942,7 @@ CHECKPOINT_META = "trainer.json"
 _CHECKPOINT_FORMAT = "asyncflow-torch-trainer/1"
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(ThreadedTrainer):
     """Trains a ``TransformerLM`` with AdamW.
 
     ``TorchTrainEngine(model_or_config, *, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
@@ -1065,38 +1066,11 @@ class TorchTrainEngine:
     def weight_version(self) -> Version:
         return self._version
 
-    # ---- protocol --------------------------------------------------------------------------
-    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
-        return await self._run(self._compute_logprobs, batch)
-
-    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        if not callable(loss_fn):
-            raise EngineError(
-                f"{self.name}: loss_fn must be callable (logprobs, batch) -> (loss, metrics), "
-                f"got {loss_fn!r:.80}"
-            )
-        return await self._run(self._train_step, batch, loss_fn)
-
-    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        if not _is_int(bucket_bytes) or bucket_bytes <= 0:
-            raise EngineError(f"{self.name}: bucket_bytes must be an int > 0, got {bucket_bytes!r}")
-        return self._export(int(bucket_bytes))
-
-    async def save_checkpoint(self, path: str) -> None:
-        await self._run(self._save, Path(path))
-
-    async def load_checkpoint(self, path: str) -> None:
-        await self._run(self._load, Path(path))
-
     async def close(self) -> None:
         """Stop the worker thread (after the call in progress)."""
         self._executor.shutdown(wait=False)
 
     # ---- internals ---------------------------------------------------------------------------
-    async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)
-
     async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
         named: list[tuple[str, Tensor]] = await self._run(self._snapshot)
         for bucket in bucketize(named, bucket_bytes):
