@@ -1,7 +1,7 @@
 """The DeepSpeed adapter (``asyncflow_deepspeed``), run for real on CPU with gloo.
 
 * The ``TrainEngine`` conformance suite, in this process (a world of one), for ZeRO stages
-  0-3 in fp32 and stages 0 and 3 in bf16.
+  0-3 in fp32 and in bf16, and on two rank processes at ZeRO-3.
 * The same numbers as the reference trainer: DeepSpeed's micro-batching and accumulation
   give the reference's losses, gradient norms and weights.
 * Every stage x precision on **two rank processes** started by the test (``launch``): the
@@ -121,6 +121,14 @@ class TestConformanceStage3(_DeepSpeedSuite):
 
 class TestConformanceStage0Bf16(_DeepSpeedSuite):
     zero_stage, dtype = 0, "bf16"
+
+
+class TestConformanceStage1Bf16(_DeepSpeedSuite):
+    zero_stage, dtype = 1, "bf16"
+
+
+class TestConformanceStage2Bf16(_DeepSpeedSuite):
+    zero_stage, dtype = 2, "bf16"
 
 
 class TestConformanceStage3Bf16(_DeepSpeedSuite):
