@@ -17,6 +17,7 @@ Every check raises ``EngineError`` naming the trainer (``who``), the field and w
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -64,7 +65,7 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)  # let that happen first, or it would undo this later
 
 
-class ThreadedTrainer:
+class ThreadedTrainer(abc.ABC):
     """The ``TrainEngine`` methods of a trainer whose work runs on one worker thread, one call
     at a time in call order: each checks its arguments on the caller's side and hands the work
     to ``_compute_logprobs(batch)``, ``_train_step(batch, loss_fn)``, ``_export(bucket_bytes)``
@@ -101,20 +102,20 @@ class ThreadedTrainer:
         return await loop.run_in_executor(self._executor, fn, *args)
 
     # -- what a subclass implements (on the worker thread, except _export) -------------------
-    def _compute_logprobs(self, batch: Batch) -> Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _compute_logprobs(self, batch: Batch) -> Tensor: ...
 
-    def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics: ...
 
-    def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]: ...
 
-    def _save(self, path: Path) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _save(self, path: Path) -> None: ...
 
-    def _load(self, path: Path) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _load(self, path: Path) -> None: ...
 
 
 # --------------------------------------------------------------------------------------------
