@@ -323,10 +323,14 @@ class ProcessTrainEngine:
         try:
             self._conn.send_bytes(data)
         except (OSError, ValueError) as e:
-            with self._lock:
-                self._calls.pop(call_id, None)
+            self._forget(call_id)
             raise EngineError(f"{self.name}: cannot reach the engine process: {e}") from e
         return call_id, call
+
+    def _forget(self, call_id: int) -> None:
+        """Stop routing replies of ``call_id`` (it ended, or nobody waits for it any more)."""
+        with self._lock:
+            self._calls.pop(call_id, None)
 
     async def _call(self, method: str, *args: Any) -> Any:
         call_id, call = self._send(method, args, stream=False)
@@ -334,8 +338,7 @@ class ProcessTrainEngine:
         try:
             return await call.future
         finally:
-            with self._lock:
-                self._calls.pop(call_id, None)
+            self._forget(call_id)
 
     async def _stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
         call_id, call = self._send(method, args, stream=True)
@@ -355,8 +358,7 @@ class ProcessTrainEngine:
                 else:
                     raise payload
         finally:
-            with self._lock:
-                self._calls.pop(call_id, None)
+            self._forget(call_id)
 
     def _read(self) -> None:
         """The reader thread: hand each reply to its caller's event loop."""
@@ -502,7 +504,6 @@ class SPMDTrainEngine:
         self.world_size = world_size
         self._closed = False
         self._failed: str | None = None
-        self._pending: list[tuple[ProcessTrainEngine, int]] = []
         self.ranks: list[ProcessTrainEngine] = []
         try:
             for rank in range(world_size):
@@ -601,9 +602,11 @@ class SPMDTrainEngine:
         if self._failed is not None:
             raise EngineError(f"{self.name}: {method} failed: {self._failed}")
 
-    def _send_all(self, method: str, args: list[tuple[Any, ...]], stream: bool) -> list[_Call]:
+    def _send_all(
+        self, method: str, args: list[tuple[Any, ...]], stream: bool
+    ) -> list[tuple[ProcessTrainEngine, int, _Call]]:
         """Send one call to every rank, with no await in between: every rank then sees the
-        group's calls in the same order."""
+        group's calls in the same order. Returns each rank's (engine, call id, call)."""
         self._check_open(method)
         if len(args) != self.world_size:
             raise EngineError(f"{self.name}: {method} needs one argument set per rank")
@@ -618,23 +621,18 @@ class SPMDTrainEngine:
             if sent:  # some ranks got the call and would wait for the others forever
                 self._fail(f"{method} reached only ranks 0..{len(sent) - 1}")
             raise
-        self._pending = [(engine, call_id) for engine, call_id, _ in sent]
-        return [call for _, _, call in sent]
+        return sent
 
     async def _all(
         self, method: str, args: list[tuple[Any, ...]], spans: Sequence[tuple[int, int]] = ()
     ) -> Any:
-        calls = self._send_all(method, args, stream=False)
-        pending = self._pending
-        futures = [call.future for call in calls]
-        assert all(f is not None for f in futures)
+        sent = self._send_all(method, args, stream=False)
+        futures = [call.future for _, _, call in sent if call.future is not None]
         try:
-            outcomes = await self._gather(method, [f for f in futures if f is not None], spans)
+            return await self._gather(method, futures, spans)
         finally:
-            for engine, call_id in pending:
-                with engine._lock:
-                    engine._calls.pop(call_id, None)
-        return outcomes
+            for engine, call_id, _ in sent:
+                engine._forget(call_id)
 
     async def _gather(
         self,
@@ -669,12 +667,8 @@ class SPMDTrainEngine:
         return [f.result() for f in futures]
 
     async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        calls = self._send_all("export_weights", [(bucket_bytes,)] * self.world_size, True)
-        pending = self._pending
-        streams = [
-            engine._receive(call_id, call)
-            for (engine, call_id), call in zip(pending, calls, strict=True)
-        ]
+        sent = self._send_all("export_weights", [(bucket_bytes,)] * self.world_size, True)
+        streams = [engine._receive(call_id, call) for engine, call_id, call in sent]
 
         async def drain(rank: int) -> None:
             async for _ in streams[rank]:

@@ -424,10 +424,9 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         dist.all_gather(parts, mine.to(device))
         return [json.loads(bytes(p[:n].cpu().tolist())) for p, n in zip(parts, sizes, strict=True)]
 
-    def _agree(self, failed: bool, what: str) -> list[int]:
-        """The ranks that failed ``what`` (a collective); [] if none."""
-        flags = self._gather_floats([1.0 if failed else 0.0])[:, 0]
-        return [int(r) for r in (flags > 0).nonzero().reshape(-1).tolist()]
+    def _agree(self, failed: bool) -> list[int]:
+        """The ranks that failed (a collective); [] if none."""
+        return _failed_ranks(self._gather_floats([1.0 if failed else 0.0])[:, 0])
 
     def _peer_error(self, ranks: list[int], what: str) -> EngineError:
         return PeerRankError(
@@ -448,7 +447,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
             error, rows = e, _EMPTY
         spans = self._micro_spans(len(rows))
         agreed = self._gather_floats([1.0 if error else 0.0, len(spans)])
-        bad = [int(r) for r in (agreed[:, 0] > 0).nonzero().reshape(-1).tolist()]
+        bad = _failed_ranks(agreed[:, 0])
         if bad:
             raise error or self._peer_error(bad, "to read the batch")
         n_micro = int(agreed[:, 1].max())
@@ -478,7 +477,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         agreed = self._gather_floats(
             [1.0 if error else 0.0, rows.response_tokens, len(rows), rows.tokens, len(parts)]
         )
-        bad = [int(r) for r in (agreed[:, 0] > 0).nonzero().reshape(-1).tolist()]
+        bad = _failed_ranks(agreed[:, 0])
         if bad:
             raise error or self._peer_error(bad, "to read the batch")
         total_rows = int(agreed[:, 2].sum())
@@ -510,7 +509,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
                     loss = self._dummy_loss()
             except Exception as e:  # the loss is user code: any error stops the step
                 local_error = e
-            bad = self._agree(local_error is not None, "loss")
+            bad = self._agree(local_error is not None)
             if bad or loss is None:
                 failure = local_error or self._peer_error(bad, f"the loss of micro-batch {i}")
                 break
@@ -723,7 +722,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
     def _load(self, path: Path) -> None:
         problem = self._check_checkpoint(path)
-        bad = self._agree(problem is not None, "the checkpoint check")
+        bad = self._agree(problem is not None)
         if bad:
             if problem is not None:
                 raise EngineError(f"{self.name}: checkpoint {str(path)!r}: {problem}")
@@ -769,6 +768,11 @@ def _positive(who: str, field: str, value: object) -> None:
         or value <= 0
     ):
         raise ConfigError(f"{who}: {field} must be a number > 0, got {value!r}")
+
+
+def _failed_ranks(flags: Tensor) -> list[int]:
+    """The ranks whose flag (one per rank, from ``_gather_floats``) is set."""
+    return [int(r) for r in (flags > 0).nonzero().reshape(-1).tolist()]
 
 
 def _int_attr(obj: object, name: str) -> int | None:
