@@ -91,6 +91,11 @@ class EngineError(AsyncFlowError):
     """An inference or training engine rejected a call or failed."""
 
 
+class EngineUnavailableError(EngineError, ConnectionError):
+    """An engine behind a network endpoint could not be reached, or did not answer in time
+    (connection refused or dropped, a timeout): the call may not have happened at all."""
+
+
 class PeerRankError(EngineError):
     """A rank of a multi-rank engine gave up a call because *another* rank failed it (that
     rank's error says why); this rank changed nothing."""

@@ -1078,6 +1078,231 @@ class DistributedWeightReceiver:
         raise AssertionError("unreachable")
 
 
+# --------------------------------------------------------------------------------------------
+# Engines that run their own receiving side (vLLM's weight transfer, SGLang's update group)
+# --------------------------------------------------------------------------------------------
+@runtime_checkable
+class GroupReceiver(Protocol):
+    """An inference engine that receives weights over a process group it joins itself — vLLM's
+    weight-transfer engine (``init_weight_transfer_engine`` -> ``start_weight_update`` ->
+    ``update_weights`` -> ``finish_weight_update``), SGLang's ``init_weights_update_group`` +
+    ``update_weights_from_distributed`` — seen from the trainer. ``EngineGroupWeightSync``
+    drives it: the trainer (rank 0) broadcasts each tensor of a bucket, in order, while
+    ``receive_weights`` tells the engine the matching names, dtypes and shapes.
+
+    ``weight_group_ranks``: how many ranks of the group the engine's workers take (its
+    tensor x pipeline x data parallel size). ``join_weight_group`` returns once the engine's
+    workers joined (it runs concurrently with the trainer's own join). ``receive_weights``
+    returns once the engine received (and loaded or staged) every tensor it names.
+    ``commit_weights(version)`` ends the sync: afterwards the engine's ``weight_version`` is
+    ``version`` and new tokens report it. ``leave_weight_group`` releases the engine's side."""
+
+    @property
+    def weight_group_ranks(self) -> int: ...
+
+    async def join_weight_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None: ...
+
+    async def begin_weight_update(self) -> None: ...
+
+    async def receive_weights(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> None: ...
+
+    async def commit_weights(self, version: Version) -> None: ...
+
+    async def leave_weight_group(self) -> None: ...
+
+
+GroupFactory = Callable[[str, int, int], BroadcastGroup]
+"""``make_group(master_address, master_port, world_size)``: the trainer's side (rank 0) of
+the group the engines join, built but not connected."""
+
+
+def wire_dtype(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how vLLM and SGLang name dtypes on the wire
+    (``getattr(torch, name)`` on their side)."""
+    return str(dtype).removeprefix("torch.")
+
+
+class EngineGroupWeightSync:
+    """The trainer's side of a collective sync into engines that receive on their own
+    (``GroupReceiver``: the vLLM and SGLang adapters), in the WeightSync phases.
+
+    ``init()`` builds the group (``make_group(master_address, master_port, world_size)``,
+    world = 1 + the engines' ranks; default ``WeightSyncGroup`` — gloo on CPU, nccl with
+    CUDA; the vLLM adapter passes vLLM's own NCCL group, the SGLang adapter SGLang's) and
+    joins it while every engine joins at its rank offset (the first engine at 1). ``start()``
+    opens a sync on every engine; ``update(bucket)`` broadcasts the bucket's tensors one by
+    one from rank 0 (on the group's own thread, the event loop free) while every engine's
+    ``receive_weights`` gets the names, dtypes and shapes; ``finish(version)`` commits the
+    version on every engine.
+
+    A failure mid-transfer (an engine refusing the metadata, a peer gone, a broadcast past
+    ``timeout_s``) leaves the transport unusable (later calls raise that error): ``close()``
+    it and build a new one, with a fresh port; the engines keep serving the weights they had
+    (SGLang loads tensors as they arrive, so its weights may then be partly new — sync again).
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[GroupReceiver],
+        *,
+        master_address: str,
+        master_port: int,
+        make_group: GroupFactory | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        who = "EngineGroupWeightSync"
+        engines = list(engines)
+        if not engines:
+            raise WeightSyncError(f"{who}: pass at least one engine to sync into")
+        for engine in engines:
+            if not isinstance(engine, GroupReceiver):
+                raise WeightSyncError(
+                    f"{who}: {type(engine).__name__} does not receive over a weight group (it "
+                    "lacks the GroupReceiver methods); use InProcessWeightSync or "
+                    "DistributedWeightSync for it"
+                )
+        if not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
+            raise WeightSyncError(f"{who}: timeout_s must be a number > 0, got {timeout_s!r}")
+        self.engines = engines
+        self.master_address = master_address
+        self.master_port = master_port
+        self.timeout_s = float(timeout_s)
+        self._make_group = make_group
+        self.group: BroadcastGroup | None = None
+        self._phases = _Phases(who)
+        self._seen: set[str] = set()
+        self._comm = _SerialThread("weightsync-engine-group")
+        self._failed: BaseException | None = None
+        self._closed = False
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(int(engine.weight_group_ranks) for engine in self.engines)
+
+    async def init(self) -> None:
+        self._usable()
+        self._phases.expect("init")
+        world = self.world_size
+        if self._make_group is None:
+            group: BroadcastGroup = WeightSyncGroup(
+                self.master_address, self.master_port, 0, world, timeout_s=self.timeout_s
+            )
+        else:
+            group = self._make_group(self.master_address, self.master_port, world)
+        if group.rank != 0 or group.world_size != world:
+            raise WeightSyncError(
+                f"EngineGroupWeightSync: make_group built rank {group.rank} of "
+                f"{group.world_size}; the trainer is rank 0 of {world} (1 + the engines' ranks)"
+            )
+        self.group = group
+        joins: list[Awaitable[None]] = [self._comm.run(group.connect)]
+        offset = 1
+        for engine in self.engines:
+            joins.append(
+                engine.join_weight_group(self.master_address, self.master_port, offset, world)
+            )
+            offset += int(engine.weight_group_ranks)
+        await self._all("init", joins)
+        self._phases.move("init")
+
+    async def start(self) -> None:
+        self._usable()
+        self._phases.expect("start")
+        await self._all("start", [engine.begin_weight_update() for engine in self.engines])
+        self._seen = set()
+        self._phases.move("start")
+
+    async def update(self, bucket: WeightBucket) -> None:
+        self._usable()
+        self._phases.expect("update")
+        _check_bucket("EngineGroupWeightSync", bucket, self._seen)
+        _check_tensors("EngineGroupWeightSync", bucket)
+        if not bucket.names:
+            return
+        assert self.group is not None
+        device = self.group.device
+        tensors = [t.detach().to(device).contiguous() for t in bucket.tensors]
+        names = list(bucket.names)
+        dtypes = [wire_dtype(t.dtype) for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+        group, timeout = self.group, self.timeout_s
+
+        def send() -> None:
+            for tensor in tensors:
+                group.broadcast(tensor, 0, timeout_s=timeout)
+
+        calls: list[Awaitable[None]] = [
+            engine.receive_weights(names, dtypes, shapes) for engine in self.engines
+        ]
+        await self._all("update", [self._comm.run(send), *calls])
+        self._seen.update(names)
+
+    async def finish(self, version: Version) -> None:
+        self._usable()
+        self._phases.expect("finish")
+        if not _is_int(version) or version < 0:
+            raise WeightSyncError(
+                f"EngineGroupWeightSync: version must be an int >= 0, got {version!r}"
+            )
+        await self._all("finish", [engine.commit_weights(version) for engine in self.engines])
+        self._phases.move("finish")
+
+    async def close(self) -> None:
+        """Release every engine's side of the group (errors ignored: an engine may be gone),
+        then the trainer's. Final; safe to repeat."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        *(engine.leave_weight_group() for engine in self.engines),
+                        return_exceptions=True,
+                    ),
+                    timeout=min(self.timeout_s, 30.0),
+                )
+            close = getattr(self.group, "close", None)
+            if callable(close):
+                with contextlib.suppress(Exception):
+                    close()
+        self._comm.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _usable(self) -> None:
+        if self._closed:
+            raise WeightSyncError("EngineGroupWeightSync is closed; build a new one")
+        if self._failed is not None:
+            raise WeightSyncError(
+                f"EngineGroupWeightSync: an earlier transfer failed ({self._failed}); close it "
+                "and build a new one (with a fresh port)"
+            ) from self._failed
+
+    async def _all(self, phase: str, calls: Sequence[Awaitable[None]]) -> None:
+        """Run ``calls`` together; the first failure fails the transport at once (the others
+        may be stuck in a collective waiting for the failed peer) and is raised."""
+        tasks = [asyncio.ensure_future(call) for call in calls]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+        if not failed:
+            return
+        for task in pending:
+            task.cancel()
+        for task in tasks:  # retrieve every exception: none is left unobserved
+            if task.done() and not task.cancelled():
+                task.exception()
+        exc = failed[0].exception()
+        assert exc is not None
+        self._failed = exc
+        if isinstance(exc, WeightSyncError):
+            raise exc
+        raise WeightSyncError(f"EngineGroupWeightSync: {phase}() failed: {exc}") from exc
+
+
 def bucketize(
     named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, *, pack: bool = False
 ) -> list[WeightBucket]:

@@ -1,0 +1,335 @@
+"""What every adapter over an external inference engine (vLLM, SGLang, your own) needs, so
+that each maps the engine onto the ``InferenceEngine`` protocol the same way:
+
+- ``require_module`` / ``check_version``: the engine library is installed, at a tested version,
+  or one clear error naming the extra to install;
+- ``check_request``: the engine-independent request checks (the conformance suite's bad
+  requests), run before anything is sent, so a rejected request changes nothing;
+- ``continuation`` / ``assemble``: partial rollout on an engine that knows nothing of it — the
+  resumed prefix is appended to the prompt, the cap shrinks by its length, and the result
+  carries the prefix back with its original log-probs and versions;
+- ``finish_reason``, ``parse_version``, ``versions_from_spans``: engines' finish reasons and
+  string weight versions (vLLM's ``WeightVersionSpan``, SGLang's ``weight_version``) in the
+  protocol's terms;
+- ``PauseGate``: "new requests wait while paused", for engines that instead reject them
+  (vLLM's ``abort``/``wait`` pause modes) or that the adapter only reaches over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+from collections.abc import Container, Iterable, Sequence
+from types import ModuleType
+from typing import Any, TypeGuard
+
+from asyncflow_core.errors import ConfigError, EngineError, MissingExtraError
+from asyncflow_core.protocols import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    Version,
+)
+
+__all__ = [
+    "PauseGate",
+    "assemble",
+    "check_request",
+    "check_version",
+    "continuation",
+    "describe",
+    "finish_reason",
+    "is_int",
+    "parse_release",
+    "parse_version",
+    "require_module",
+    "versions_from_spans",
+]
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------------------------
+# Versions of the engine libraries
+# --------------------------------------------------------------------------------------------
+def parse_release(version: str) -> tuple[int, ...]:
+    """``"0.33.0+cu129"`` -> ``(0, 33, 0)``; ``"0.5.23rc1"`` -> ``(0, 5, 23)``: the leading
+    numeric release, enough to place a version in a tested range."""
+    parts: list[int] = []
+    for piece in str(version).split("+")[0].split("."):
+        digits = ""
+        for char in piece:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) != len(piece):
+            break
+    return tuple(parts)
+
+
+def check_version(package: str, version: str, tested: tuple[str, str], install: str) -> None:
+    """Raise ``ConfigError`` unless ``tested[0] <= version < tested[1]`` (release numbers
+    compared), naming the package, the installed and tested versions, and ``install``."""
+    low, high, got = parse_release(tested[0]), parse_release(tested[1]), parse_release(version)
+    if not got or not low <= got < high:
+        raise ConfigError(
+            f"{package} {version} is installed (or served), but this adapter is tested with "
+            f"{package} >={tested[0]},<{tested[1]}; install a tested version ({install})"
+        )
+
+
+def require_module(module: str, *, who: str, install: str) -> ModuleType:
+    """``importlib.import_module(module)``, or ``MissingExtraError`` naming what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"{who} needs {module.split('.')[0]}, which does not import here ({exc}); "
+            f"install it: {install}"
+        ) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and results
+# --------------------------------------------------------------------------------------------
+def _reject(who: str, rid: object, message: str) -> EngineError:
+    return EngineError(f"{who}: request {rid!r}: {message}")
+
+
+def _check_ids(who: str, rid: str, name: str, ids: object, vocab_size: int | None) -> None:
+    if not isinstance(ids, tuple | list):
+        raise _reject(who, rid, f"{name}={ids!r:.60} must be a tuple of token ids")
+    for i, t in enumerate(ids):
+        if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise _reject(who, rid, f"{name}[{i}]={t!r} is not a token id; use ints {bound}")
+
+
+def check_request(
+    who: str,
+    request: object,
+    *,
+    in_flight: Container[str] = (),
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+) -> GenerationRequest:
+    """The checks every engine makes before sending ``request`` anywhere; returns it typed.
+    ``EngineError`` names the bad field and what to use instead: a non-``GenerationRequest``,
+    an empty or in-flight id, an empty prompt or a bad token id (below 0, or at/above
+    ``vocab_size`` when given), resumed tokens without one log-prob and version each, a
+    resumed prefix longer than ``max_tokens``, sampling knobs out of range, or a prompt that
+    with its prefix and cap does not fit ``max_model_len`` (when given)."""
+    if not isinstance(request, GenerationRequest):
+        raise EngineError(f"{who}: generate takes a GenerationRequest, got {request!r:.80}")
+    rid = request.request_id
+    if not isinstance(rid, str) or not rid:
+        raise EngineError(f"{who}: request_id must be a non-empty str, got {rid!r}")
+    if rid in in_flight:
+        raise _reject(who, rid, "is already in flight; wait for it or abort it before reuse")
+    prompt, resume = request.prompt_tokens, request.resume_tokens
+    if not isinstance(prompt, tuple | list) or not prompt:
+        raise _reject(who, rid, f"prompt_tokens={prompt!r:.60} must be a non-empty tuple of ids")
+    _check_ids(who, rid, "prompt_tokens", prompt, vocab_size)
+    _check_ids(who, rid, "resume_tokens", resume, vocab_size)
+    n = len(resume)
+    if len(request.resume_logprobs) != n or len(request.resume_versions) != n:
+        raise _reject(
+            who,
+            rid,
+            f"resumes {n} tokens with {len(request.resume_logprobs)} resume_logprobs and "
+            f"{len(request.resume_versions)} resume_versions; pass one of each per token",
+        )
+    for i, v in enumerate(request.resume_versions):
+        if not is_int(v) or v < 0:
+            raise _reject(who, rid, f"resume_versions[{i}]={v!r}; use ints >= 0")
+    p = request.params
+    if not isinstance(p, SamplingParams):
+        raise _reject(who, rid, f"params must be SamplingParams, got {type(p).__name__}")
+    if not is_int(p.max_tokens) or p.max_tokens < 0:
+        raise _reject(who, rid, f"max_tokens={p.max_tokens!r}; use an int >= 0")
+    if n > p.max_tokens:
+        raise _reject(
+            who,
+            rid,
+            f"resumes {n} tokens but max_tokens={p.max_tokens} caps the whole response, "
+            "resumed tokens included; raise max_tokens to at least the prefix length",
+        )
+    temp = p.temperature
+    if not isinstance(temp, int | float) or not math.isfinite(temp) or temp < 0:
+        raise _reject(who, rid, f"temperature={temp!r}; use a finite number >= 0 (0 = greedy)")
+    if not isinstance(p.top_p, int | float) or not 0 < p.top_p <= 1:
+        raise _reject(who, rid, f"top_p={p.top_p!r}; use a number in (0, 1] (1 = off)")
+    if not is_int(p.top_k) or p.top_k < 0:
+        raise _reject(who, rid, f"top_k={p.top_k!r}; use an int >= 0 (0 = off)")
+    if p.seed is not None and (not is_int(p.seed) or not 0 <= p.seed < 2**63):
+        raise _reject(who, rid, f"seed={p.seed!r}; use None or an int in [0, 2**63)")
+    _check_ids(who, rid, "stop_token_ids", p.stop_token_ids, vocab_size)
+    if max_model_len is not None and len(prompt) + n >= max_model_len:
+        raise _reject(
+            who,
+            rid,
+            f"prompt ({len(prompt)}) + resume_tokens ({n}) tokens leave no room in the "
+            f"engine's max_model_len={max_model_len}; shorten the prompt",
+        )
+    return request
+
+
+def continuation(request: GenerationRequest) -> tuple[list[int], int]:
+    """What to send an engine that knows nothing of partial rollout: the prompt followed by
+    the resumed tokens, and the tokens still allowed (``max_tokens`` minus the prefix)."""
+    prompt = [int(t) for t in request.prompt_tokens] + [int(t) for t in request.resume_tokens]
+    return prompt, request.params.max_tokens - len(request.resume_tokens)
+
+
+def assemble(
+    request: GenerationRequest,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    versions: Sequence[Version],
+    reason: FinishReason,
+    *,
+    who: str,
+) -> GenerationResult:
+    """The ``GenerationResult`` of ``request`` from what the engine generated after the
+    resumed prefix (which goes first, with its own log-probs and versions). An engine answer
+    whose three lists disagree in length, or that generated past the cap, is an
+    ``EngineError`` (a malformed response), never a silently wrong result."""
+    if not len(tokens) == len(logprobs) == len(versions):
+        raise EngineError(
+            f"{who}: request {request.request_id!r}: the engine returned {len(tokens)} tokens, "
+            f"{len(logprobs)} log-probs and {len(versions)} versions; a malformed response"
+        )
+    remaining = request.params.max_tokens - len(request.resume_tokens)
+    if len(tokens) > remaining:
+        raise EngineError(
+            f"{who}: request {request.request_id!r}: the engine returned {len(tokens)} tokens "
+            f"where at most {remaining} were allowed; a malformed response"
+        )
+    for i, lp in enumerate(logprobs):
+        if not isinstance(lp, int | float) or math.isnan(lp) or lp > 1e-4 or lp <= -9999.0:
+            raise EngineError(
+                f"{who}: request {request.request_id!r}: log-prob {i} is {lp!r}, not the "
+                "log-probability of a sampled token (in (-9999, 0]; -9999 is vLLM's "
+                "placeholder for a missing one); a malformed response"
+            )
+    return GenerationResult(
+        request_id=request.request_id,
+        prompt_tokens=tuple(request.prompt_tokens),
+        tokens=tuple(request.resume_tokens) + tuple(int(t) for t in tokens),
+        logprobs=tuple(request.resume_logprobs) + tuple(min(float(x), 0.0) for x in logprobs),
+        versions=tuple(request.resume_versions) + tuple(versions),
+        finish_reason=reason,
+    )
+
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def finish_reason(raw: object, *, who: str, rid: str) -> FinishReason:
+    """An engine's finish reason (``"stop"``, ``"length"``, ``"abort"``; SGLang's
+    ``{"type": ...}`` dict too) in the protocol's terms; anything else (vLLM's ``"error"``,
+    a missing reason) is an ``EngineError`` quoting it."""
+    kind = raw.get("type") if isinstance(raw, dict) else raw
+    if isinstance(kind, str) and kind in _FINISH:
+        return _FINISH[kind]
+    detail = f" ({raw.get('message')})" if isinstance(raw, dict) and raw.get("message") else ""
+    raise EngineError(
+        f"{who}: request {rid!r} ended with finish reason {kind!r}{detail}; expected stop, "
+        "length or abort"
+    )
+
+
+def parse_version(raw: object, *, who: str) -> Version:
+    """An engine's weight-version label as the protocol's int: AsyncFlow labels versions
+    ``str(int)``; an engine that was never updated reports its own default (vLLM ``None``
+    or ``""``, SGLang ``"default"``), which is version 0. Any other label is an
+    ``EngineError``: someone else set it, and the versions would lie."""
+    if raw is None or raw == "" or raw == "default":
+        return 0
+    if is_int(raw) and raw >= 0:
+        return raw
+    if isinstance(raw, str) and raw.isdigit():
+        return int(raw)
+    raise EngineError(
+        f"{who}: the engine reports weight version {raw!r}, which AsyncFlow did not set "
+        "(it labels versions with non-negative integers); set the engine's version with "
+        "this adapter only, or restart it"
+    )
+
+
+def versions_from_spans(
+    spans: Iterable[tuple[object, int, int]] | None,
+    n: int,
+    *,
+    fallback: Version,
+    who: str,
+) -> tuple[Version, ...]:
+    """Per-token versions of ``n`` generated tokens from ``(version, start, end)`` spans
+    (vLLM's ``WeightVersionSpan``: tokens ``[start, end)`` came from weights ``version``).
+    Tokens no span covers get ``fallback`` (the engine's version when the answer arrived,
+    an upper bound); spans that overlap or run past ``n`` are an ``EngineError``."""
+    out: list[Version | None] = [None] * n
+    for version, start, end in spans or ():
+        if not (is_int(start) and is_int(end) and 0 <= start <= end <= n):
+            raise EngineError(
+                f"{who}: weight-version span [{start!r}, {end!r}) does not lie within the "
+                f"{n} generated tokens; a malformed response"
+            )
+        v = parse_version(version, who=who)
+        for i in range(start, end):
+            if out[i] is not None:
+                raise EngineError(f"{who}: weight-version spans overlap at token {i}")
+            out[i] = v
+    return tuple(fallback if v is None else v for v in out)
+
+
+# --------------------------------------------------------------------------------------------
+# Pausing on the client side
+# --------------------------------------------------------------------------------------------
+class PauseGate:
+    """New requests wait while paused. ``close()``-d gates fail waiters with ``EngineError``.
+
+    ``async with gate.admit(): ...`` is not offered on purpose: a request admitted before a
+    pause runs on, and the engine's own pause decides what happens to it."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self._open = asyncio.Event()
+        self._open.set()
+        self._closed: str | None = None
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    def close(self, why: str) -> None:
+        self._closed = why
+        self._open.set()
+
+    async def wait(self) -> None:
+        """Return once not paused (at once if not paused); ``EngineError`` if closed."""
+        while True:
+            if self._closed is not None:
+                raise EngineError(f"{self.who}: {self._closed}")
+            if self._open.is_set():
+                return
+            await self._open.wait()
+
+
+def describe(value: Any, limit: int = 200) -> str:
+    """``repr`` cut to ``limit`` characters, for quoting malformed engine answers."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
