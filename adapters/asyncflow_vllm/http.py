@@ -1,0 +1,613 @@
+"""``VLLMHTTPEngine``: AsyncFlow's ``InferenceEngine`` over a running ``vllm serve``, through
+its HTTP routes only (no vLLM, no CUDA on the client: ``pip install 'asyncflow[vllm-client]'``).
+
+Start the server with the development routes and the NCCL weight-transfer engine::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend":"nccl"}' \\
+        --logprobs-mode processed_logprobs
+
+(``processed_logprobs`` makes the reported log-probs those of the sampling distribution,
+temperature included, as AsyncFlow's trainers compute them; vLLM's default ``raw_logprobs``
+reports the model's distribution before temperature — ``vllm/config/model.py``
+``ModelConfig.logprobs_mode``.)
+
+Routes, bodies and answers follow vLLM 0.33.0's source (paths relative to ``vllm/``):
+
+- generate: ``POST /inference/v1/generate`` (``entrypoints/scale_out/token_in_token_out/
+  api_router.py``; request/response models in its ``protocol.py``: ``GenerateRequest``
+  ``{request_id, token_ids, sampling_params, ...}``, ``GenerateTokensResponse.choices[0]``
+  ``{token_ids, logprobs.content[i].{token_id, logprob}, finish_reason, weight_versions}``).
+  Chosen over ``/v1/completions`` because it is the only route whose answer carries the token
+  ids, the per-token log-probs *and* the ``WeightVersionSpan`` list (``vllm/outputs.py``);
+  completions answers carry no weight-version spans. The server prefixes the id:
+  ``serving.py`` ``serve_tokens`` runs the request as ``"generate-tokens-" + request_id``
+  (unless an ``X-Request-Id`` header overrides it; this adapter sends none), and that
+  external id is what ``/abort_requests`` takes. An aborted request's non-streaming answer
+  holds every token generated so far with ``finish_reason "abort"``
+  (``v1/engine/output_processor.py`` ``OutputProcessor.abort_requests`` puts a final output;
+  ``_new_completion_output`` returns the cumulative token ids in ``FINAL_ONLY`` mode).
+- dev-mode RL routes (``entrypoints/rl/online/api_router.py``, mounted only with
+  ``VLLM_SERVER_DEV_MODE=1`` by ``entrypoints/launchers/api_server/routers.py``):
+  ``/pause?mode=``, ``/resume``, ``/abort_requests {"request_ids"}`` (an empty list aborts
+  everything — never sent here), ``/init_weight_transfer_engine {"init_info"}``,
+  ``/start_weight_update``, ``/update_weights {"update_info"}``,
+  ``/finish_weight_update {"weight_version"}``, ``/shutdown_weight_transfer_engine``,
+  ``/update_weight_version {"new_version"}``, ``GET /weight_info``, ``GET /get_world_size``.
+- sleep: ``/sleep?level=&mode=``, ``/wake_up?tags=``, ``GET /is_sleeping``
+  (``entrypoints/serve/dev/sleep/api_router.py``); ``/reset_prefix_cache``
+  (``entrypoints/serve/dev/cache/api_router.py``); ``GET /version``
+  (``entrypoints/serve/instrumentator/basic.py``).
+
+Weights: tensors cannot travel through these JSON routes; ``EngineGroupWeightSync`` drives
+this class's ``GroupReceiver`` methods while the trainer broadcasts over vLLM's NCCL group
+(``distributed/weight_transfer/nccl_engine.py``, unpacked: one broadcast per tensor, in the
+order of ``update_info.names``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from asyncflow_core.enginekit import (
+    PauseGate,
+    assemble,
+    check_request,
+    continuation,
+    describe,
+    finish_reason,
+    is_int,
+    parse_version,
+    versions_from_spans,
+)
+from asyncflow_core.errors import EngineError
+from asyncflow_core.httpclient import JsonClient
+from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_vllm.compat import INSTALL_CLIENT, check_vllm_version
+
+__all__ = ["DEV_MODE_HINT", "REQUEST_ID_PREFIX", "VLLMHTTPEngine"]
+
+DEV_MODE_HINT = (
+    "the route is missing: start vllm serve with VLLM_SERVER_DEV_MODE=1 (the RL, sleep and "
+    'cache routes exist only then) and --weight-transfer-config \'{"backend":"nccl"}\', '
+    "and check base_url"
+)
+
+REQUEST_ID_PREFIX = "generate-tokens-"
+"""vLLM runs a ``/inference/v1/generate`` request under this prefix + its ``request_id``
+(``entrypoints/scale_out/token_in_token_out/serving.py``, ``serve_tokens``)."""
+
+_PAUSED_MARK = "paused"  # vLLM's RequestError "Generation is paused..." (v1/engine/core.py)
+
+
+class VLLMHTTPEngine:
+    """``InferenceEngine`` + ``SupportsPause`` + ``SupportsSleep`` + ``SupportsLoadWeights``
+    + ``GroupReceiver`` over one ``vllm serve`` (``base_url``, e.g. ``http://127.0.0.1:8000``).
+
+    ``await engine.connect()`` (run by the first call otherwise; safe to repeat) reads
+    ``GET /version`` and raises ``ConfigError`` outside ``compat.TESTED`` unless
+    ``check_server_version=False``, the weight version (``GET /weight_info``) and, unless
+    ``weight_group_ranks`` is given, how many ranks the server's workers take in a weight
+    group (``GET /get_world_size``: TP x PP x DP). ``weight_group_ranks`` needs ``connect()``
+    (or the constructor argument) before ``EngineGroupWeightSync.init``.
+
+    ``timeout_s`` bounds a generate call, ``control_timeout_s`` every other route (a weight
+    group join or a weight update waits for the trainer's broadcast). ``ignore_eos``: by
+    default vLLM ends a request at the model's EOS too (``finish_reason "stop"``, EOS
+    included); True ends it only at ``stop_token_ids`` and ``max_tokens``. ``vocab_size`` /
+    ``max_model_len``, when given, are checked before sending. ``sleep_mode`` is the pause mode
+    ``/sleep`` applies to requests in flight (vLLM's default ``"abort"``). After a weight
+    commit ``/reset_prefix_cache`` runs (``reset_prefix_cache_on_commit``), so no prefix cached
+    under the old weights is reused; ``prefix_cache_reset_ok`` is False when vLLM refused
+    (blocks still held by running requests).
+
+    Errors: a server down or too slow is ``EngineUnavailableError``; an HTTP error quotes
+    the server's message (404 adds ``DEV_MODE_HINT``); an answer without the documented keys
+    is an ``EngineError`` saying "malformed". Requests are checked (``check_request``)
+    before anything is sent, so a rejected request changes nothing.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
+        check_server_version: bool = True,
+        weight_group_ranks: int | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        ignore_eos: bool = False,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        sleep_mode: Literal["abort", "wait", "keep"] = "abort",
+        reset_prefix_cache_on_commit: bool = True,
+        name: str | None = None,
+    ) -> None:
+        self.name = name or f"VLLMHTTPEngine({base_url})"
+        who = self.name
+        if weight_group_ranks is not None and (
+            not is_int(weight_group_ranks) or weight_group_ranks < 1
+        ):
+            raise EngineError(
+                f"{who}: weight_group_ranks must be None (read /get_world_size) or an int "
+                f">= 1, got {weight_group_ranks!r}"
+            )
+        for field, value in (("vocab_size", vocab_size), ("max_model_len", max_model_len)):
+            if value is not None and (not is_int(value) or value < 1):
+                raise EngineError(f"{who}: {field} must be None or an int >= 1, got {value!r}")
+        if sleep_mode not in ("abort", "wait", "keep"):
+            raise EngineError(f"{who}: sleep_mode must be abort, wait or keep; got {sleep_mode!r}")
+        for field, limit in (("timeout_s", timeout_s), ("control_timeout_s", control_timeout_s)):
+            if not isinstance(limit, int | float) or not 0 < limit < math.inf:
+                raise EngineError(f"{who}: {field} must be a number > 0, got {limit!r}")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._client = JsonClient(
+            base_url,
+            who=who,
+            timeout_s=float(control_timeout_s),
+            connect_timeout_s=connect_timeout_s,
+            install=INSTALL_CLIENT,
+            hints={404: DEV_MODE_HINT},
+            headers=headers,
+        )
+        self.base_url = self._client.base_url
+        self.timeout_s = float(timeout_s)
+        self.control_timeout_s = float(control_timeout_s)
+        self.check_server_version = bool(check_server_version)
+        self.model = model
+        self.ignore_eos = bool(ignore_eos)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.sleep_mode = sleep_mode
+        self.reset_prefix_cache_on_commit = bool(reset_prefix_cache_on_commit)
+        self.server_version: str | None = None
+        self.prefix_cache_reset_ok = True
+        self._ranks = weight_group_ranks
+        self._version: Version = 0
+        self._connected = False
+        self._connect_lock: asyncio.Lock | None = None
+        self._gate = PauseGate(who)
+        self._asleep = False
+        self._closed = False
+        self._inflight: set[str] = set()
+        self._sent: set[str] = set()
+        self._local_aborts: set[str] = set()
+        self._ended: dict[str, asyncio.Event] = {}
+
+    # ---- properties ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> Version:
+        return self._version
+
+    @property
+    def weight_group_ranks(self) -> int:
+        if self._ranks is None:
+            raise EngineError(
+                f"{self.name}: weight_group_ranks is not known yet; await engine.connect() "
+                "first (it reads GET /get_world_size) or pass weight_group_ranks= to the "
+                "constructor"
+            )
+        return self._ranks
+
+    @property
+    def paused(self) -> bool:
+        return self._gate.paused
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    # ---- connection ----------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Check the server's vLLM version, read its weight version and weight-group size.
+        A failure leaves the engine unconnected (the next call tries again)."""
+        self._usable()
+        if self._connected:
+            return
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            await self._connect_once()
+
+    async def _connect_once(self) -> None:
+        if self._connected:  # another call connected while this one waited for the lock
+            return
+        data = await self._get("/version")
+        version = self._key(data, "version", "GET /version")
+        if not isinstance(version, str):
+            raise self._malformed("GET /version", data)
+        if self.check_server_version:
+            check_vllm_version(version)
+        info = await self._get("/weight_info")
+        current = parse_version(
+            self._key(info, "weight_version", "GET /weight_info"), who=self.name
+        )
+        ranks = self._ranks
+        if ranks is None:
+            sizes = await self._get("/get_world_size")
+            size = self._key(sizes, "world_size", "GET /get_world_size")
+            if not is_int(size) or size < 1:
+                raise self._malformed("GET /get_world_size", sizes)
+            ranks = size
+        self.server_version = version
+        self._version = current
+        self._ranks = ranks
+        self._connected = True
+
+    async def close(self) -> None:
+        """Release the HTTP session; requests waiting on a pause fail. Final; safe to repeat.
+        The server keeps running (and keeps any request still in flight there)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gate.close("the engine is closed; build a new one")
+        await self._client.close()
+
+    # ---- InferenceEngine -----------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """``POST /inference/v1/generate`` with the prompt (+ resumed tokens), ``logprobs=0``
+        and the request's sampling knobs; waits while paused (vLLM rejects new requests in
+        its ``abort``/``wait`` pause modes)."""
+        self._usable()
+        request = check_request(
+            self.name,
+            request,
+            in_flight=self._inflight,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        if self._asleep:
+            raise EngineError(
+                f"{self.name}: the engine is asleep (sleep() released its GPU memory) and "
+                f"takes no new requests; call wake_up() before generate() (request "
+                f"{request.request_id!r})"
+            )
+        rid = request.request_id
+        self._inflight.add(rid)
+        ended = self._ended[rid] = asyncio.Event()
+        try:
+            await self.connect()
+            return await self._generate(request)
+        finally:
+            self._inflight.discard(rid)
+            self._sent.discard(rid)
+            self._local_aborts.discard(rid)
+            self._ended.pop(rid, None)
+            ended.set()
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """``POST /abort_requests {"request_ids": ["generate-tokens-<id>", ...]}`` for the
+        named requests this engine has in flight (unknown ids are ignored; an empty list is
+        never sent, since vLLM reads it as "abort everything"); returns once their
+        ``generate`` calls returned (bounded by ``control_timeout_s``)."""
+        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Sequence):
+            raise EngineError(
+                f"{self.name}: abort takes a sequence of request ids, got "
+                f"{describe(request_ids, 80)}; wrap a single id in a list"
+            )
+        self._usable()
+        ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._inflight]
+        if not ids:
+            return
+        for rid in ids:
+            if rid not in self._sent:
+                self._local_aborts.add(rid)  # not at the server yet: it will not be sent
+        remote = [rid for rid in ids if rid in self._sent]
+        if remote:
+            await self._abort_remote(remote)
+        waits = [self._ended[rid].wait() for rid in ids if rid in self._ended]
+        if waits:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits), self.control_timeout_s)
+
+    # ---- SupportsPause -------------------------------------------------------------------
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        """``POST /pause?mode=abort|keep``: ``abort`` ends requests in flight (their
+        ``generate`` returns ``"abort"`` with the tokens so far), ``keep`` freezes them; new
+        requests wait here until ``resume``."""
+        if mode not in ("abort", "keep"):
+            raise EngineError(f"{self.name}: pause mode must be 'abort' or 'keep', got {mode!r}")
+        self._usable()
+        await self.connect()
+        was_paused = self._gate.paused
+        self._gate.pause()
+        try:
+            data = await self._post("/pause", params={"mode": mode})
+        except BaseException:
+            if not was_paused:
+                self._gate.resume()
+            raise
+        self._expect(data, "status", "paused", "POST /pause")
+
+    async def resume(self) -> None:
+        """``POST /resume``; then requests waiting on the pause go."""
+        self._usable()
+        await self.connect()
+        data = await self._post("/resume")
+        self._expect(data, "status", "resumed", "POST /resume")
+        self._gate.resume()
+
+    # ---- SupportsSleep -------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """``POST /sleep?level=&mode=`` (level 1: offload weights, drop the KV cache; 2:
+        drop both; needs ``--enable-sleep-mode``). New requests are refused until
+        ``wake_up``."""
+        if not is_int(level) or not 0 <= level <= 2:
+            raise EngineError(f"{self.name}: sleep level must be 0, 1 or 2, got {level!r}")
+        self._usable()
+        await self.connect()
+        data = await self._post("/sleep", params={"level": level, "mode": self.sleep_mode})
+        self._expect(data, "status", "sleeping", "POST /sleep")
+        self._asleep = True
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``POST /wake_up`` (``?tags=weights&tags=kv_cache`` to wake part of it; none wakes
+        everything)."""
+        self._usable()
+        await self.connect()
+        params = [("tags", str(tag)) for tag in tags] if tags else None
+        data = await self._post("/wake_up", params=params)
+        status = self._key(data, "status", "POST /wake_up")
+        if status not in ("awake", "sleeping"):
+            raise self._malformed("POST /wake_up", data)
+        self._asleep = status != "awake"
+
+    async def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``."""
+        data = await self._get("/is_sleeping")
+        return self._bool(data, "is_sleeping", "GET /is_sleeping")
+
+    async def is_paused(self) -> bool:
+        """``GET /is_paused``."""
+        data = await self._get("/is_paused")
+        return self._bool(data, "is_paused", "GET /is_paused")
+
+    async def reset_prefix_cache(self) -> bool:
+        """``POST /reset_prefix_cache``; False when vLLM refused (blocks still held)."""
+        data = await self._post("/reset_prefix_cache")
+        return self._bool(data, "success", "POST /reset_prefix_cache")
+
+    # ---- SupportsLoadWeights -------------------------------------------------------------
+    async def load_weights(
+        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
+    ) -> None:
+        """With no tensors: ``POST /update_weight_version {"new_version": str(version)}`` (a
+        version bump). Tensors cannot travel through vLLM's JSON routes: sync them with
+        ``EngineGroupWeightSync`` (this engine is its ``GroupReceiver``)."""
+        self._check_version_arg("load_weights", version)
+        if len(weights):
+            raise EngineError(
+                f"{self.name}: load_weights got {len(weights)} tensors, but tensors cannot "
+                "travel through vLLM's HTTP routes; sync them with "
+                "asyncflow_core.weightsync.EngineGroupWeightSync(engines=[...], "
+                "master_address=..., master_port=...) (this engine receives over vLLM's NCCL "
+                "weight-transfer group), or call load_weights((), version) to set the version "
+                "only"
+            )
+        self._usable()
+        await self.connect()
+        data = await self._post("/update_weight_version", {"new_version": str(version)})
+        if not isinstance(data, dict) or data.get("success") is not True:
+            raise self._malformed("POST /update_weight_version", data)
+        self._version = int(version)
+
+    # ---- GroupReceiver -------------------------------------------------------------------
+    async def join_weight_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
+        """``POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
+        rank_offset, world_size, packed: false}}`` (``NCCLWeightTransferInitInfo``,
+        ``distributed/weight_transfer/nccl_common.py``); returns once the workers joined."""
+        self._usable()
+        await self.connect()
+        init_info = {
+            "master_address": str(master_address),
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "packed": False,
+        }
+        await self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    async def begin_weight_update(self) -> None:
+        """``POST /start_weight_update`` (no body)."""
+        self._usable()
+        await self._post("/start_weight_update")
+
+    async def receive_weights(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> None:
+        """``POST /update_weights {"update_info": {names, dtype_names, shapes}}``
+        (``NCCLWeightTransferUpdateInfo``, ``distributed/weight_transfer/nccl_engine.py``);
+        returns once the workers received every tensor. Nothing is sent for an empty list:
+        vLLM reads empty lists as "reuse the previous metadata"."""
+        self._usable()
+        if not len(names) == len(dtypes) == len(shapes):
+            raise EngineError(
+                f"{self.name}: receive_weights got {len(names)} names, {len(dtypes)} dtypes "
+                f"and {len(shapes)} shapes; pass one of each per tensor"
+            )
+        if not names:
+            return
+        update_info = {
+            "names": [str(n) for n in names],
+            "dtype_names": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [[int(x) for x in shape] for shape in shapes],
+        }
+        await self._post("/update_weights", {"update_info": update_info})
+
+    async def commit_weights(self, version: Version) -> None:
+        """``POST /finish_weight_update {"weight_version": str(version)}``, then
+        ``POST /reset_prefix_cache`` (see ``reset_prefix_cache_on_commit``)."""
+        self._check_version_arg("commit_weights", version)
+        self._usable()
+        await self._post("/finish_weight_update", {"weight_version": str(version)})
+        self._version = int(version)
+        if self.reset_prefix_cache_on_commit:
+            self.prefix_cache_reset_ok = await self.reset_prefix_cache()
+
+    async def leave_weight_group(self) -> None:
+        """``POST /shutdown_weight_transfer_engine``."""
+        self._usable()
+        await self._post("/shutdown_weight_transfer_engine")
+
+    # ---- internals -----------------------------------------------------------------------
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        rid = request.request_id
+        while True:
+            await self._gate.wait()
+            if rid in self._local_aborts:
+                return assemble(request, (), (), (), "abort", who=self.name)
+            prompt, remaining = continuation(request)
+            if remaining <= 0:
+                return assemble(request, (), (), (), "length", who=self.name)
+            self._sent.add(rid)
+            try:
+                data = await self._client.call(
+                    "POST",
+                    "/inference/v1/generate",
+                    json_body=self._generate_body(request, prompt, remaining),
+                    timeout_s=self.timeout_s,
+                )
+            except asyncio.CancelledError:
+                # The caller gave up: do not leave the request generating on the server.
+                task = asyncio.ensure_future(self._abort_quietly([rid]))
+                task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+                raise
+            except EngineError as exc:
+                # A request that raced our own pause: vLLM rejects it (HTTP 503, "Generation
+                # is paused"); it waits for resume like any new request, then goes again.
+                self._sent.discard(rid)
+                if self._gate.paused and _PAUSED_MARK in str(exc).lower():
+                    continue
+                raise
+            return self._result(request, data)
+
+    def _generate_body(
+        self, request: GenerationRequest, prompt: list[int], remaining: int
+    ) -> dict[str, Any]:
+        """A ``GenerateRequest`` (``token_in_token_out/protocol.py``) whose
+        ``sampling_params`` are ``vllm.SamplingParams`` fields (``vllm/sampling_params.py``:
+        ``top_k=0`` disables top-k, ``logprobs=0`` returns the sampled token's log-prob)."""
+        p = request.params
+        sampling: dict[str, Any] = {
+            "n": 1,
+            "max_tokens": remaining,
+            "temperature": float(p.temperature),
+            "top_p": float(p.top_p),
+            "top_k": int(p.top_k),
+            "logprobs": 0,
+            "detokenize": False,
+            "ignore_eos": self.ignore_eos,
+        }
+        if p.seed is not None:
+            sampling["seed"] = int(p.seed)
+        if p.stop_token_ids:
+            sampling["stop_token_ids"] = [int(t) for t in p.stop_token_ids]
+        body: dict[str, Any] = {
+            "request_id": request.request_id,
+            "token_ids": prompt,
+            "sampling_params": sampling,
+            "stream": False,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        return body
+
+    def _result(self, request: GenerationRequest, data: Any) -> GenerationResult:
+        where = "POST /inference/v1/generate"
+        rid = request.request_id
+        choices = self._key(data, "choices", where)
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise self._malformed(where, data)
+        choice = choices[0]
+        tokens = choice.get("token_ids")
+        if not isinstance(tokens, list) or not all(is_int(t) and t >= 0 for t in tokens):
+            raise self._malformed(where, data, "choices[0].token_ids is not a list of ids")
+        raw_logprobs = choice.get("logprobs")
+        content = raw_logprobs.get("content") if isinstance(raw_logprobs, dict) else None
+        if not isinstance(content, list) or len(content) != len(tokens):
+            raise self._malformed(
+                where, data, "choices[0].logprobs.content needs one entry per token"
+            )
+        logprobs: list[float] = []
+        for i, (token, entry) in enumerate(zip(tokens, content, strict=True)):
+            lp = entry.get("logprob") if isinstance(entry, dict) else None
+            if not isinstance(lp, int | float) or isinstance(lp, bool):
+                raise self._malformed(where, data, f"no logprob for token {i}")
+            if entry.get("token_id", token) != token:
+                raise self._malformed(where, data, f"logprob {i} is for another token")
+            logprobs.append(float(lp))
+        reason = finish_reason(choice.get("finish_reason"), who=self.name, rid=rid)
+        raw_spans = choice.get("weight_versions")
+        spans: list[tuple[object, int, int]] = []
+        if raw_spans is not None:
+            if not isinstance(raw_spans, list):
+                raise self._malformed(where, data, "weight_versions is not a list")
+            for span in raw_spans:
+                if not isinstance(span, dict) or not {"version", "start", "end"} <= span.keys():
+                    raise self._malformed(where, data, f"bad weight-version span {span!r}")
+                spans.append((span["version"], span["start"], span["end"]))
+        versions = versions_from_spans(spans, len(tokens), fallback=self._version, who=self.name)
+        return assemble(request, tokens, logprobs, versions, reason, who=self.name)
+
+    async def _abort_remote(self, request_ids: Sequence[str]) -> None:
+        ids = [REQUEST_ID_PREFIX + rid for rid in request_ids]
+        if not ids:  # an empty list would abort every request on the server
+            return
+        data = await self._post("/abort_requests", {"request_ids": ids})
+        self._expect(data, "status", "aborted", "POST /abort_requests")
+
+    async def _abort_quietly(self, request_ids: Sequence[str]) -> None:
+        with contextlib.suppress(Exception):
+            await self._abort_remote(request_ids)
+
+    async def _get(self, path: str) -> Any:
+        return await self._client.call("GET", path, timeout_s=self.control_timeout_s)
+
+    async def _post(self, path: str, body: Any = None, *, params: Any = None) -> Any:
+        if body is None:
+            return await self._client.call(
+                "POST", path, params=params, timeout_s=self.control_timeout_s
+            )
+        return await self._client.call(
+            "POST", path, json_body=body, params=params, timeout_s=self.control_timeout_s
+        )
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise EngineError(f"{self.name}: the engine is closed; build a new one")
+
+    def _check_version_arg(self, what: str, version: object) -> None:
+        if not is_int(version) or version < 0:
+            raise EngineError(f"{self.name}: {what} version must be an int >= 0, got {version!r}")
+
+    def _malformed(self, where: str, data: Any, detail: str = "") -> EngineError:
+        extra = f" ({detail})" if detail else ""
+        return EngineError(
+            f"{self.name}: {where} answered {describe(data)}, not the JSON vLLM 0.33 sends"
+            f"{extra}; a malformed response — is {self.base_url} a vllm serve of a tested "
+            "version?"
+        )
+
+    def _key(self, data: Any, key: str, where: str) -> Any:
+        if not isinstance(data, dict) or key not in data:
+            raise self._malformed(where, data, f"no {key!r} key")
+        return data[key]
+
+    def _bool(self, data: Any, key: str, where: str) -> bool:
+        value = self._key(data, key, where)
+        if not isinstance(value, bool):
+            raise self._malformed(where, data, f"{key!r} is not a bool")
+        return value
+
+    def _expect(self, data: Any, key: str, value: str, where: str) -> None:
+        if self._key(data, key, where) != value:
+            raise self._malformed(where, data, f"{key!r} is not {value!r}")

@@ -1,0 +1,571 @@
+"""A replay server for the vLLM HTTP adapter's tests. **It is not vLLM.**
+
+``ReplayVLLMServer`` is an ``aiohttp.web`` server that answers the routes of ``vllm serve``
+(0.33.0, started with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config
+'{"backend":"nccl"}'``) with the JSON shapes vLLM's source documents, so that
+``asyncflow_vllm.VLLMHTTPEngine`` can be tested on a machine without CUDA. Behind the routes is
+the reference ``TorchInferenceEngine`` (a real tiny transformer on the CPU), so log-probs,
+abort, pause, sleep and weight versions are real, not canned. Sources of the shapes (paths
+under ``vllm/``):
+
+- ``POST /inference/v1/generate``: ``entrypoints/scale_out/token_in_token_out/{api_router,
+  protocol,serving}.py`` — the request runs as ``"generate-tokens-" + request_id``; the
+  answer is ``GenerateTokensResponse`` (``choices[0]``: ``token_ids``, ``logprobs.content``,
+  ``finish_reason``, ``stop_reason``, ``weight_versions`` spans ``{version, start, end}``);
+  an aborted request answers with its tokens so far and ``finish_reason "abort"``.
+- the RL routes of ``entrypoints/rl/online/api_router.py``; ``/sleep``, ``/wake_up``,
+  ``/is_sleeping`` (``entrypoints/serve/dev/sleep/api_router.py``); ``/reset_prefix_cache``
+  (``entrypoints/serve/dev/cache/api_router.py``); ``/version``, ``/health``.
+- weight versions: the engine's label starts as ``"default"`` (``v1/engine/core.py``) and is
+  attached to every step's tokens; ``/update_weight_version`` and ``/finish_weight_update``
+  set it.
+
+Differences from vLLM, on purpose:
+
+- the weight group. vLLM's NCCL engine joins a ``StatelessProcessGroup`` + ``PyNccl`` group,
+  which needs CUDA; here ``/init_weight_transfer_engine`` joins a gloo ``WeightSyncGroup`` at
+  rank ``rank_offset`` — the same trainer-side protocol (rank 0 broadcasts each tensor, in
+  the order of ``update_info.names``, into ``torch.empty(shape, dtype=getattr(torch,
+  dtype_name))``). Only ``packed: false`` is served. Tensors are staged and loaded into the
+  engine at ``/finish_weight_update`` (vLLM loads each as it arrives).
+- a request in ``/pause?mode=abort|wait`` is answered 503 at once (vLLM: the engine core
+  rejects it with the retryable ``engine_paused`` error); ``mode=keep`` queues it.
+- unknown ``sampling_params`` keys are rejected (400), to catch a misspelt field.
+
+Test knobs: ``requests`` records every call (method, path, query, JSON body);
+``fail(path, status=..., body=..., delay_s=..., times=...)`` injects an HTTP status, a raw
+(possibly malformed) body, or a delay; ``spans = False`` leaves ``weight_versions`` out
+(vLLM sends None when no label was reported); ``world_size`` is what ``/get_world_size``
+reports; ``vllm_version`` what ``/version`` reports; ``dev_mode = False`` answers 404 on the
+dev routes, like a server started without ``VLLM_SERVER_DEV_MODE``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+from asyncflow_reference.engines import TorchInferenceEngine
+
+from asyncflow_core.errors import AsyncFlowError
+from asyncflow_core.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.weightsync import WeightSyncGroup
+
+PREFIX = "generate-tokens-"
+SAMPLING_KEYS = frozenset(
+    {
+        "n",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop_token_ids",
+        "logprobs",
+        "detokenize",
+        "ignore_eos",
+        "skip_special_tokens",
+    }
+)
+DEV_ROUTES = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/abort_requests",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/shutdown_weight_transfer_engine",
+        "/update_weight_version",
+        "/weight_info",
+        "/get_world_size",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/reset_prefix_cache",
+    }
+)
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    body: Any  # decoded JSON, the raw text if not JSON, None if empty
+
+
+@dataclass
+class Fault:
+    status: int | None = None
+    body: str | None = None
+    delay_s: float = 0.0
+    times: int | None = 1  # None: every call
+
+
+@dataclass
+class _Group:
+    group: WeightSyncGroup
+    staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    updating: bool = False
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(status, body)
+        self.status = status
+        self.body = body
+
+
+def _error(status: int, message: str) -> _HTTPError:
+    """vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    return _HTTPError(
+        status,
+        {
+            "error": {
+                "message": message,
+                "type": kind.get(status, "InternalServerError"),
+                "param": None,
+                "code": status,
+            }
+        },
+    )
+
+
+def _detail(status: int, detail: Any) -> _HTTPError:
+    """FastAPI's ``HTTPException`` / validation shape: ``{"detail": ...}``."""
+    return _HTTPError(status, {"detail": detail})
+
+
+class ReplayVLLMServer:
+    """``ReplayVLLMServer(engine, *, vllm_version="0.33.0", world_size=1)``; ``await
+    start()`` returns the base URL (a free port on 127.0.0.1); ``await close()`` stops the
+    server and closes the engine."""
+
+    def __init__(
+        self,
+        engine: TorchInferenceEngine,
+        *,
+        vllm_version: str = "0.33.0",
+        world_size: int = 1,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.engine = engine
+        self.vllm_version = vllm_version
+        self.world_size = world_size
+        self.host = host
+        self.dev_mode = True
+        self.spans = True
+        self.requests: list[Recorded] = []
+        self.faults: dict[str, Fault] = {}
+        self.reject_new: str | None = None  # the pause mode that rejects new requests
+        self.labels: dict[int, str] = {0: "default"}
+        self._versions: dict[str, int] = {"default": 0}
+        self.group: _Group | None = None
+        self.inflight: dict[str, asyncio.Task[Any]] = {}
+        self.prefix_cache_resets = 0
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> str:
+        app = web.Application(middlewares=[self._middleware])
+        routes: list[tuple[str, str, Callable[[web.Request], Awaitable[Any]]]] = [
+            ("GET", "/version", self._version),
+            ("GET", "/health", self._health),
+            ("POST", "/inference/v1/generate", self._generate),
+            ("POST", "/pause", self._pause),
+            ("POST", "/resume", self._resume),
+            ("GET", "/is_paused", self._is_paused),
+            ("POST", "/abort_requests", self._abort),
+            ("POST", "/init_weight_transfer_engine", self._init_transfer),
+            ("POST", "/start_weight_update", self._start_update),
+            ("POST", "/update_weights", self._update_weights),
+            ("POST", "/finish_weight_update", self._finish_update),
+            ("POST", "/shutdown_weight_transfer_engine", self._shutdown_transfer),
+            ("POST", "/update_weight_version", self._update_version),
+            ("GET", "/weight_info", self._weight_info),
+            ("GET", "/get_world_size", self._world_size),
+            ("POST", "/sleep", self._sleep),
+            ("POST", "/wake_up", self._wake_up),
+            ("GET", "/is_sleeping", self._is_sleeping),
+            ("POST", "/reset_prefix_cache", self._reset_prefix_cache),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, self._wrap(handler))
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.base_url = f"http://{self.host}:{port}"
+        return self.base_url
+
+    async def close(self) -> None:
+        if self.group is not None:
+            self.group.group.close()
+            self.group = None
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await self.engine.close()
+            await runner.cleanup()
+
+    # ---- knobs ----------------------------------------------------------------------------
+    def fail(
+        self,
+        path: str,
+        *,
+        status: int | None = None,
+        body: str | None = None,
+        delay_s: float = 0.0,
+        times: int | None = 1,
+    ) -> None:
+        self.faults[path] = Fault(status, body, delay_s, times)
+
+    def calls(self, path: str) -> list[Recorded]:
+        return [r for r in self.requests if r.path == path]
+
+    def label(self, version: int) -> str:
+        return self.labels.get(version, str(version))
+
+    # ---- plumbing -------------------------------------------------------------------------
+    @web.middleware
+    async def _middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        text = await request.text()
+        try:
+            body: Any = json.loads(text) if text.strip() else None
+        except ValueError:
+            body = text
+        query: dict[str, list[str]] = {}
+        for key, value in request.query.items():
+            query.setdefault(key, []).append(value)
+        self.requests.append(Recorded(request.method, request.path, query, body))
+        if not self.dev_mode and request.path in DEV_ROUTES:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        fault = self.faults.get(request.path)
+        if fault is not None:
+            if fault.times is not None:
+                fault.times -= 1
+                if fault.times <= 0:
+                    del self.faults[request.path]
+            if fault.delay_s:
+                await asyncio.sleep(fault.delay_s)
+            if fault.status is not None or fault.body is not None:
+                status = fault.status or 200
+                reply = fault.body
+                if reply is None:
+                    reply = json.dumps(_error(status, f"injected HTTP {status}").body)
+                return web.Response(status=status, text=reply, content_type="application/json")
+        return await handler(request)
+
+    def _wrap(
+        self, handler: Callable[[web.Request], Awaitable[Any]]
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def run(request: web.Request) -> web.StreamResponse:
+            try:
+                result = await handler(request)
+            except _HTTPError as exc:
+                return web.json_response(exc.body, status=exc.status)
+            except AsyncFlowError as exc:  # the engine refused: vLLM answers 500 here
+                return web.json_response(_error(500, str(exc)).body, status=500)
+            if isinstance(result, web.StreamResponse):
+                return result
+            return web.json_response(result)
+
+        return run
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict[str, Any]:
+        text = await request.text()
+        if not text.strip():
+            return {}
+        try:
+            body = json.loads(text)
+        except ValueError as exc:
+            raise _detail(400, "Invalid JSON format") from exc
+        if not isinstance(body, dict):
+            raise _detail(400, "Request body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _missing(*where: str) -> _HTTPError:
+        """FastAPI's 422 for a missing embedded body field."""
+        return _detail(
+            422, [{"type": "missing", "loc": list(where), "msg": "Field required", "input": None}]
+        )
+
+    def _version_of(self, label: str) -> int:
+        """The engine's int version for a label (AsyncFlow's labels are ``str(int)``)."""
+        if label in self._versions:
+            return self._versions[label]
+        version = int(label) if label.isdigit() else 1_000_000 + len(self._versions)
+        self._versions[label] = version
+        self.labels[version] = label
+        return version
+
+    # ---- routes: info ---------------------------------------------------------------------
+    async def _version(self, request: web.Request) -> Any:
+        return {"version": self.vllm_version}
+
+    async def _health(self, request: web.Request) -> Any:
+        return web.Response(status=200)
+
+    async def _weight_info(self, request: web.Request) -> Any:
+        return {"weight_version": self.label(self.engine.weight_version)}
+
+    async def _world_size(self, request: web.Request) -> Any:
+        return {"world_size": self.world_size}
+
+    async def _is_paused(self, request: web.Request) -> Any:
+        return {"is_paused": self.engine.paused}
+
+    async def _is_sleeping(self, request: web.Request) -> Any:
+        return {"is_sleeping": self.engine.asleep}
+
+    # ---- routes: generation ---------------------------------------------------------------
+    async def _generate(self, request: web.Request) -> Any:
+        body = await self._json(request)
+        rid = body.get("request_id") or str(uuid.uuid4())
+        tokens = body.get("token_ids")
+        if (
+            not isinstance(tokens, list)
+            or not tokens
+            or not all(isinstance(t, int) and t >= 0 for t in tokens)
+        ):
+            raise _detail(422, "token_ids: a non-empty list of non-negative ints")
+        sp = body.get("sampling_params")
+        if not isinstance(sp, dict):
+            raise self._missing("body", "sampling_params")
+        unknown = set(sp) - SAMPLING_KEYS
+        if unknown:
+            raise _error(400, f"unknown sampling_params {sorted(unknown)}")
+        if sp.get("n", 1) != 1:
+            raise _error(400, "the replay server serves n=1 only")
+        if body.get("stream"):
+            raise _error(400, "the replay server does not stream")
+        if self.reject_new is not None:
+            raise _error(503, "Generation is paused. Please retry after it resumes.")
+        if self.engine.asleep:
+            raise _error(503, "The engine is sleeping; POST /wake_up first.")
+        try:
+            params = SamplingParams(
+                max_tokens=int(sp.get("max_tokens", 16)),
+                temperature=float(sp.get("temperature", 1.0)),
+                top_p=float(sp.get("top_p", 1.0)),
+                top_k=int(sp.get("top_k", 0)),
+                seed=sp.get("seed"),
+                stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+            )
+        except (TypeError, ValueError) as exc:
+            raise _error(400, f"bad sampling_params: {exc}") from exc
+        internal = PREFIX + str(rid)
+        try:
+            future = self.engine.submit(GenerationRequest(internal, tuple(tokens), params))
+        except AsyncFlowError as exc:
+            raise _error(400, str(exc)) from exc
+        result = await future
+        want_logprobs = sp.get("logprobs") is not None
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": result.finish_reason,
+            "stop_reason": (
+                result.tokens[-1] if result.finish_reason == "stop" and result.tokens else None
+            ),
+            "token_ids": list(result.tokens),
+            "routed_experts": None,
+            "sampling_mask": None,
+            "logprobs": (
+                {
+                    "content": [
+                        {
+                            "token_id": t,
+                            "logprob": lp,
+                            "rank": None,
+                            "top_logprobs": [{"token_id": t, "logprob": lp, "rank": None}],
+                        }
+                        for t, lp in zip(result.tokens, result.logprobs, strict=True)
+                    ]
+                }
+                if want_logprobs
+                else None
+            ),
+            "weight_versions": self._spans(result.versions) if self.spans else None,
+        }
+        return {
+            "request_id": internal,
+            "model": "replay",
+            "created": 0,
+            "usage": {
+                "prompt_tokens": len(tokens),
+                "completion_tokens": len(result.tokens),
+                "total_tokens": len(tokens) + len(result.tokens),
+            },
+            "prompt_token_ids": None,
+            "output_mode": "tokens",
+            "choices": [choice],
+        }
+
+    def _spans(self, versions: tuple[int, ...]) -> list[dict[str, Any]]:
+        spans: list[dict[str, Any]] = []
+        for i, v in enumerate(versions):
+            label = self.label(v)
+            if spans and spans[-1]["version"] == label:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": label, "start": i, "end": i + 1})
+        return spans
+
+    async def _abort(self, request: web.Request) -> Any:
+        body = await self._json(request)
+        ids = body.get("request_ids")
+        if ids:
+            await self.engine.abort([str(i) for i in ids])
+            count = len(ids)
+        else:  # empty/missing: abort everything in flight (vLLM does the same)
+            await self.engine.pause("abort")
+            await self.engine.resume()
+            count = -1
+        return {"status": "aborted", "aborted": count}
+
+    # ---- routes: pause / sleep ------------------------------------------------------------
+    async def _pause(self, request: web.Request) -> Any:
+        mode = request.query.get("mode", "abort")
+        if mode not in ("abort", "wait", "keep"):
+            raise _detail(422, f"mode: Input should be 'abort', 'wait' or 'keep', got {mode!r}")
+        if mode == "keep":
+            await self.engine.pause("keep")
+        else:
+            self.reject_new = mode
+            if mode == "abort":
+                await self.engine.pause("abort")
+            else:
+                while self.engine.running or self.engine.queued:
+                    await asyncio.sleep(0.01)
+                await self.engine.pause("keep")
+        return {"status": "paused"}
+
+    async def _resume(self, request: web.Request) -> Any:
+        self.reject_new = None
+        await self.engine.resume()
+        return {"status": "resumed"}
+
+    async def _sleep(self, request: web.Request) -> Any:
+        try:
+            level = int(request.query.get("level", "1"))
+        except ValueError as exc:
+            raise _detail(422, "level: an int") from exc
+        mode = request.query.get("mode", "abort")
+        if not 0 <= level <= 2 or mode not in ("abort", "wait", "keep"):
+            raise _detail(422, "level: 0..2; mode: abort|wait|keep")
+        if mode == "abort":
+            await self.engine.pause("abort")
+            await self.engine.resume()
+        await self.engine.sleep(max(level, 1))
+        return {"status": "sleeping", "level": level}
+
+    async def _wake_up(self, request: web.Request) -> Any:
+        tags = request.query.getall("tags", []) or None
+        await self.engine.wake_up()
+        return {"status": "awake", "tags": tags}
+
+    async def _reset_prefix_cache(self, request: web.Request) -> Any:
+        self.prefix_cache_resets += 1
+        return {"success": True}
+
+    # ---- routes: weights ------------------------------------------------------------------
+    async def _update_version(self, request: web.Request) -> Any:
+        body = await self._json(request)
+        label = body.get("new_version")
+        if not isinstance(label, str):
+            raise self._missing("body", "new_version")
+        await self.engine.load_weights((), self._version_of(label))
+        return {"success": True, "new_version": label}
+
+    async def _init_transfer(self, request: web.Request) -> Any:
+        body = await self._json(request)
+        info = body.get("init_info")
+        if not isinstance(info, dict):
+            raise self._missing("body", "init_info")
+        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+            if key not in info:
+                raise _error(400, f"init_info lacks {key!r}")
+        if info.get("packed", False):
+            raise _error(400, "the replay server serves packed=false only")
+        group = WeightSyncGroup(
+            str(info["master_address"]),
+            int(info["master_port"]),
+            int(info["rank_offset"]),
+            int(info["world_size"]),
+            backend="gloo",
+            timeout_s=60.0,
+        )
+        await asyncio.to_thread(group.connect)
+        self.group = _Group(group)
+        return {"message": "Weight transfer initialized"}
+
+    def _need_group(self) -> _Group:
+        if self.group is None:
+            raise _error(500, "the weight transfer engine is not initialized")
+        return self.group
+
+    async def _start_update(self, request: web.Request) -> Any:
+        group = self._need_group()
+        group.staged = []
+        group.updating = True
+        return {"message": "Weight update started"}
+
+    async def _update_weights(self, request: web.Request) -> Any:
+        body = await self._json(request)
+        info = body.get("update_info")
+        if not isinstance(info, dict):
+            raise self._missing("body", "update_info")
+        group = self._need_group()
+        if not group.updating:
+            raise _error(500, "update_weights before start_weight_update")
+        names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+        if not (
+            isinstance(names, list)
+            and isinstance(dtypes, list)
+            and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)
+        ):
+            raise _error(400, "update_info: names, dtype_names and shapes of equal length")
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            got = []
+            for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                group.group.broadcast(tensor, 0)
+                got.append((str(name), tensor))
+            return got
+
+        group.staged.extend(await asyncio.to_thread(receive))
+        return {"message": "Weights updated"}
+
+    async def _finish_update(self, request: web.Request) -> Any:
+        body = await self._json(request)
+        label = body.get("weight_version")
+        group = self._need_group()
+        if not group.updating:
+            raise _error(500, "finish_weight_update before start_weight_update")
+        version = self.engine.weight_version if label is None else self._version_of(str(label))
+        staged, group.staged, group.updating = group.staged, [], False
+        await self.engine.load_weights(staged, version)
+        return {"message": "Weight update finished"}
+
+    async def _shutdown_transfer(self, request: web.Request) -> Any:
+        if self.group is not None:
+            self.group.group.close()
+            self.group = None
+        return {"message": "Weight transfer shut down"}
