@@ -1,0 +1,354 @@
+"""``SGLangEngine``: the ``InferenceEngine`` protocol over an in-process ``sglang.Engine``
+(``sglang/srt/entrypoints/engine.py``), for a rollout worker that owns its GPUs.
+
+``sglang.Engine``'s own weight and memory methods block on ``self.loop.run_until_complete``
+and so cannot be called from a running event loop; this adapter calls the async
+``TokenizerManager`` methods they wrap instead (``engine.tokenizer_manager``:
+``tokenizer_control_mixin.py`` — each weight method takes an ``io_struct`` request and answers
+``(success, message)``), and ``Engine.async_generate`` for generation. Pause, continue and
+abort exist only on the tokenizer manager (``tokenizer_manager.py``: ``abort_request(rid,
+abort_all)``, ``async pause_generation(PauseGenerationReqInput)``, ``async
+continue_generation(ContinueGenerationReqInput)``); each is feature-detected, and a missing
+one is an ``EngineError`` naming it.
+
+The mapping is the HTTP adapter's (``asyncflow_sglang.http``): the same sampling fields, the
+same answer (``read_output``), version-only ``load_weights``, ``GroupReceiver`` methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+
+from asyncflow_core.enginekit import (
+    PauseGate,
+    assemble,
+    check_request,
+    continuation,
+    is_int,
+    parse_version,
+    require_module,
+)
+from asyncflow_core.errors import AsyncFlowError, EngineError
+from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
+
+from .compat import INSTALL, require_sglang
+from .group import DEFAULT_GROUP_NAME
+from .http import _SLEEP_TAGS, KeepMode, _Flight, read_output, sampling_params
+
+__all__ = ["SGLangEngine"]
+
+
+class SGLangEngine:
+    """``SGLangEngine(*, check_version=True, group_name=..., weight_backend="nccl",
+    weight_group_ranks=None, keep_mode="retract", abort_wait_s=30, **server_args)`` builds
+    ``sglang.Engine(**server_args)`` (``MissingExtraError`` without sglang, ``ConfigError``
+    outside ``compat.TESTED``); ``SGLangEngine.from_engine(engine, io_struct=...)`` wraps an
+    existing one (``io_struct``: the module with SGLang's request classes, default
+    ``sglang.srt.managers.io_struct``). See the module docstring and ``SGLangHTTPEngine``
+    for the semantics; ``shutdown()`` / ``close()`` stops the engine."""
+
+    def __init__(
+        self,
+        *,
+        check_version: bool = True,
+        group_name: str = DEFAULT_GROUP_NAME,
+        weight_backend: str = "nccl",
+        weight_group_ranks: int | None = None,
+        keep_mode: KeepMode = "retract",
+        abort_wait_s: float = 30.0,
+        **server_args: Any,
+    ) -> None:
+        sglang = require_sglang(check=check_version)
+        io_struct = require_module(
+            "sglang.srt.managers.io_struct", who="asyncflow_sglang.SGLangEngine", install=INSTALL
+        )
+        engine = sglang.Engine(**server_args)
+        self._setup(
+            engine, io_struct, group_name, weight_backend, weight_group_ranks, keep_mode,
+            abort_wait_s,
+        )  # fmt: skip
+
+    @classmethod
+    def from_engine(
+        cls,
+        engine: Any,
+        *,
+        io_struct: ModuleType | Any = None,
+        group_name: str = DEFAULT_GROUP_NAME,
+        weight_backend: str = "nccl",
+        weight_group_ranks: int | None = None,
+        keep_mode: KeepMode = "retract",
+        abort_wait_s: float = 30.0,
+    ) -> SGLangEngine:
+        if io_struct is None:
+            io_struct = require_module(
+                "sglang.srt.managers.io_struct",
+                who="asyncflow_sglang.SGLangEngine",
+                install=INSTALL,
+            )
+        self = cls.__new__(cls)
+        self._setup(
+            engine, io_struct, group_name, weight_backend, weight_group_ranks, keep_mode,
+            abort_wait_s,
+        )  # fmt: skip
+        return self
+
+    def _setup(
+        self,
+        engine: Any,
+        io_struct: Any,
+        group_name: str,
+        weight_backend: str,
+        weight_group_ranks: int | None,
+        keep_mode: KeepMode,
+        abort_wait_s: float,
+    ) -> None:
+        self.who = "SGLangEngine"
+        if keep_mode not in ("retract", "in_place"):
+            raise EngineError(f"{self.who}: keep_mode must be 'retract' or 'in_place'")
+        if not hasattr(engine, "async_generate"):
+            raise EngineError(
+                f"{self.who}: {type(engine).__name__} has no async_generate; pass an sglang.Engine"
+            )
+        self.engine = engine
+        self.io = io_struct
+        self.group_name = group_name
+        self.weight_backend = weight_backend
+        self.keep_mode: KeepMode = keep_mode
+        self.abort_wait_s = float(abort_wait_s)
+        self._explicit_ranks = weight_group_ranks
+        self._gate = PauseGate(self.who)
+        self._inflight: dict[str, _Flight] = {}
+        self._sleep_tags: list[str] | None = None
+        self._asleep = False
+        self._closed = False
+        tm = getattr(engine, "tokenizer_manager", None)
+        config_value = getattr(tm, "config_value", None)
+        raw = config_value("weight_version") if callable(config_value) else None
+        self._version: Version = parse_version(raw, who=self.who)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _tm_method(self, name: str) -> Any:
+        tm = getattr(self.engine, "tokenizer_manager", None)
+        method = getattr(tm, name, None)
+        if not callable(method):
+            raise EngineError(
+                f"{self.who}: this sglang.Engine has no tokenizer_manager.{name}; this "
+                "operation needs SGLang >=0.5.23,<0.6 (or use SGLangHTTPEngine on a server)"
+            )
+        return method
+
+    def _req(self, cls_name: str, **fields: Any) -> Any:
+        cls = getattr(self.io, cls_name, None)
+        if cls is None:
+            raise EngineError(f"{self.who}: sglang io_struct has no {cls_name}")
+        return cls(**fields)
+
+    async def _control(self, method: str, cls_name: str, **fields: Any) -> None:
+        """``await tokenizer_manager.<method>(io_struct.<cls_name>(**fields), None)``, which
+        answers ``(success, message)``."""
+        call = self._tm_method(method)
+        try:
+            answer = await call(self._req(cls_name, **fields), None)
+        except AsyncFlowError:
+            raise
+        except Exception as exc:
+            raise EngineError(f"{self.who}: {method} failed: {exc}") from exc
+        if isinstance(answer, tuple) and answer and answer[0] is not True:
+            message = answer[1] if len(answer) > 1 else ""
+            raise EngineError(f"{self.who}: {method} did not succeed: {message}")
+
+    # ---- InferenceEngine ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> Version:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        req = check_request(self.who, request, in_flight=self._inflight)
+        if self._closed:
+            raise EngineError(f"{self.who}: the engine is closed")
+        rid = req.request_id
+        flight = _Flight()
+        self._inflight[rid] = flight
+        try:
+            await self._gate.wait()
+            prompt, remaining = continuation(req)
+            if flight.aborted:
+                return assemble(req, [], [], [], "abort", who=self.who)
+            if remaining == 0:
+                return assemble(req, [], [], [], "length", who=self.who)
+            flight.sent = True
+            try:
+                out = await self.engine.async_generate(
+                    input_ids=prompt,
+                    sampling_params=sampling_params(req, remaining),
+                    return_logprob=True,
+                    rid=rid,
+                )
+            except Exception as exc:
+                if flight.was_aborted():
+                    return assemble(req, [], [], [], "abort", who=self.who)
+                raise EngineError(f"{self.who}: request {rid!r} failed: {exc}") from exc
+            return read_output(req, out, fallback=self._version, who=self.who)
+        finally:
+            del self._inflight[rid]
+            flight.done.set()
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Sequence):
+            raise EngineError(
+                f"{self.who}: abort takes a sequence of request ids, got {request_ids!r:.80}"
+            )
+        targets = {}
+        for rid in request_ids:
+            flight = self._inflight.get(rid) if isinstance(rid, str) else None
+            if flight is not None:
+                flight.aborted = True
+                targets[rid] = flight
+        if not targets:
+            return
+        abort_request = self._tm_method("abort_request")
+        deadline = time.monotonic() + self.abort_wait_s
+        resend = 0.0
+        while True:
+            live = [(rid, f) for rid, f in targets.items() if not f.done.is_set()]
+            if not live or time.monotonic() >= deadline:
+                return
+            if time.monotonic() >= resend:
+                for rid, f in live:
+                    if f.sent:
+                        abort_request(rid=rid, abort_all=False)
+                resend = time.monotonic() + 0.25
+            waits = [asyncio.ensure_future(f.done.wait()) for _, f in live]
+            await asyncio.wait(waits, timeout=0.05)
+            for w in waits:
+                w.cancel()
+
+    # ---- SupportsPause ----------------------------------------------------------------------
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        if mode not in ("abort", "keep"):
+            raise EngineError(f"{self.who}: pause mode must be 'abort' or 'keep', got {mode!r}")
+        pause = self._tm_method("pause_generation")
+        self._gate.pause()
+        server_mode = "abort" if mode == "abort" else self.keep_mode
+        await pause(self._req("PauseGenerationReqInput", mode=server_mode))
+        if mode == "abort":
+            await self.abort([rid for rid, f in self._inflight.items() if f.sent])
+
+    async def resume(self) -> None:
+        cont = self._tm_method("continue_generation")
+        await cont(self._req("ContinueGenerationReqInput"))
+        self._gate.resume()
+
+    # ---- SupportsSleep ----------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        if not is_int(level) or level not in _SLEEP_TAGS:
+            raise EngineError(f"{self.who}: sleep level must be 1 or 2, got {level!r}")
+        if self._asleep:
+            return
+        tags = list(_SLEEP_TAGS[level])
+        await self._control(
+            "release_memory_occupation", "ReleaseMemoryOccupationReqInput", tags=tags
+        )
+        self._sleep_tags, self._asleep = tags, True
+
+    async def wake_up(self) -> None:
+        if not self._asleep:
+            return
+        await self._control(
+            "resume_memory_occupation", "ResumeMemoryOccupationReqInput", tags=self._sleep_tags
+        )
+        self._sleep_tags, self._asleep = None, False
+
+    # ---- SupportsLoadWeights ------------------------------------------------------------
+    async def load_weights(
+        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
+    ) -> None:
+        """Version bump only (empty ``weights``); tensors come through ``SGLangWeightSync``."""
+        if len(weights):
+            raise EngineError(
+                f"{self.who}: load_weights takes no tensors; send them with "
+                "asyncflow_sglang.SGLangWeightSync (the GroupReceiver methods of this engine)"
+            )
+        await self.commit_weights(version)
+
+    # ---- GroupReceiver ----------------------------------------------------------------------
+    @property
+    def weight_group_ranks(self) -> int:
+        if self._explicit_ranks is not None:
+            return self._explicit_ranks
+        args = getattr(getattr(self.engine, "tokenizer_manager", None), "server_args", None)
+        tp = getattr(args, "tp_size", None)
+        dp, pp = getattr(args, "dp_size", 1), getattr(args, "pp_size", 1)
+        if not is_int(tp) or tp < 1 or dp != 1 or pp != 1:
+            raise EngineError(
+                f"{self.who}: cannot tell the engine's weight-group ranks (tp_size={tp!r}, "
+                f"dp_size={dp!r}, pp_size={pp!r}); pass weight_group_ranks="
+            )
+        return tp
+
+    async def join_weight_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
+        await self._control(
+            "init_weights_update_group",
+            "InitWeightsUpdateGroupReqInput",
+            master_address=master_address,
+            master_port=int(master_port),
+            rank_offset=int(rank_offset),
+            world_size=int(world_size),
+            group_name=self.group_name,
+            backend=self.weight_backend,
+        )
+
+    async def begin_weight_update(self) -> None:
+        return None
+
+    async def receive_weights(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> None:
+        await self._control(
+            "update_weights_from_distributed",
+            "UpdateWeightsFromDistributedReqInput",
+            names=list(names),
+            dtypes=list(dtypes),
+            shapes=[[int(d) for d in s] for s in shapes],
+            group_name=self.group_name,
+            flush_cache=True,
+        )
+
+    async def commit_weights(self, version: Version) -> None:
+        if not is_int(version) or version < 0:
+            raise EngineError(f"{self.who}: version must be an int >= 0, got {version!r}")
+        update = self._tm_method("update_weight_version")
+        req = self._req(
+            "UpdateWeightVersionReqInput", new_version=str(version), abort_all_requests=False
+        )
+        try:
+            await update(req)
+        except Exception as exc:
+            raise EngineError(f"{self.who}: update_weight_version failed: {exc}") from exc
+        self._version = version
+
+    async def leave_weight_group(self) -> None:
+        await self._control(
+            "destroy_weights_update_group",
+            "DestroyWeightsUpdateGroupReqInput",
+            group_name=self.group_name,
+        )
+
+    async def close(self) -> None:
+        """Shut the engine down (``sglang.Engine.shutdown``). Safe to repeat."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gate.close("the engine is closed")
+        shutdown = getattr(self.engine, "shutdown", None)
+        if callable(shutdown):
+            await asyncio.to_thread(shutdown)

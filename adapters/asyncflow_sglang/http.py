@@ -1,0 +1,635 @@
+"""``SGLangHTTPEngine``: the ``InferenceEngine`` protocol (with pause, sleep, version-only
+loads and the ``GroupReceiver`` side of a collective weight sync) over a running SGLang
+server (``python -m sglang.launch_server``), on its native routes.
+
+Routes, bodies and answers follow SGLang 0.5.23 (``compat.TESTED``):
+``sglang/srt/entrypoints/http_server.py`` (routes and their answers) and
+``sglang/srt/managers/io_struct.py`` (request bodies); sampling fields from
+``sglang/srt/sampling/sampling_params.py``; per-token weight versions from
+``sglang/srt/utils/weight_versions.py::add_weight_versions_to_meta_info``.
+
+=============================  ==============================================================
+adapter                        SGLang route and body
+=============================  ==============================================================
+``connect()``                  ``GET /server_info`` ("version", "tp_size", "dp_size",
+                               "pp_size"; ``/get_server_info`` on older servers), then
+                               ``GET /model_info`` ("weight_version")
+``generate(request)``          ``POST /generate`` ``{input_ids, sampling_params{max_new_tokens,
+                               temperature, top_p, top_k (-1 = off), sampling_seed?,
+                               stop_token_ids?}, return_logprob: true, rid, stream: false}``
+``abort(ids)``                 ``POST /abort_request {rid, abort_all: false}`` per in-flight id
+``pause("abort")``             ``POST /pause_generation {mode: "abort"}``
+``pause("keep")``              ``POST /pause_generation {mode: keep_mode}`` ("retract")
+``resume()``                   ``POST /continue_generation {}``
+``sleep(level)``/``wake_up()`` ``POST /release_memory_occupation {tags}`` /
+                               ``POST /resume_memory_occupation {tags}``
+``load_weights((), v)``        ``POST /update_weight_version {new_version: str(v),
+                               abort_all_requests: false}``
+``join_weight_group(...)``     ``POST /init_weights_update_group {master_address, master_port,
+                               rank_offset, world_size, group_name, backend}``
+``receive_weights(...)``       ``POST /update_weights_from_distributed {names, dtypes, shapes,
+                               group_name, flush_cache, abort_all_requests: false}``
+``commit_weights(v)``          ``POST /update_weight_version`` (as above)
+``leave_weight_group()``       ``POST /destroy_weights_update_group {group_name}``
+``update_weights_from_disk``   ``POST /update_weights_from_disk {model_path, weight_version?,
+                               abort_all_requests: false, flush_cache: true}``
+``flush_cache()``              ``POST /flush_cache`` (200 with a plain-text body, 400 busy)
+``model_info()``               ``GET /model_info``
+=============================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from asyncflow_core.enginekit import (
+    PauseGate,
+    assemble,
+    check_request,
+    continuation,
+    describe,
+    finish_reason,
+    is_int,
+    parse_version,
+    versions_from_spans,
+)
+from asyncflow_core.errors import EngineError
+from asyncflow_core.httpclient import JsonClient
+from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
+
+from .compat import INSTALL_CLIENT, check_sglang_version
+from .group import DEFAULT_GROUP_NAME
+
+__all__ = ["SGLangHTTPEngine", "read_output", "sampling_params"]
+
+KeepMode = Literal["retract", "in_place"]
+
+_SLEEP_TAGS: dict[int, list[str]] = {
+    # sglang/srt/constants.py: GPU_MEMORY_TYPE_KV_CACHE / _WEIGHTS / _CUDA_GRAPH
+    1: ["kv_cache"],
+    2: ["kv_cache", "weights"],
+}
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A request this adapter has in flight: ``sent`` once its /generate left,
+    ``aborted`` once ``abort``/``pause("abort")`` named it, ``done`` when generate ended."""
+
+    sent: bool = False
+    aborted: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def was_aborted(self) -> bool:
+        """``aborted`` now (a call, so type checkers do not keep an earlier narrowing)."""
+        return self.aborted
+
+
+def sampling_params(request: GenerationRequest, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang's ``sampling_params`` for ``request`` (``SamplingParams`` in
+    ``sglang/srt/sampling/sampling_params.py``): ``top_k`` -1 is "off" there (0 is rejected
+    by ``verify``: "top_k must be -1 (disable) or at least 1"); the seed field is
+    ``sampling_seed``; temperature 0 is greedy (SGLang turns it into top_k = 1)."""
+    p = request.params
+    params: dict[str, Any] = {
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(p.temperature),
+        "top_p": float(p.top_p),
+        "top_k": int(p.top_k) if p.top_k > 0 else -1,
+    }
+    if p.seed is not None:
+        params["sampling_seed"] = int(p.seed)
+    if p.stop_token_ids:
+        params["stop_token_ids"] = [int(t) for t in p.stop_token_ids]
+    return params
+
+
+def read_output(
+    request: GenerationRequest, out: Any, *, fallback: Version, who: str
+) -> GenerationResult:
+    """The ``GenerationResult`` of a ``/generate`` (or ``Engine.async_generate``) answer:
+    ``meta_info.output_token_logprobs`` is ``[(logprob, token_id, text|None), ...]``
+    (tokenizer_manager.py), ``meta_info.finish_reason`` is ``{"type": ...}``,
+    ``meta_info.weight_versions`` is ``[{"version", "start", "end"}]`` when the server
+    tracks per-token versions (weight_versions.py), else every token gets
+    ``meta_info.weight_version`` (or ``fallback`` when absent). Anything else is an
+    ``EngineError`` quoting the answer."""
+    rid = request.request_id
+
+    def malformed(what: str) -> EngineError:
+        return EngineError(
+            f"{who}: request {rid!r}: {what} in the answer {describe(out)}; a malformed "
+            "response — is this an SGLang server of a tested version?"
+        )
+
+    if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+        raise malformed("no meta_info object")
+    meta = out["meta_info"]
+    reason = finish_reason(meta.get("finish_reason"), who=who, rid=rid)
+    entries = meta.get("output_token_logprobs")
+    if entries is None and reason == "abort":
+        entries = []  # e.g. aborted before prefill: nothing generated
+    if not isinstance(entries, list):
+        raise malformed("meta_info.output_token_logprobs is missing (return_logprob was sent)")
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for entry in entries:
+        if (
+            not isinstance(entry, list | tuple)
+            or len(entry) < 2
+            or not is_int(entry[1])
+            or isinstance(entry[0], bool)
+            or not isinstance(entry[0], int | float)
+            or not math.isfinite(entry[0])
+        ):
+            raise malformed(f"output_token_logprobs entry {entry!r:.60} is not (logprob, id, _)")
+        logprobs.append(float(entry[0]))
+        tokens.append(int(entry[1]))
+    output_ids = out.get("output_ids")
+    if output_ids is not None and [int(t) for t in output_ids] != tokens:
+        raise malformed("output_ids disagree with output_token_logprobs")
+    now = meta.get("weight_version")
+    base = fallback if now is None else parse_version(now, who=who)
+    raw_spans = meta.get("weight_versions")
+    spans: list[tuple[object, int, int]] = []
+    if raw_spans is not None:
+        if not isinstance(raw_spans, list):
+            raise malformed("meta_info.weight_versions is not a list")
+        for span in raw_spans:
+            if isinstance(span, dict) and {"version", "start", "end"} <= span.keys():
+                spans.append((span["version"], span["start"], span["end"]))
+            elif isinstance(span, list | tuple) and len(span) == 3:  # msgspec array_like form
+                spans.append((span[0], span[1], span[2]))
+            else:
+                raise malformed(f"weight-version span {span!r:.60}")
+    versions = versions_from_spans(spans, len(tokens), fallback=base, who=who)
+    return assemble(request, tokens, logprobs, versions, reason, who=who)
+
+
+class SGLangHTTPEngine:
+    """An ``InferenceEngine`` (+ ``SupportsPause``, ``SupportsSleep``, ``SupportsLoadWeights``
+    for version-only loads, ``GroupReceiver``) over an SGLang server at ``base_url``.
+
+    ``SGLangHTTPEngine(base_url, *, timeout_s=600, connect_timeout_s=10,
+    control_timeout_s=300, check_server_version=True, group_name="weight_update_group",
+    weight_backend="nccl", weight_group_ranks=None, keep_mode="retract", flush_cache=True,
+    abort_wait_s=30, name=None)`` or ``await SGLangHTTPEngine.connect_to(base_url, ...)``.
+
+    **Connecting.** ``connect()`` (also run on first use) reads ``/server_info``: its
+    ``"version"`` must lie in ``compat.TESTED`` (``ConfigError`` otherwise;
+    ``check_server_version=False`` skips it) and its ``tp_size`` is ``weight_group_ranks``
+    (a server with ``dp_size``/``pp_size`` > 1 needs ``weight_group_ranks`` passed: SGLang
+    joins at ``rank_offset + tp_rank``); then ``/model_info``'s ``weight_version`` (SGLang's
+    ``"default"`` = 0) sets ``weight_version``.
+
+    **Generation.** Each request is checked (``enginekit.check_request``) before anything is
+    sent; a resumed request is sent as prompt + prefix with ``max_new_tokens`` reduced.
+    ``abort`` ends named in-flight requests (SGLang ignores unknown rids; ids this adapter
+    never sent are a no-op) and waits (``abort_wait_s``) until each returns its partial
+    result, re-sending the abort while the server has not registered the rid yet.
+
+    **Pausing.** New requests wait in the adapter while paused (``PauseGate``).
+    ``pause("keep")`` uses SGLang's ``"retract"`` mode by default: running requests go back
+    to the waiting queue keeping their tokens, and their KV cache is recomputed after
+    ``continue_generation`` — under the new weights when a sync happened in between (as the
+    protocol's version law expects), and ``flush_cache`` (which a weight update runs) still
+    works; ``"in_place"`` keeps the KV cache computed by the old weights and makes
+    ``flush_cache`` fail while requests are held (io_struct.py ``PauseGenerationReqInput``).
+
+    **Weights.** ``load_weights`` takes no tensors over HTTP: an empty ``weights`` bumps the
+    version (``/update_weight_version``); tensors reach the server by ``SGLangWeightSync`` /
+    ``EngineGroupWeightSync`` (``GroupReceiver`` methods here) or ``update_weights_from_disk``.
+    ``weight_backend`` is the collective backend the server joins with (``"gloo"`` for CPU
+    tests); it must match the trainer's ``sglang_group(backend=...)``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        control_timeout_s: float = 300.0,
+        check_server_version: bool = True,
+        group_name: str = DEFAULT_GROUP_NAME,
+        weight_backend: str = "nccl",
+        weight_group_ranks: int | None = None,
+        keep_mode: KeepMode = "retract",
+        flush_cache: bool = True,
+        abort_wait_s: float = 30.0,
+        name: str | None = None,
+    ) -> None:
+        self.who = f"SGLangHTTPEngine {name or base_url!r}"
+        if keep_mode not in ("retract", "in_place"):
+            raise EngineError(f"{self.who}: keep_mode must be 'retract' or 'in_place'")
+        if weight_group_ranks is not None and (
+            not is_int(weight_group_ranks) or weight_group_ranks < 1
+        ):
+            raise EngineError(f"{self.who}: weight_group_ranks must be None or an int >= 1")
+        for label, value in (
+            ("control_timeout_s", control_timeout_s),
+            ("abort_wait_s", abort_wait_s),
+        ):
+            if not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise EngineError(f"{self.who}: {label} must be a number > 0, got {value!r}")
+        if not isinstance(group_name, str) or not group_name:
+            raise EngineError(f"{self.who}: group_name must be a non-empty str")
+        self.client = JsonClient(
+            base_url,
+            who=self.who,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            install=INSTALL_CLIENT,
+            hints={
+                404: "the server lacks this route: start an SGLang server of a tested version "
+                "(python -m sglang.launch_server, sglang >=0.5.23,<0.6)"
+            },
+        )
+        self.base_url = self.client.base_url
+        self.control_timeout_s = float(control_timeout_s)
+        self.check_server_version = bool(check_server_version)
+        self.group_name = group_name
+        self.weight_backend = weight_backend
+        self.keep_mode: KeepMode = keep_mode
+        self.flush_on_update = bool(flush_cache)
+        self.abort_wait_s = float(abort_wait_s)
+        self.server_version: str | None = None
+        self.server_info: dict[str, Any] = {}
+        self._explicit_ranks = weight_group_ranks
+        self._ranks: int | None = None
+        self._ranks_problem: str | None = None
+        self._reported_ranks: int | None = None
+        self._version: Version = 0
+        self._gate = PauseGate(self.who)
+        self._inflight: dict[str, _Flight] = {}
+        self._connected = False
+        self._connect_lock: asyncio.Lock | None = None
+        self._sleep_tags: list[str] | None = None
+        self._asleep = False
+        self._closed = False
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    async def connect_to(cls, base_url: str, **kwargs: Any) -> SGLangHTTPEngine:
+        """Build and ``connect()``: the version check and the server's state happen here."""
+        engine = cls(base_url, **kwargs)
+        try:
+            await engine.connect()
+        except BaseException:
+            await engine.close()
+            raise
+        return engine
+
+    async def connect(self) -> None:
+        """Read the server's version, parallel sizes and weight version (idempotent)."""
+        if self._connected:
+            return
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            if self.connected:
+                return
+            self._usable()
+            info = await self._server_info()
+            version = info.get("version")
+            if not isinstance(version, str):
+                raise EngineError(
+                    f"{self.who}: /server_info has no 'version' ({describe(info)}); a malformed "
+                    "response — is this an SGLang server?"
+                )
+            if self.check_server_version:
+                check_sglang_version(version)
+            self.server_version = version
+            self.server_info = info
+            sizes = {k: info.get(k, 1) for k in ("tp_size", "dp_size", "pp_size")}
+            if all(is_int(v) and v >= 1 for v in sizes.values()):
+                self._ranks = int(sizes["tp_size"])
+                if sizes["dp_size"] != 1 or sizes["pp_size"] != 1:
+                    self._ranks_problem = (
+                        f"the server runs dp_size={sizes['dp_size']}, "
+                        f"pp_size={sizes['pp_size']}, where SGLang joins weight groups at "
+                        "rank_offset + tp_rank; pass weight_group_ranks= explicitly"
+                    )
+            else:
+                self._ranks_problem = f"/server_info reports parallel sizes {sizes}"
+            model = await self.model_info()
+            self._version = parse_version(model.get("weight_version"), who=self.who)
+            self._connected = True
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    async def _server_info(self) -> dict[str, Any]:
+        try:
+            info = await self._call("GET", "/server_info")
+        except EngineError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+            info = await self._call("GET", "/get_server_info")  # deprecated name, older servers
+        if not isinstance(info, dict):
+            raise EngineError(
+                f"{self.who}: /server_info answered {describe(info)}, not an object; a "
+                "malformed response"
+            )
+        return info
+
+    # ---- InferenceEngine ----------------------------------------------------------------
+    @property
+    def weight_version(self) -> Version:
+        return self._version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        req = check_request(self.who, request, in_flight=self._inflight)
+        self._usable()
+        rid = req.request_id
+        flight = _Flight()
+        self._inflight[rid] = flight
+        try:
+            await self.connect()
+            await self._gate.wait()
+            prompt, remaining = continuation(req)
+            if flight.aborted:
+                return assemble(req, [], [], [], "abort", who=self.who)
+            if remaining == 0:
+                return assemble(req, [], [], [], "length", who=self.who)
+            body = {
+                "input_ids": prompt,
+                "sampling_params": sampling_params(req, remaining),
+                "return_logprob": True,
+                "rid": rid,
+                "stream": False,
+            }
+            flight.sent = True
+            try:
+                out = await self.client.call("POST", "/generate", json_body=body)
+            except EngineError:
+                if flight.was_aborted():  # the server refused a request aborted before prefill
+                    return assemble(req, [], [], [], "abort", who=self.who)
+                raise
+            return read_output(req, out, fallback=self._version, who=self.who)
+        finally:
+            del self._inflight[rid]
+            flight.done.set()
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Sequence):
+            raise EngineError(
+                f"{self.who}: abort takes a sequence of request ids, got {request_ids!r:.80}; "
+                "wrap a single id in a list"
+            )
+        targets: dict[str, _Flight] = {}
+        for rid in request_ids:
+            flight = self._inflight.get(rid) if isinstance(rid, str) else None
+            if flight is not None:  # unknown or finished ids: nothing to do
+                flight.aborted = True
+                targets[rid] = flight
+        await self._abort_until_done(targets)
+
+    async def _abort_until_done(self, targets: Mapping[str, _Flight]) -> None:
+        """Abort each sent target and wait until its generate ended, re-sending the abort
+        while the server may not have registered the rid yet (SGLang ignores unknown rids:
+        ``TokenizerManager.abort_request``)."""
+        deadline = time.monotonic() + self.abort_wait_s
+        resend = 0.0
+        while True:
+            live = {rid: f for rid, f in targets.items() if not f.done.is_set()}
+            if not live:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                return  # the server keeps them; their generate calls end on their own
+            if now >= resend:
+                await asyncio.gather(
+                    *(
+                        self._call("POST", "/abort_request", {"rid": rid, "abort_all": False})
+                        for rid, f in live.items()
+                        if f.sent
+                    )
+                )
+                resend = time.monotonic() + 0.25
+            waits = [asyncio.ensure_future(f.done.wait()) for f in live.values()]
+            await asyncio.wait(waits, timeout=0.05)
+            for w in waits:
+                w.cancel()
+
+    # ---- SupportsPause --------------------------------------------------------------------
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        if mode not in ("abort", "keep"):
+            raise EngineError(f"{self.who}: pause mode must be 'abort' or 'keep', got {mode!r}")
+        await self.connect()
+        was_paused = self._gate.paused
+        self._gate.pause()
+        server_mode = "abort" if mode == "abort" else self.keep_mode
+        try:
+            await self._call("POST", "/pause_generation", {"mode": server_mode})
+        except BaseException:
+            if not was_paused:
+                self._gate.resume()
+            raise
+        if mode == "abort":
+            # Requests that reached the server after its abort-all wait there for
+            # continue_generation; they were in flight at the pause, so abort them too.
+            sent = {rid: f for rid, f in self._inflight.items() if f.sent}
+            for f in sent.values():
+                f.aborted = True
+            await self._abort_until_done(sent)
+
+    async def resume(self) -> None:
+        await self.connect()
+        await self._call("POST", "/continue_generation", {})
+        self._gate.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self._gate.paused
+
+    # ---- SupportsSleep --------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Level 1 releases the KV cache (``tags=["kv_cache"]``); level 2 also the weights
+        (they come back on ``wake_up`` only with ``--enable-weights-cpu-backup``; otherwise
+        sync weights before generating). The server needs ``--enable-memory-saver``."""
+        if not is_int(level) or level not in _SLEEP_TAGS:
+            raise EngineError(f"{self.who}: sleep level must be 1 or 2, got {level!r}")
+        await self.connect()
+        if self._asleep:
+            return
+        tags = list(_SLEEP_TAGS[level])
+        await self._call("POST", "/release_memory_occupation", {"tags": tags})
+        self._sleep_tags, self._asleep = tags, True
+
+    async def wake_up(self) -> None:
+        await self.connect()
+        if not self._asleep:
+            return
+        await self._call("POST", "/resume_memory_occupation", {"tags": self._sleep_tags})
+        self._sleep_tags, self._asleep = None, False
+
+    # ---- SupportsLoadWeights ------------------------------------------------------------
+    async def load_weights(
+        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
+    ) -> None:
+        """Only a version bump (empty ``weights``) goes over HTTP; see the class docstring."""
+        self._check_version_arg(version)
+        if len(weights):
+            raise EngineError(
+                f"{self.who}: load_weights cannot send {len(weights)} tensors to an SGLang "
+                "server over HTTP; send them with asyncflow_sglang.SGLangWeightSync (or "
+                "asyncflow_core.weightsync.EngineGroupWeightSync with make_group="
+                "asyncflow_sglang.sglang_group), or save them and call "
+                "update_weights_from_disk(path, version)"
+            )
+        await self.commit_weights(version)
+
+    # ---- GroupReceiver ----------------------------------------------------------------------
+    @property
+    def weight_group_ranks(self) -> int:
+        """The ranks this server's workers take in the weight group: ``weight_group_ranks=``
+        if given, else ``/server_info``'s ``tp_size`` once connected (SGLang joins at
+        ``rank_offset + tp_rank``: weight_updater.py). Read before ``connect()`` it is 1, and
+        ``join_weight_group`` fails if the server turns out to need more (never raises here:
+        ``isinstance(engine, GroupReceiver)`` reads it)."""
+        if self._explicit_ranks is not None:
+            return self._explicit_ranks
+        self._reported_ranks = 1 if self._ranks is None else self._ranks
+        return self._reported_ranks
+
+    def _check_ranks(self) -> None:
+        if self._explicit_ranks is not None:
+            return
+        if self._ranks_problem is not None:
+            raise EngineError(f"{self.who}: {self._ranks_problem}")
+        if self._reported_ranks is not None and self._reported_ranks != self._ranks:
+            raise EngineError(
+                f"{self.who}: the weight sync counted {self._reported_ranks} rank(s) for this "
+                f"engine before it connected, but the server runs tp_size={self._ranks}; await "
+                "engine.connect() before building the sync (SGLangWeightSync does), or pass "
+                "weight_group_ranks="
+            )
+
+    async def join_weight_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int
+    ) -> None:
+        await self.connect()
+        self._check_ranks()
+        body = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": self.group_name,
+            "backend": self.weight_backend,
+        }
+        await self._control("/init_weights_update_group", body)
+
+    async def begin_weight_update(self) -> None:
+        """Nothing to open on SGLang for full-precision weights: each
+        ``/update_weights_from_distributed`` loads its tensors as they arrive."""
+        await self.connect()
+
+    async def receive_weights(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> None:
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [[int(d) for d in s] for s in shapes],
+            "group_name": self.group_name,
+            "flush_cache": self.flush_on_update,
+            "abort_all_requests": False,
+        }
+        await self._control("/update_weights_from_distributed", body)
+
+    async def commit_weights(self, version: Version) -> None:
+        self._check_version_arg(version)
+        await self.connect()
+        body = {"new_version": str(version), "abort_all_requests": False}
+        answer = await self._control("/update_weight_version", body)
+        if answer.get("new_version", str(version)) != str(version):
+            raise EngineError(
+                f"{self.who}: /update_weight_version answered {describe(answer)} for "
+                f"version {version}; a malformed response"
+            )
+        self._version = version
+
+    async def leave_weight_group(self) -> None:
+        await self._control("/destroy_weights_update_group", {"group_name": self.group_name})
+
+    # ---- more of SGLang -------------------------------------------------------------------
+    async def update_weights_from_disk(self, path: str, version: Version | None = None) -> None:
+        """Reload the weights from ``path`` (a checkpoint the server can read); with
+        ``version``, label them (``weight_version``) and set ``weight_version``."""
+        if version is not None:
+            self._check_version_arg(version)
+        await self.connect()
+        body: dict[str, Any] = {
+            "model_path": str(path),
+            "abort_all_requests": False,
+            "flush_cache": self.flush_on_update,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+        await self._control("/update_weights_from_disk", body)
+        if version is not None:
+            self._version = version
+
+    async def flush_cache(self) -> None:
+        """``POST /flush_cache``: 200 with a plain-text body, or 400 while requests run."""
+        self._usable()
+        # the route answers plain text, not JSON (http_server.py flush_cache)
+        await self.client.call(
+            "POST", "/flush_cache", timeout_s=self.control_timeout_s, expect_json=False
+        )
+
+    async def model_info(self) -> dict[str, Any]:
+        """``GET /model_info`` (model_path, weight_version, ...)."""
+        info = await self._call("GET", "/model_info")
+        if not isinstance(info, dict):
+            raise EngineError(
+                f"{self.who}: /model_info answered {describe(info)}, not an object; a "
+                "malformed response"
+            )
+        return info
+
+    async def close(self) -> None:
+        """Release the HTTP session; requests waiting on a pause fail. Safe to repeat."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gate.close("the engine is closed")
+        await self.client.close()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _usable(self) -> None:
+        if self._closed:
+            raise EngineError(f"{self.who}: the engine is closed; build a new one")
+
+    def _check_version_arg(self, version: object) -> None:
+        if not is_int(version) or version < 0:
+            raise EngineError(f"{self.who}: version must be an int >= 0, got {version!r}")
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        self._usable()
+        if body is None:
+            return await self.client.call(method, path, timeout_s=self.control_timeout_s)
+        return await self.client.call(
+            method, path, json_body=body, timeout_s=self.control_timeout_s
+        )
+
+    async def _control(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A weight route answering ``{"success", "message"}`` (io_struct's ...ReqOutput;
+        a failure is HTTP 400 with that body, which ``JsonClient`` raises)."""
+        answer = await self._call("POST", path, body)
+        if not isinstance(answer, dict) or answer.get("success") is not True:
+            raise EngineError(f"{self.who}: POST {path} did not succeed: {describe(answer)}")
+        return answer
+
+    def __repr__(self) -> str:
+        return f"SGLangHTTPEngine({self.base_url!r}, version={self._version})"
