@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf]" "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,vllm-client,sglang-client]" "$(TORCH_PIN)"
 	$(PIP) install --quiet --no-deps -e ./conformance
 	touch $(STAMP)
 
@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed
+	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang
 
 pytest: $(STAMP)
 	$(PY) -m pytest -q
