@@ -35,6 +35,7 @@ from asyncflow_core.protocols import (
 
 __all__ = [
     "PauseGate",
+    "abort_ids",
     "assemble",
     "check_request",
     "check_version",
@@ -179,6 +180,18 @@ def check_request(
             f"engine's max_model_len={max_model_len}; shorten the prompt",
         )
     return request
+
+
+def abort_ids(who: str, request_ids: object) -> list[str]:
+    """The ids an ``abort(request_ids)`` names, each once, in order (entries that are not
+    strings cannot be in flight and are dropped: aborting unknown ids is a no-op).
+    ``EngineError`` for a bare string or a non-sequence: wrap a single id in a list."""
+    if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Sequence):
+        raise EngineError(
+            f"{who}: abort takes a sequence of request ids, got {describe(request_ids, 80)}; "
+            "wrap a single id in a list"
+        )
+    return [rid for rid in dict.fromkeys(request_ids) if isinstance(rid, str)]
 
 
 def continuation(request: GenerationRequest) -> tuple[list[int], int]:

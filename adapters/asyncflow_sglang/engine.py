@@ -27,6 +27,7 @@ import torch
 
 from asyncflow_core.enginekit import (
     PauseGate,
+    abort_ids,
     assemble,
     check_request,
     continuation,
@@ -201,13 +202,9 @@ class SGLangEngine:
             flight.done.set()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Sequence):
-            raise EngineError(
-                f"{self.who}: abort takes a sequence of request ids, got {request_ids!r:.80}"
-            )
         targets = {}
-        for rid in request_ids:
-            flight = self._inflight.get(rid) if isinstance(rid, str) else None
+        for rid in abort_ids(self.who, request_ids):
+            flight = self._inflight.get(rid)
             if flight is not None:
                 flight.aborted = True
                 targets[rid] = flight

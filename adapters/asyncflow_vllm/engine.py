@@ -42,6 +42,7 @@ import torch
 
 from asyncflow_core.enginekit import (
     PauseGate,
+    abort_ids,
     assemble,
     check_request,
     continuation,
@@ -198,11 +199,7 @@ class VLLMEngine:
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         self._usable()
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in ids:
-            if not isinstance(rid, str):
-                raise EngineError(f"{self.name}: abort takes request id strings, got {rid!r}")
-        live = [rid for rid in ids if rid in self._inflight]
+        live = [rid for rid in abort_ids(self.name, request_ids) if rid in self._inflight]
         if live:
             await self.engine.abort(live)
 

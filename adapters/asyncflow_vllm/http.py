@@ -56,6 +56,7 @@ import torch
 
 from asyncflow_core.enginekit import (
     PauseGate,
+    abort_ids,
     assemble,
     check_request,
     continuation,
@@ -287,13 +288,9 @@ class VLLMHTTPEngine:
         named requests this engine has in flight (unknown ids are ignored; an empty list is
         never sent, since vLLM reads it as "abort everything"); returns once their
         ``generate`` calls returned (bounded by ``control_timeout_s``)."""
-        if isinstance(request_ids, str | bytes) or not isinstance(request_ids, Sequence):
-            raise EngineError(
-                f"{self.name}: abort takes a sequence of request ids, got "
-                f"{describe(request_ids, 80)}; wrap a single id in a list"
-            )
+        requested = abort_ids(self.name, request_ids)
         self._usable()
-        ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._inflight]
+        ids = [rid for rid in requested if rid in self._inflight]
         if not ids:
             return
         for rid in ids:
