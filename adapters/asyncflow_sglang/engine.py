@@ -18,7 +18,6 @@ same answer (``read_output``), version-only ``load_weights``, ``GroupReceiver`` 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Literal
@@ -27,7 +26,6 @@ import torch
 
 from asyncflow_core.enginekit import (
     PauseGate,
-    abort_ids,
     assemble,
     check_request,
     continuation,
@@ -40,7 +38,15 @@ from asyncflow_core.protocols import GenerationRequest, GenerationResult, Versio
 
 from .compat import INSTALL, require_sglang
 from .group import DEFAULT_GROUP_NAME
-from .http import _SLEEP_TAGS, KeepMode, _Flight, read_output, sampling_params
+from .http import (
+    _SLEEP_TAGS,
+    KeepMode,
+    _Flight,
+    abort_until_done,
+    mark_aborted,
+    read_output,
+    sampling_params,
+)
 
 __all__ = ["SGLangEngine"]
 
@@ -202,30 +208,16 @@ class SGLangEngine:
             flight.done.set()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        targets = {}
-        for rid in abort_ids(self.who, request_ids):
-            flight = self._inflight.get(rid)
-            if flight is not None:
-                flight.aborted = True
-                targets[rid] = flight
+        targets = mark_aborted(self._inflight, self.who, request_ids)
         if not targets:
             return
         abort_request = self._tm_method("abort_request")
-        deadline = time.monotonic() + self.abort_wait_s
-        resend = 0.0
-        while True:
-            live = [(rid, f) for rid, f in targets.items() if not f.done.is_set()]
-            if not live or time.monotonic() >= deadline:
-                return
-            if time.monotonic() >= resend:
-                for rid, f in live:
-                    if f.sent:
-                        abort_request(rid=rid, abort_all=False)
-                resend = time.monotonic() + 0.25
-            waits = [asyncio.ensure_future(f.done.wait()) for _, f in live]
-            await asyncio.wait(waits, timeout=0.05)
-            for w in waits:
-                w.cancel()
+
+        async def send(rids: list[str]) -> None:
+            for rid in rids:
+                abort_request(rid=rid, abort_all=False)
+
+        await abort_until_done(targets, send, self.abort_wait_s)
 
     # ---- SupportsPause ----------------------------------------------------------------------
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:

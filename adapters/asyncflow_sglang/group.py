@@ -188,26 +188,10 @@ class SGLangGroup:
         )
 
 
-def sglang_group(
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    *,
-    group_name: str = DEFAULT_GROUP_NAME,
-    backend: str | None = None,
-    timeout_s: float = 300.0,
-) -> SGLangGroup:
-    """The trainer's rank 0 of SGLang's weight-update group, not yet connected: pass
-    ``functools.partial(sglang_group, group_name=..., backend=...)`` as
-    ``EngineGroupWeightSync(make_group=...)``, or use ``SGLangWeightSync``."""
-    return SGLangGroup(
-        master_address,
-        master_port,
-        world_size,
-        group_name=group_name,
-        backend=backend,
-        timeout_s=timeout_s,
-    )
+sglang_group = SGLangGroup
+"""The trainer's rank 0 of SGLang's weight-update group, not yet connected: pass
+``functools.partial(sglang_group, group_name=..., backend=...)`` as
+``EngineGroupWeightSync(make_group=...)``, or use ``SGLangWeightSync``."""
 
 
 class SGLangWeightSync(EngineGroupWeightSync):

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -91,6 +91,45 @@ class _Flight:
     def was_aborted(self) -> bool:
         """``aborted`` now (a call, so type checkers do not keep an earlier narrowing)."""
         return self.aborted
+
+
+def mark_aborted(
+    inflight: Mapping[str, _Flight], who: str, request_ids: object
+) -> dict[str, _Flight]:
+    """The in-flight requests ``abort(request_ids)`` names, marked aborted (unknown or
+    finished ids: nothing to do)."""
+    targets: dict[str, _Flight] = {}
+    for rid in abort_ids(who, request_ids):
+        flight = inflight.get(rid)
+        if flight is not None:
+            flight.aborted = True
+            targets[rid] = flight
+    return targets
+
+
+async def abort_until_done(
+    targets: Mapping[str, _Flight],
+    send: Callable[[list[str]], Awaitable[None]],
+    wait_s: float,
+) -> None:
+    """Abort each sent target (``send(rids)``) and wait until its generate ended, re-sending
+    every 0.25 s while the server may not have registered the rid yet (SGLang ignores
+    unknown rids: ``TokenizerManager.abort_request``); after ``wait_s`` the server keeps
+    them and their generate calls end on their own."""
+    deadline = time.monotonic() + wait_s
+    resend = 0.0
+    while True:
+        live = {rid: f for rid, f in targets.items() if not f.done.is_set()}
+        now = time.monotonic()
+        if not live or now >= deadline:
+            return
+        if now >= resend:
+            await send([rid for rid, f in live.items() if f.sent])
+            resend = time.monotonic() + 0.25
+        waits = [asyncio.ensure_future(f.done.wait()) for f in live.values()]
+        await asyncio.wait(waits, timeout=0.05)
+        for w in waits:
+            w.cancel()
 
 
 def sampling_params(request: GenerationRequest, max_new_tokens: int) -> dict[str, Any]:
@@ -381,40 +420,19 @@ class SGLangHTTPEngine:
             flight.done.set()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        targets: dict[str, _Flight] = {}
-        for rid in abort_ids(self.who, request_ids):
-            flight = self._inflight.get(rid)
-            if flight is not None:  # unknown or finished ids: nothing to do
-                flight.aborted = True
-                targets[rid] = flight
+        targets = mark_aborted(self._inflight, self.who, request_ids)
         await self._abort_until_done(targets)
 
     async def _abort_until_done(self, targets: Mapping[str, _Flight]) -> None:
-        """Abort each sent target and wait until its generate ended, re-sending the abort
-        while the server may not have registered the rid yet (SGLang ignores unknown rids:
-        ``TokenizerManager.abort_request``)."""
-        deadline = time.monotonic() + self.abort_wait_s
-        resend = 0.0
-        while True:
-            live = {rid: f for rid, f in targets.items() if not f.done.is_set()}
-            if not live:
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                return  # the server keeps them; their generate calls end on their own
-            if now >= resend:
-                await asyncio.gather(
-                    *(
-                        self._call("POST", "/abort_request", {"rid": rid, "abort_all": False})
-                        for rid, f in live.items()
-                        if f.sent
-                    )
+        async def send(rids: list[str]) -> None:
+            await asyncio.gather(
+                *(
+                    self._call("POST", "/abort_request", {"rid": rid, "abort_all": False})
+                    for rid in rids
                 )
-                resend = time.monotonic() + 0.25
-            waits = [asyncio.ensure_future(f.done.wait()) for f in live.values()]
-            await asyncio.wait(waits, timeout=0.05)
-            for w in waits:
-                w.cancel()
+            )
+
+        await abort_until_done(targets, send, self.abort_wait_s)
 
     # ---- SupportsPause --------------------------------------------------------------------
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:

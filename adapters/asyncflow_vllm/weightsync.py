@@ -75,8 +75,8 @@ class VLLMNcclGroup:
             destroy()
 
 
-def vllm_nccl_group(master_address: str, master_port: int, world_size: int) -> VLLMNcclGroup:
-    return VLLMNcclGroup(master_address, master_port, world_size)
+vllm_nccl_group = VLLMNcclGroup
+"""The default ``make_group`` of ``VLLMWeightSync``."""
 
 
 def VLLMWeightSync(
