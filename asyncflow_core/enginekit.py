@@ -109,7 +109,11 @@ def _check_ids(who: str, rid: str, name: str, ids: object, vocab_size: int | Non
         raise _reject(who, rid, f"{name}={ids!r:.60} must be a tuple of token ids")
     for i, t in enumerate(ids):
         if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            bound = (
+                f"in [0, {vocab_size}) (vocab_size={vocab_size})"
+                if vocab_size is not None
+                else ">= 0"
+            )
             raise _reject(who, rid, f"{name}[{i}]={t!r} is not a token id; use ints {bound}")
 
 
@@ -133,7 +137,9 @@ def check_request(
     if not isinstance(rid, str) or not rid:
         raise EngineError(f"{who}: request_id must be a non-empty str, got {rid!r}")
     if rid in in_flight:
-        raise _reject(who, rid, "is already in flight; wait for it or abort it before reuse")
+        raise _reject(
+            who, rid, "is already in flight; wait for it or abort it before reusing the id"
+        )
     prompt, resume = request.prompt_tokens, request.resume_tokens
     if not isinstance(prompt, tuple | list) or not prompt:
         raise _reject(who, rid, f"prompt_tokens={prompt!r:.60} must be a non-empty tuple of ids")

@@ -55,6 +55,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from asyncflow_core.enginekit import check_request
 from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
 from asyncflow_core.lmtrain import (
     MetricMeans,
@@ -466,38 +467,16 @@ class TorchInferenceEngine:
     def _reject(self, rid: str, message: str) -> EngineError:
         return EngineError(f"{self.name}: request {rid!r}: {message}")
 
-    def _check_ids(self, rid: str, field_name: str, ids: Sequence[object]) -> None:
-        vocab = self.config.vocab_size
-        for i, t in enumerate(ids):
-            if not _is_int(t) or not 0 <= t < vocab:  # type: ignore[operator]
-                raise self._reject(
-                    rid,
-                    f"{field_name}[{i}]={t!r} is not a token id; use ints in [0, {vocab}) "
-                    f"(vocab_size={vocab})",
-                )
-
     def _check_request(self, request: GenerationRequest) -> None:
-        if not isinstance(request, GenerationRequest):
-            raise EngineError(
-                f"{self.name}: generate takes a GenerationRequest, got {type(request).__name__}"
-            )
-        rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise EngineError(f"{self.name}: request_id must be a non-empty str, got {rid!r}")
-        earlier = self._inflight.get(rid)
-        if earlier is not None and earlier.future.cancelled():
-            self._drop(earlier)  # its done-callback has not run yet
-        elif earlier is not None:
-            raise self._reject(
-                rid, "is already in flight; wait for it or abort it before reusing the id"
-            )
-        s = self.config.max_seq_len
-        prompt, resume = request.prompt_tokens, request.resume_tokens
-        if not isinstance(prompt, tuple | list) or not prompt:
-            raise self._reject(
-                rid, f"prompt_tokens={prompt!r:.60} must be a non-empty tuple of token ids"
-            )
-        self._check_ids(rid, "prompt_tokens", prompt)
+        if isinstance(request, GenerationRequest):
+            earlier = self._inflight.get(request.request_id)
+            if earlier is not None and earlier.future.cancelled():
+                self._drop(earlier)  # its done-callback has not run yet
+        check_request(
+            self.name, request, in_flight=self._inflight, vocab_size=self.config.vocab_size
+        )
+        rid, s = request.request_id, self.config.max_seq_len
+        prompt, n = request.prompt_tokens, len(request.resume_tokens)
         if len(prompt) >= s:
             raise self._reject(
                 rid,
@@ -505,42 +484,12 @@ class TorchInferenceEngine:
                 f"prompts of at most {s - 1} tokens (shorten the prompt or use a model with a "
                 "longer max_seq_len)",
             )
-        n = len(resume)
-        if len(request.resume_logprobs) != n or len(request.resume_versions) != n:
-            raise self._reject(
-                rid,
-                f"resumes {n} tokens with {len(request.resume_logprobs)} resume_logprobs and "
-                f"{len(request.resume_versions)} resume_versions; pass one of each per token",
-            )
-        self._check_ids(rid, "resume_tokens", resume)
         if len(prompt) + n > s:
             raise self._reject(
                 rid,
                 f"prompt ({len(prompt)}) + resume_tokens ({n}) = {len(prompt) + n} tokens "
                 f"exceed max_seq_len={s}; this engine cannot have produced that prefix",
             )
-        p = request.params
-        if not isinstance(p, SamplingParams):
-            raise self._reject(rid, f"params must be SamplingParams, got {type(p).__name__}")
-        if not _is_int(p.max_tokens) or p.max_tokens < 0:
-            raise self._reject(rid, f"max_tokens={p.max_tokens!r}; use an int >= 0")
-        if n > p.max_tokens:
-            raise self._reject(
-                rid,
-                f"resumes {n} tokens but max_tokens={p.max_tokens} caps the whole response, "
-                "resumed tokens included; raise max_tokens to at least the prefix length",
-            )
-        temp = p.temperature
-        if not isinstance(temp, int | float) or not math.isfinite(temp) or temp < 0:
-            raise self._reject(rid, f"temperature={temp!r}; use a finite number >= 0 (0 = greedy)")
-        top_p = p.top_p
-        if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
-            raise self._reject(rid, f"top_p={top_p!r}; use a number in (0, 1] (1 = off)")
-        if not _is_int(p.top_k) or p.top_k < 0:
-            raise self._reject(rid, f"top_k={p.top_k!r}; use an int >= 0 (0 = off)")
-        if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < 2**63):
-            raise self._reject(rid, f"seed={p.seed!r}; use None or an int in [0, 2**63)")
-        self._check_ids(rid, "stop_token_ids", p.stop_token_ids)
 
     def _check_weights(
         self, weights: Sequence[tuple[str, torch.Tensor]]
