@@ -6,6 +6,7 @@ PIP    := $(PY) -m pip
 # The CPU build of torch: this exact pin resolves to the local CPU wheel; anything else
 # pulls several GB of CUDA packages.
 TORCH_PIN := torch==2.13.0
+TORCH_NPU_PIN := torch-npu==2.13.0
 STAMP  := $(VENV)/.installed
 
 .PHONY: run test lint typecheck pytest bench clean venv
@@ -18,6 +19,10 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 	$(PIP) install --quiet "$(TORCH_PIN)"
 	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,vllm-client,sglang-client]" "$(TORCH_PIN)"
 	$(PIP) install --quiet --no-deps -e ./conformance
+	# The real torch_npu wheel, unpacked beside the venv (never on its path: with it, CANN
+	# missing, `import torch` fails): tests put it on a child's PYTHONPATH to check the
+	# installed-but-no-CANN errors.
+	$(PIP) install --quiet --no-deps --target $(VENV)/torch-npu-probe "$(TORCH_NPU_PIN)"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -28,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang
+	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend
 
 pytest: $(STAMP)
 	$(PY) -m pytest -q

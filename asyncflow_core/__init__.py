@@ -3,6 +3,20 @@
 Import what you need from here; submodules are implementation detail unless documented.
 """
 
+from asyncflow_core.errors import PlatformUnavailableError as _PlatformUnavailable
+
+try:
+    import torch as _torch  # noqa: F401  # before anything else, to explain the failure below
+except RuntimeError as _exc:  # torch loads installed device extensions (torch_npu) at import
+    if "backend extension" not in str(_exc):
+        raise
+    raise _PlatformUnavailable(
+        f"import torch failed: {_exc} ({_exc.__cause__}). torch imports every installed device "
+        "extension; if that is torch_npu, its CANN libraries are missing: install Ascend's CANN "
+        "toolkit and load it in this shell (source /usr/local/Ascend/ascend-toolkit/set_env.sh"
+        "), or, to run without NPUs, uninstall torch-npu or set TORCH_DEVICE_BACKEND_AUTOLOAD=0"
+    ) from _exc
+
 from asyncflow_core.controller import Controller
 from asyncflow_core.errors import (
     AsyncFlowError,
@@ -20,6 +34,8 @@ from asyncflow_core.errors import (
     PartitionExistsError,
     PeerRankError,
     PipelineError,
+    PlatformError,
+    PlatformUnavailableError,
     SamplerError,
     SchemaError,
     StorageUnitError,
@@ -30,6 +46,15 @@ from asyncflow_core.errors import (
     UnknownRowError,
     UnknownTaskError,
     WeightSyncError,
+)
+from asyncflow_core.platform import (
+    MemoryStats,
+    Platform,
+    current_platform,
+    register_platform,
+    select_platform,
+    set_platform,
+    use_platform,
 )
 from asyncflow_core.protocols import (
     DEFAULT_GET_TIMEOUT_S,
@@ -129,6 +154,7 @@ __all__ = [
     "InferenceEngine",
     "LeaseError",
     "LeaseExpiredError",
+    "MemoryStats",
     "MissingExtraError",
     "PartitionClosedError",
     "PartitionExistsError",
@@ -137,6 +163,9 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PipelineResult",
+    "Platform",
+    "PlatformError",
+    "PlatformUnavailableError",
     "RankAwareSampler",
     "RequestRouter",
     "SampleRequest",
@@ -177,6 +206,11 @@ __all__ = [
     "WeightSyncGroup",
     "__version__",
     "bucketize",
+    "current_platform",
     "karmarkar_karp",
     "read_weights",
+    "register_platform",
+    "select_platform",
+    "set_platform",
+    "use_platform",
 ]

@@ -113,6 +113,16 @@ class MissingExtraError(AsyncFlowError, ImportError):
     """An optional engine library is not installed; the message names the extra."""
 
 
+class PlatformError(ConfigError):
+    """An unknown platform name, or a platform plugin that is broken or clashes with another."""
+
+
+class PlatformUnavailableError(PlatformError, MissingExtraError):
+    """A platform that was asked for by name cannot run here: its library is missing or does
+    not load (``torch_npu`` without CANN, a CPU-only torch for ``cuda``) or no device is
+    visible. The message says which, and what to install or set."""
+
+
 # --- workflow -------------------------------------------------------------------------------
 class PipelineError(AsyncFlowError):
     """A pipeline that cannot run as declared (checked before it starts), or that stopped."""

@@ -11,7 +11,8 @@ generating and exposes only the swap at the next safe point.
 
 The broadcast: ``DistributedWeightSync`` on the trainer's sending rank,
 ``DistributedWeightReceiver`` in each inference process, over a ``WeightSyncGroup`` (a process
-group of their own, beside the trainer's training world; gloo on CPU, nccl with CUDA) or a
+group of their own, beside the trainer's training world; gloo on CPU, nccl with CUDA, hccl on
+Ascend NPUs: the platform's backend, ``asyncflow_core.platform``) or a
 torch.distributed group. ``benchmarks/weight_sync.py`` measures it against one flat broadcast.
 """
 
@@ -36,7 +37,8 @@ from typing import Any, Literal, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 
-from asyncflow_core.errors import WeightSyncError
+from asyncflow_core.errors import PlatformError, WeightSyncError
+from asyncflow_core.platform import current_platform, platform_for_backend
 from asyncflow_core.protocols import (
     SupportsLoadWeights,
     SupportsPause,
@@ -248,8 +250,9 @@ def read_weights(path: str | os.PathLike[str]) -> tuple[Weights, Version]:
 # torch.distributed: bucketed broadcast
 # --------------------------------------------------------------------------------------------
 def default_backend() -> str:
-    """The collective backend for this machine: nccl with CUDA, else gloo."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The collective backend of this process's platform (``asyncflow_core.platform``): gloo
+    on CPU, nccl with CUDA, hccl on Ascend NPUs."""
+    return current_platform().dist_backend
 
 
 _ALIGN = 64  # byte alignment of each tensor in a packed bucket, so the receiver views it in place
@@ -296,16 +299,19 @@ class WeightSyncGroup:
     ``WeightSyncGroup(host, port, rank, world_size, *, backend=None, timeout_s=300.0)``:
     ``connect()`` (blocking; idempotent) has rank 0 host a ``torch.distributed.TCPStore`` at
     ``host:port`` — the address every other rank connects to — and builds the backend's
-    process group directly on it (``ProcessGroupGloo``, or ``ProcessGroupNCCL``; ``backend``
-    None picks ``default_backend()``). Every rank must call ``connect()`` within ``timeout_s``
+    process group directly on it: the platform whose backend it is builds it
+    (``asyncflow_core.platform``: ``ProcessGroupGloo`` for gloo, ``ProcessGroupNCCL`` for
+    nccl, torch_npu's ``ProcessGroupHCCL`` for hccl; ``backend`` None picks
+    ``default_backend()``, the current platform's). A backend whose platform cannot run here
+    is refused at construction. Every rank must call ``connect()`` within ``timeout_s``
     of the others, or each raises ``WeightSyncError`` naming ``host:port`` and what to check;
     a failed ``connect()`` leaves the group unconnected (call it again, or build a new one).
 
     ``broadcast(tensor, src, timeout_s=None)`` blocks until ``tensor`` holds rank ``src``'s
-    bytes (on nccl it also waits for the device), or raises ``WeightSyncError`` when a peer
-    died or the call took longer than ``timeout_s`` (default: the group's); after such an
-    error the group is unusable: ``close()`` it and build a new one on every rank. Tensors
-    must be on ``device`` (cpu for gloo, the current CUDA device for nccl). ``close()``
+    bytes (on an accelerator it also waits for the device), or raises ``WeightSyncError``
+    when a peer died or the call took longer than ``timeout_s`` (default: the group's); after
+    such an error the group is unusable: ``close()`` it and build a new one on every rank. Tensors
+    must be on ``device`` (cpu for gloo, else the platform's current device). ``close()``
     releases the group (final; safe to repeat); the group is also a context manager.
     """
 
@@ -337,24 +343,23 @@ class WeightSyncGroup:
         if not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
             raise WeightSyncError(f"{who}: timeout_s must be a number > 0, got {timeout_s!r}")
         backend = default_backend() if backend is None else backend
-        if backend not in ("gloo", "nccl"):
+        if not isinstance(backend, str) or not backend:
             raise WeightSyncError(
-                f"{who}: backend must be 'gloo' or 'nccl' (or None for default_backend()), "
-                f"got {backend!r}"
+                f"{who}: backend must be a collective backend name such as 'gloo', 'nccl' or "
+                f"'hccl' (or None for default_backend()), got {backend!r}"
             )
-        if backend == "nccl" and not (torch.cuda.is_available() and _nccl_available()):
+        try:
+            platform = platform_for_backend(backend)
+        except PlatformError as exc:
             raise WeightSyncError(
-                f"{who}: backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo' "
-                "(or backend=None) on this machine"
-            )
+                f"{who}: backend {backend!r} cannot run here: {exc}. Use 'gloo' (or "
+                "backend=None: the platform's) on this machine"
+            ) from exc
         self.host, self.port, self.backend = host, int(port), backend
+        self.platform = platform
         self.timeout_s = float(timeout_s)
         self._rank, self._world_size = int(rank), int(world_size)
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        self._device = platform.device()
         self._store: Any = None
         self._pg: Any = None
         self._closed = False
@@ -417,15 +422,7 @@ class WeightSyncGroup:
         self._store, self._pg = store, pg
 
     def _make_backend(self, store: Any, timeout: Any) -> Any:
-        if self.backend == "gloo":
-            from torch.distributed import ProcessGroupGloo
-
-            return ProcessGroupGloo(store, self._rank, self._world_size, timeout)
-        from torch.distributed import ProcessGroupNCCL
-
-        options = ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return ProcessGroupNCCL(store, self._rank, self._world_size, options)
+        return self.platform.new_process_group(store, self._rank, self._world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None) -> None:
         """Rank ``src``'s ``tensor`` into every rank's ``tensor`` (blocking); see the class."""
@@ -452,8 +449,7 @@ class WeightSyncGroup:
         opts.timeout = timedelta(seconds=limit)
         try:
             self._pg.broadcast([tensor], opts).wait()
-            if self._device.type == "cuda":
-                torch.cuda.current_stream(self._device).synchronize()
+            self.platform.synchronize(self._device)
         except RuntimeError as exc:
             raise WeightSyncError(
                 f"{self._where()}: broadcast from rank {src} failed ({exc}); a peer process "
@@ -481,12 +477,6 @@ class WeightSyncGroup:
             f"WeightSyncGroup({self.host!r}, {self.port}, rank={self._rank}, "
             f"world_size={self._world_size}, backend={self.backend!r}, {state})"
         )
-
-
-def _nccl_available() -> bool:
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_nccl_available())
 
 
 _T = TypeVar("_T")

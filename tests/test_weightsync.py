@@ -668,7 +668,8 @@ def test_ranks_and_groups_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"rank": 2}, r"rank must be an int in \[0, 1\]"),
         ({"rank": True}, "rank must be an int"),
         ({"timeout_s": 0}, "timeout_s must be a number > 0"),
-        ({"backend": "mpi"}, "backend must be 'gloo' or 'nccl'"),
+        ({"backend": "mpi"}, "backend 'mpi' cannot run here: no platform here uses the "),
+        ({"backend": ""}, "backend must be a collective backend name"),
     ],
 )
 def test_weight_sync_group_checks_its_arguments(kwargs: dict[str, Any], message: str) -> None:
@@ -688,5 +689,7 @@ def test_weight_sync_group_refuses_to_broadcast_before_connect_or_after_close() 
     with pytest.raises(WeightSyncError, match="closed; build a new one"):
         group.connect()
     if not torch.cuda.is_available():
-        with pytest.raises(WeightSyncError, match="'nccl' needs CUDA"):
+        with pytest.raises(WeightSyncError, match="'nccl' cannot run here: platform 'cuda'"):
             WeightSyncGroup("127.0.0.1", 29500, 0, 2, backend="nccl")
+    with pytest.raises(WeightSyncError, match=r"'hccl' cannot run here: .*asyncflow\[ascend\]"):
+        WeightSyncGroup("127.0.0.1", 29500, 0, 2, backend="hccl")

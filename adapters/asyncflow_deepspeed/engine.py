@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from asyncflow_core.lmtrain import (
     token_rows,
     worker_thread,
 )
+from asyncflow_core.platform import Platform, current_platform, select_platform
 from asyncflow_core.process import free_port
 from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
 from asyncflow_core.weightsync import bucketize
@@ -85,8 +87,15 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
       variables if ``RANK`` and ``WORLD_SIZE`` are set (a ``torchrun`` / ``deepspeed``
       launch), else as a world of one on a free local port, which then serves every later
       engine of this process (DeepSpeed caches groups derived from it, so it is never torn
-      down). ``backend`` defaults to the platform's (gloo on CPU, nccl on CUDA).
-      ``LOCAL_RANK`` is set if missing (DeepSpeed reads it).
+      down). ``backend`` defaults to the platform's (gloo on CPU, nccl on CUDA, hccl on
+      NPU). ``LOCAL_RANK`` is set if missing (DeepSpeed reads it).
+    * ``platform`` (``asyncflow_core.platform``; a name or a ``Platform``; None: the
+      process's current one): DeepSpeed runs on its accelerator. DeepSpeed picks its
+      accelerator once per process, at its first import, from ``DS_ACCELERATOR`` or by
+      probing; the engine sets ``DS_ACCELERATOR`` to the platform's (``cpu``, ``cuda``,
+      ``npu``) when DeepSpeed is not imported yet, and refuses, naming both, a
+      ``DS_ACCELERATOR`` or an already chosen accelerator that differs. ``platform="npu"``
+      on a machine without torch_npu or CANN fails here, before DeepSpeed is touched.
 
     **Batches and steps** follow ``asyncflow_reference.engines.TorchTrainEngine``: fields
     ``prompt`` and ``response`` in any store layout; ``compute_logprobs`` returns ``[B, R]``
@@ -152,10 +161,12 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         timeout_s: float = 600.0,
         name: str = "deepspeed-trainer",
         threads: int | None = None,
+        platform: str | Platform | None = None,
     ) -> None:
         who = f"DeepSpeedTrainEngine {name!r}"
         self.name = name
-        deepspeed = require_deepspeed()
+        self.platform = current_platform() if platform is None else select_platform(platform)
+        deepspeed = _deepspeed_on(self.platform, who)
         if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
             raise ConfigError(f"{who}: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
         if dtype not in ("fp32", "bf16"):
@@ -276,7 +287,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
             warnings.filterwarnings(
                 "ignore", message=f"`torch.distributed.{api}` is deprecated", category=FutureWarning
             )
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or self.platform.dist_backend
         timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             if init_method is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -749,7 +760,9 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
                 OffloadStateTypeEnum.contiguous_grad_buffer,
             ]
         self._engine.offload_states(
-            include=include, device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available()
+            include=include,
+            device=OffloadDeviceEnum.cpu,
+            pin_memory=self.platform.device_type != "cpu",
         )
         self._asleep = True
 
@@ -760,6 +773,30 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
 
 # --------------------------------------------------------------------------------------------
+def _deepspeed_on(platform: Platform, who: str) -> Any:
+    """``deepspeed``, its accelerator being ``platform``'s (see the class docstring)."""
+    want = platform.deepspeed_accelerator
+    env = os.environ.get("DS_ACCELERATOR")
+    if env is not None and env != want:
+        raise ConfigError(
+            f"{who}: DS_ACCELERATOR={env!r}, but the platform is {platform.name!r}, whose "
+            f"DeepSpeed accelerator is {want!r}: unset DS_ACCELERATOR (the engine sets it) or "
+            f"choose the platform that matches it"
+        )
+    if "deepspeed" not in sys.modules:
+        os.environ["DS_ACCELERATOR"] = want  # DeepSpeed reads it once, at its first import
+    deepspeed = require_deepspeed()
+    chosen = str(deepspeed.accelerator.get_accelerator().device_name())
+    if chosen != want:
+        raise ConfigError(
+            f"{who}: DeepSpeed already runs on accelerator {chosen!r} in this process (it "
+            f"chose at its first import), but the platform is {platform.name!r} ({want!r}): "
+            f"set DS_ACCELERATOR={want} before anything imports deepspeed, or use platform "
+            f"{chosen!r}"
+        )
+    return deepspeed
+
+
 def _positive(who: str, field: str, value: object) -> None:
     if (
         not isinstance(value, int | float)
