@@ -28,12 +28,28 @@ from typing import Any
 
 import pytest
 import torch
+from asyncflow_ascend import NPUPlatform
 from asyncflow_conformance import InferenceEngineConformance
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
-from asyncflow_vllm import VLLMEngine, VLLMTypes, VLLMWeightSync
+from asyncflow_vllm import (
+    VLLMEngine,
+    VLLMHcclGroup,
+    VLLMNcclGroup,
+    VLLMTypes,
+    VLLMWeightSync,
+    engine_args_for,
+    weight_transfer_backend,
+)
 
-from asyncflow_core.errors import ConfigError, EngineError, MissingExtraError, WeightSyncError
+from asyncflow_core.errors import (
+    ConfigError,
+    EngineError,
+    MissingExtraError,
+    PlatformUnavailableError,
+    WeightSyncError,
+)
+from asyncflow_core.platform import get_platform
 from asyncflow_core.process import free_port
 from asyncflow_core.protocols import GenerationRequest, SamplingParams, WeightBucket
 from asyncflow_core.weightsync import EngineGroupWeightSync, WeightSyncGroup
@@ -306,9 +322,69 @@ class FakeLegacyAsyncLLM(FakeAsyncLLM):
         self.paused_mode = "abort"
 
 
+@dataclasses.dataclass
+class CompletionOutput026:
+    """vLLM 0.26's ``CompletionOutput`` (``vllm/outputs.py``): no ``weight_versions``."""
+
+    index: int
+    text: str
+    token_ids: Sequence[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    routed_experts: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: Any = None
+
+
+class FakeAsyncLLM026(FakeAsyncLLM):
+    """``AsyncLLM`` as vLLM 0.26 (the release vllm-ascend 0.26.0rc1 runs) has it: outputs
+    without weight-version spans, ``finish_weight_update()`` without a version, no
+    ``update_weight_version`` / ``get_weight_version`` / ``shutdown_weight_transfer_engine``,
+    an nccl/hccl ``init_info`` without ``packed`` (an unknown key is a ValueError, as in
+    ``vllm/distributed/weight_transfer/base.py``), and ``pause_generation`` with both ``mode``
+    and ``wait_for_inflight_requests``."""
+
+    update_weight_version = None  # type: ignore[assignment]
+    get_weight_version = None  # type: ignore[assignment]
+    shutdown_weight_transfer_engine = None  # type: ignore[assignment]
+
+    async def generate(  # type: ignore[override]
+        self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str, **kw: Any
+    ) -> AsyncIterator[RequestOutput]:
+        async for output in super().generate(prompt, sampling_params, request_id, **kw):
+            fields = [f.name for f in dataclasses.fields(CompletionOutput026)]
+            output.outputs = [
+                CompletionOutput026(**{f: getattr(o, f) for f in fields})  # type: ignore[misc]
+                for o in output.outputs
+            ]
+            yield output
+
+    async def pause_generation(  # type: ignore[override]
+        self,
+        *,
+        mode: str = "abort",
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
+        await super().pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def init_weight_transfer_engine(self, request: WeightTransferInitRequest) -> None:
+        known = {"master_address", "master_port", "rank_offset", "world_size"}
+        if set(request.init_info) != known:
+            raise ValueError(
+                f"Invalid init_info for NCCLWeightTransferEngine: {request.init_info!r}"
+            )
+        await super().init_weight_transfer_engine(request)
+
+    async def finish_weight_update(self) -> None:  # type: ignore[override]
+        await super().finish_weight_update(None)
+
+
 def make_adapter(cls: type[FakeAsyncLLM] = FakeAsyncLLM, **kw: Any) -> VLLMEngine:
     ref = TorchInferenceEngine(MODEL, max_batch=8, seed=0)
-    return VLLMEngine(cls(ref), types=fake_types(), **kw)
+    version = "0.26.0" if issubclass(cls, FakeAsyncLLM026) else "0.33.0"
+    return VLLMEngine(cls(ref), types=fake_types(version), **kw)
 
 
 async def close(adapter: VLLMEngine) -> None:
@@ -329,6 +405,14 @@ class TestVLLMEngineOverFakeAsyncLLM(InferenceEngineConformance):
 
     async def close_engine(self, engine: Any) -> None:
         await close(engine)
+
+
+class TestVLLM026EngineOverFakeAsyncLLM(TestVLLMEngineOverFakeAsyncLLM):
+    """The same laws on vLLM 0.26's ``AsyncLLM`` (vllm-ascend's): versions come from the
+    adapter, not from the outputs."""
+
+    def make_engine(self) -> VLLMEngine:
+        return make_adapter(FakeAsyncLLM026)
 
 
 # --- contract: what the adapter sends vLLM --------------------------------------------------
@@ -401,14 +485,18 @@ def _trained_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach().clone()) for n, p in model.named_parameters()]
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["native", "worker-extension"])
-def test_weight_sync_into_two_engines(legacy: bool) -> None:
+@pytest.mark.parametrize(
+    "cls", [FakeAsyncLLM, FakeLegacyAsyncLLM, FakeAsyncLLM026], ids=["native", "legacy", "0.26"]
+)
+def test_weight_sync_into_two_engines(cls: type[FakeAsyncLLM]) -> None:
     """EngineGroupWeightSync (trainer = rank 0 of a gloo group) into two adapters: the native
-    four phases, or the worker-extension RPCs on an older vLLM. Weights arrive byte-exact,
-    the version is committed, and new tokens report it."""
+    four phases (0.33, or 0.26's without version labels or ``packed``), or the
+    worker-extension RPCs on an older vLLM. Weights arrive byte-exact, the version is
+    committed, and new tokens report it."""
+    legacy = cls is FakeLegacyAsyncLLM
+    v026 = cls is FakeAsyncLLM026
 
     async def main() -> None:
-        cls = FakeLegacyAsyncLLM if legacy else FakeAsyncLLM
         engines = [make_adapter(cls, name=f"vllm-{i}") for i in range(2)]
         port = free_port()
         sync = VLLMWeightSync(
@@ -450,12 +538,13 @@ def test_weight_sync_into_two_engines(legacy: bool) -> None:
                     "master_port": port,
                     "rank_offset": 2,
                     "world_size": 3,
-                    "packed": False,
+                    **({} if v026 else {"packed": False}),
                 }
                 update = next(c[1] for c in fake.calls if c[0] == "update_weights")
                 assert update["names"] == [n for n, _ in weights[: len(weights) // 2]]
                 assert update["dtype_names"][0] == "float32"
-                assert ("finish_weight_update", "2") in fake.calls
+                finish = ("finish_weight_update", None if v026 else "2")
+                assert finish in fake.calls
         finally:
             await sync.close()
             for engine in engines:
@@ -464,10 +553,13 @@ def test_weight_sync_into_two_engines(legacy: bool) -> None:
     asyncio.run(main())
 
 
-def test_the_default_vllm_group_needs_vllm() -> None:
+@pytest.mark.parametrize("group", [VLLMNcclGroup, VLLMHcclGroup])
+def test_the_vllm_groups_need_vllm_and_their_device(group: Any) -> None:
     async def main() -> None:
         adapter = make_adapter()
-        sync = VLLMWeightSync([adapter], master_address="127.0.0.1", master_port=free_port())
+        sync = VLLMWeightSync(
+            [adapter], master_address="127.0.0.1", master_port=free_port(), make_group=group
+        )
         try:
             with pytest.raises(WeightSyncError, match="vllm"):
                 await sync.init()
@@ -476,6 +568,50 @@ def test_the_default_vllm_group_needs_vllm() -> None:
             await close(adapter)
 
     asyncio.run(main())
+
+
+def test_the_platform_picks_the_weight_transfer_backend_and_group() -> None:
+    assert weight_transfer_backend("cuda") == "nccl"
+    assert weight_transfer_backend("cuda", colocated=True) == "ipc"
+    assert weight_transfer_backend("npu") == "hccl"
+    assert weight_transfer_backend("npu", colocated=True) == "npu_ipc"
+    with pytest.raises(ConfigError, match="no weight-transfer backend for platform 'cpu'"):
+        weight_transfer_backend("cpu")
+    with pytest.raises(ConfigError, match="no vLLM weight-transfer group for platform 'cpu'"):
+        VLLMWeightSync([], master_address="127.0.0.1", master_port=1, platform="cpu")
+    if not NPUPlatform().is_available():
+        with pytest.raises(PlatformUnavailableError, match=r"asyncflow\[ascend\]"):
+            VLLMWeightSync([], master_address="127.0.0.1", master_port=1, platform="npu")
+
+
+def test_engine_args_follow_the_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = {"enable_sleep_mode": True}
+    cuda = engine_args_for(get_platform("cuda"), mine)
+    assert cuda == {
+        "enable_sleep_mode": True,
+        "logprobs_mode": "processed_logprobs",
+        "weight_transfer_config": {"backend": "nccl"},
+    }
+    assert mine == {"enable_sleep_mode": True}  # the caller's dict is not changed
+    assert "weight_transfer_config" not in engine_args_for(get_platform("cpu"), {})
+    given = {"weight_transfer_config": {"backend": "ipc"}}
+    assert engine_args_for(get_platform("cuda"), given)["weight_transfer_config"] == {
+        "backend": "ipc"
+    }
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    npu = engine_args_for(get_platform("npu"), {}, colocated=True)
+    assert npu["weight_transfer_config"] == {"backend": "npu_ipc"}
+    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "1")
+    with pytest.raises(ConfigError, match="VLLM_ASCEND_ENABLE_NZ='1': vllm-ascend then refuses"):
+        engine_args_for(get_platform("npu"), {}, who="vllm-npu")
+    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "1"
+
+
+@pytest.mark.skipif(NPUPlatform().is_available(), reason="torch_npu runs here")
+def test_create_on_npu_without_torch_npu_fails_before_vllm_is_imported() -> None:
+    with pytest.raises(PlatformUnavailableError, match=r"'npu' cannot run here.*CANN"):
+        asyncio.run(VLLMEngine.create("some/model", platform="npu"))
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -520,11 +656,15 @@ def test_malformed_outputs_are_engine_errors(spoil: Any, message: str) -> None:
 
 def test_version_policy_and_missing_vllm() -> None:
     ref = TorchInferenceEngine(MODEL, max_batch=2, seed=0)
-    with pytest.raises(ConfigError, match=r"vllm 0\.32\.1 .*tested with vllm >=0\.33\.0,<0\.34"):
+    with pytest.raises(
+        ConfigError, match=r"vllm 0\.32\.1 .*follows vllm >=0\.33\.0,<0\.34 .*>=0\.26\.0,<0\.27"
+    ):
         VLLMEngine(FakeAsyncLLM(ref), types=fake_types("0.32.1"))
-    with pytest.raises(ConfigError, match="tested with"):
-        VLLMEngine(FakeAsyncLLM(ref), types=fake_types("0.34.0"))
+    for refused in ("0.34.0", "0.25.1", "0.27.0"):
+        with pytest.raises(ConfigError, match="follows vllm"):
+            VLLMEngine(FakeAsyncLLM(ref), types=fake_types(refused))
     VLLMEngine(FakeAsyncLLM(ref), types=fake_types("0.33.2+cu129"))
+    assert not VLLMEngine(FakeAsyncLLM(ref), types=fake_types("0.26.0")).features.packed_init
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -635,3 +775,114 @@ class TestLiveVLLMEngine(InferenceEngineConformance):
 
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
+
+
+# --- colocated: vllm-ascend's npu_ipc backend ---------------------------------------------------
+@dataclasses.dataclass
+class IPCUpdateInfo:
+    """The fields of vLLM's ``IPCWeightTransferUpdateInfo`` that the unpacked path fills."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    ipc_handles: list[dict[str, Any]]
+    packed: bool = False
+
+
+def stand_in_sender(iterator: Any, args: dict[str, Any]) -> None:
+    """``NPUIPCWeightTransferEngine.trainer_send_weights``'s unpacked path, minus the IPC:
+    one ``send_mode(update_info)`` call for the whole iterator, made while the sender still
+    holds the tensors; the "handles" are the tensors themselves (one process, CPU)."""
+    assert args["packed"] is False and callable(args["send_mode"])
+    held = [(name, tensor.detach().contiguous()) for name, tensor in iterator]
+    args["send_mode"](
+        IPCUpdateInfo(
+            names=[n for n, _ in held],
+            dtype_names=[str(t.dtype).split(".")[-1] for _, t in held],
+            shapes=[list(t.shape) for _, t in held],
+            ipc_handles=[{"host-0": t} for _, t in held],
+        )
+    )
+
+
+class FakeIPCAsyncLLM(FakeAsyncLLM026):
+    """vllm-ascend's npu_ipc engine behind 0.26's ``AsyncLLM``: an empty ``init_info``, and an
+    ``update_weights`` that rebuilds each tensor from its handle."""
+
+    async def init_weight_transfer_engine(self, request: WeightTransferInitRequest) -> None:
+        self.calls.append(("init_weight_transfer_engine", request.init_info))
+        if request.init_info != {}:
+            raise ValueError(f"Invalid init_info for NPUIPCWeightTransferEngine: {request}")
+
+    async def update_weights(self, request: WeightTransferUpdateRequest) -> None:
+        info = request.update_info
+        self.calls.append(("update_weights", info["names"]))
+        for name, handle in zip(info["names"], info["ipc_handles"], strict=True):
+            if name == "poison":
+                raise RuntimeError("worker could not map the IPC handle")
+            self.staged.append((name, handle["host-0"].clone()))
+
+
+def test_ipc_weight_sync_into_a_colocated_engine() -> None:
+    from asyncflow_vllm.ipc import VLLMIPCWeightSync
+
+    async def main() -> None:
+        engine = make_adapter(FakeIPCAsyncLLM)
+        sync = VLLMIPCWeightSync(engine, send_weights=stand_in_sender)
+        weights = _trained_weights(seed=3)
+        try:
+            with pytest.raises(WeightSyncError, match=r"start\(\) called out of order"):
+                await sync.start()
+            await sync.init()
+            for version in (1, 2):
+                await sync.start()
+                half = len(weights) // 2
+                for part in (weights[:half], weights[half:]):
+                    await sync.update(
+                        WeightBucket(tuple(n for n, _ in part), tuple(t for _, t in part))
+                    )
+                await sync.finish(version)
+                assert engine.weight_version == version
+                params = dict(engine.engine.ref.model.named_parameters())
+                assert all(torch.equal(params[n], t) for n, t in weights)
+                result = await engine.generate(
+                    GenerationRequest(f"ipc-{version}", (1, 2), SamplingParams(max_tokens=3))
+                )
+                assert set(result.versions) == {version}
+            names = [c[0] for c in engine.engine.calls]
+            assert names.count("update_weights") == 4 and names.count("start_weight_update") == 2
+            # a worker that fails mid-update fails the sync, and the transport refuses more
+            await sync.start()
+            with pytest.raises(WeightSyncError, match="update\\(\\) failed: worker could not map"):
+                await sync.update(WeightBucket(("poison",), (torch.zeros(2),)))
+            with pytest.raises(WeightSyncError, match="an earlier transfer failed"):
+                await sync.finish(3)
+            assert engine.weight_version == 2
+        finally:
+            await sync.close()
+            await close(engine)
+
+    asyncio.run(main())
+
+
+def test_ipc_weight_sync_checks_its_engine_and_sender() -> None:
+    from asyncflow_vllm.ipc import VLLMIPCWeightSync
+
+    with pytest.raises(WeightSyncError, match="syncs into a VLLMEngine in this process"):
+        VLLMIPCWeightSync(object())  # type: ignore[arg-type]
+
+    async def main() -> None:
+        engine = make_adapter(FakeIPCAsyncLLM)
+        lazy = VLLMIPCWeightSync(engine, send_weights=lambda it, args: None)
+        default = VLLMIPCWeightSync(engine)
+        try:
+            with pytest.raises(WeightSyncError, match="needs vllm-ascend"):
+                await default.init()  # vllm-ascend is not installed here
+            await lazy.init()
+            await lazy.start()
+            with pytest.raises(WeightSyncError, match="sent 0 of the bucket's 1 tensors"):
+                await lazy.update(WeightBucket(("w",), (torch.ones(2),)))
+        finally:
+            await close(engine)
+
+    asyncio.run(main())

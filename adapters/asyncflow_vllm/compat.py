@@ -1,27 +1,70 @@
-"""Which vLLM this adapter is written and tested against, and the errors when it is missing or
-another version is installed (or served)."""
+"""Which vLLM releases this adapter is written against, and the errors when vLLM is missing or
+another release is installed (or served).
+
+Two lines: vLLM 0.33 (``TESTED``, the ``[vllm]`` extra's pin, CUDA), and vLLM 0.26
+(``ASCEND``), the release vllm-ascend 0.26.0rc1 runs on Ascend NPUs (the newest vllm-ascend on
+PyPI). 0.26 lacks some of 0.33's API; the adapters find out which by looking (``Features``)
+and say what that costs in their docstrings: no per-token weight-version spans, no version
+label on the engine, an unpacked-only init of the weight transfer.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
-from asyncflow_core.enginekit import check_version, require_module
+from asyncflow_core.enginekit import parse_release, require_module
+from asyncflow_core.errors import ConfigError
 
 TESTED = ("0.33.0", "0.34")
 """The adapter follows vLLM's API in ``[TESTED[0], TESTED[1])`` (the extras' pin)."""
 
+ASCEND = ("0.26.0", "0.27")
+"""The vLLM release line vllm-ascend 0.26.0rc1 runs (its ``vllm_version_is("0.26.0")``)."""
+
 INSTALL = "pip install 'asyncflow[vllm]' on a machine with a CUDA GPU"
+INSTALL_ASCEND = (
+    "on Ascend NPUs: vllm==0.26.0 with vllm-ascend==0.26.0rc1 (its own pins: torch 2.10.0, "
+    "torch-npu 2.10.0.post4)"
+)
 INSTALL_CLIENT = "pip install 'asyncflow[vllm-client]'"
+
+
+def _within(version: str, line: tuple[str, str]) -> bool:
+    got = parse_release(version)
+    return bool(got) and parse_release(line[0]) <= got < parse_release(line[1])
 
 
 def check_vllm_version(version: str) -> None:
     """``ConfigError`` unless ``version`` (installed, or reported by a server's ``/version``)
-    is in ``TESTED``."""
-    check_version("vllm", version, TESTED, INSTALL)
+    is in ``TESTED`` or ``ASCEND``."""
+    if not (_within(version, TESTED) or _within(version, ASCEND)):
+        raise ConfigError(
+            f"vllm {version} is installed (or served), but this adapter follows vllm "
+            f">={TESTED[0]},<{TESTED[1]} ({INSTALL}) and vllm >={ASCEND[0]},<{ASCEND[1]} "
+            f"({INSTALL_ASCEND}); install one of those"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What a vLLM release offers beyond 0.26, decided from its version (0.33: all of it)."""
+
+    weight_version_label: bool
+    """``finish_weight_update(weight_version)``, ``update_weight_version``, ``/weight_info``
+    and per-output ``weight_versions`` spans."""
+    packed_init: bool
+    """``packed`` is a field of the nccl backend's ``init_info`` (0.26 refuses it there)."""
+
+    @classmethod
+    def of(cls, version: str) -> Features:
+        modern = _within(version, TESTED)
+        return cls(weight_version_label=modern, packed_init=modern)
 
 
 def require_vllm() -> ModuleType:
-    """The ``vllm`` module at a tested version, or ``MissingExtraError`` naming the extra."""
+    """The ``vllm`` module at a release this adapter follows, or ``MissingExtraError`` naming
+    the extra."""
     vllm = require_module("vllm", who="asyncflow_vllm.VLLMEngine", install=INSTALL)
     check_vllm_version(str(getattr(vllm, "__version__", "0")))
     return vllm

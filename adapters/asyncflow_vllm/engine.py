@@ -6,6 +6,13 @@ Written against vLLM 0.33.0 (``vllm/v1/engine/async_llm.py``, ``vllm/outputs.py`
 fake shaped like ``AsyncLLM`` and ``pytest -m live_vllm`` runs the conformance suite on a real
 one (``ASYNCFLOW_VLLM_MODEL``).
 
+On Ascend NPUs it runs vLLM 0.26.0 with vllm-ascend 0.26.0rc1 (``compat.ASCEND``), whose
+``AsyncLLM`` lacks 0.33's weight-version labels: outputs carry no ``weight_versions`` spans
+(every token of a result is labelled with the version the adapter last committed),
+``finish_weight_update`` takes no version, and the nccl/hccl ``init_info`` has no ``packed``
+field (``compat.Features``). ``create(platform="npu")`` selects vllm-ascend's ``hccl``
+weight-transfer backend (``npu_ipc`` when colocated).
+
 What maps to what:
 
 - ``generate``: ``AsyncLLM.generate(TokensPrompt(prompt_token_ids=prompt + resumed),
@@ -53,8 +60,10 @@ from asyncflow_core.enginekit import (
     versions_from_spans,
 )
 from asyncflow_core.errors import ConfigError, EngineError
+from asyncflow_core.platform import Platform, current_platform, select_platform
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_vllm.compat import check_vllm_version, require_vllm
+from asyncflow_vllm.compat import Features, check_vllm_version, require_vllm
+from asyncflow_vllm.weightsync import weight_transfer_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +130,7 @@ class VLLMEngine:
         self.name = name
         self.types = VLLMTypes.load() if types is None else types
         check_vllm_version(self.types.version)
+        self.features = Features.of(self.types.version)
         for method in ("generate", "abort"):
             if not callable(getattr(engine, method, None)):
                 raise ConfigError(
@@ -151,16 +161,31 @@ class VLLMEngine:
         self._closed = False
 
     @classmethod
-    async def create(cls, model: str, *, name: str = "vllm", **engine_args: Any) -> VLLMEngine:
+    async def create(
+        cls,
+        model: str,
+        *,
+        name: str = "vllm",
+        platform: str | Platform | None = None,
+        colocated: bool = False,
+        **engine_args: Any,
+    ) -> VLLMEngine:
         """An ``AsyncLLM`` for ``model`` (a path or hub id) with ``engine_args`` (vLLM's
         ``AsyncEngineArgs`` fields: ``enable_sleep_mode``, ``weight_transfer_config``,
-        ``tensor_parallel_size``, ...), owned by the returned adapter."""
+        ``tensor_parallel_size``, ...), owned by the returned adapter.
+
+        ``weight_transfer_config`` defaults to the ``platform``'s backend
+        (``weight_transfer_backend``: ``nccl`` on CUDA, vllm-ascend's ``hccl`` on Ascend NPUs;
+        ``ipc`` / ``npu_ipc`` with ``colocated=True``); on a platform without one (cpu) it is
+        left unset. On NPU, vllm-ascend refuses weight updates and ``wake_up`` unless
+        ``VLLM_ASCEND_ENABLE_NZ=0``: the adapter sets it when unset and refuses another value."""
+        chosen = current_platform() if platform is None else select_platform(platform)
+        engine_args = engine_args_for(chosen, engine_args, colocated=colocated, who=name)
         types = VLLMTypes.load()
         import importlib
 
         arg_utils = importlib.import_module("vllm.engine.arg_utils")
         async_llm = importlib.import_module("vllm.v1.engine.async_llm")
-        engine_args.setdefault("logprobs_mode", "processed_logprobs")
         args = arg_utils.AsyncEngineArgs(model=model, **engine_args)
         engine = async_llm.AsyncLLM.from_engine_args(args)
         adapter = cls(engine, name=name, owns_engine=True, types=types)
@@ -268,13 +293,14 @@ class VLLMEngine:
     ) -> None:
         self._usable()
         if self._native:
-            info = {
+            info: dict[str, Any] = {
                 "master_address": master_address,
                 "master_port": master_port,
                 "rank_offset": rank_offset,
                 "world_size": world_size,
-                "packed": False,
             }
+            if self.features.packed_init:  # vLLM 0.26 (and vllm-ascend's hccl) refuse the key
+                info["packed"] = False
             request = self.types.WeightTransferInitRequest(init_info=info)
             await self.engine.init_weight_transfer_engine(request)
         else:
@@ -307,7 +333,11 @@ class VLLMEngine:
         self._usable()
         self._check_version(version)
         if self._native:
-            await self.engine.finish_weight_update(weight_version=str(version))
+            finish = self.engine.finish_weight_update
+            if _has_parameter(finish, "weight_version"):
+                await finish(weight_version=str(version))
+            else:  # vLLM 0.26: no label on the engine; the adapter keeps the version
+                await finish()
             self._version = version
         else:
             reset = getattr(self.engine, "reset_prefix_cache", None)
@@ -388,7 +418,7 @@ class VLLMEngine:
         tokens = [int(t) for t in out.token_ids]
         reason = finish_reason(out.finish_reason, who=self.name, rid=rid)
         logprobs = _sampled_logprobs(self.name, rid, tokens, out.logprobs)
-        spans = [(s.version, s.start, s.end) for s in (out.weight_versions or ())]
+        spans = [(s.version, s.start, s.end) for s in (getattr(out, "weight_versions", None) or ())]
         versions = versions_from_spans(spans, len(tokens), fallback=self._version, who=self.name)
         return assemble(request, tokens, logprobs, versions, reason, who=self.name)
 
@@ -428,6 +458,39 @@ def _engine_ranks(engine: Any) -> int:
     return int(world) * int(dp) if is_int(world) and is_int(dp) else 1
 
 
+def engine_args_for(
+    platform: Platform, engine_args: dict[str, Any], *, colocated: bool = False, who: str = "vllm"
+) -> dict[str, Any]:
+    """``engine_args`` (a copy) completed for ``platform`` as ``VLLMEngine.create`` uses them:
+    ``logprobs_mode="processed_logprobs"`` and, on cuda / npu, ``weight_transfer_config``
+    with the platform's backend, unless given; on npu, ``VLLM_ASCEND_ENABLE_NZ=0`` in the
+    environment (set when unset; another value is a ``ConfigError``, environment unchanged)."""
+    out = dict(engine_args)
+    out.setdefault("logprobs_mode", "processed_logprobs")
+    if "weight_transfer_config" not in out and platform.name in ("cuda", "npu"):
+        backend = weight_transfer_backend(platform, colocated=colocated)
+        out["weight_transfer_config"] = {"backend": backend}
+    if platform.name == "npu":
+        _weights_not_nz(who)
+    return out
+
+
+def _weights_not_nz(who: str) -> None:
+    """vllm-ascend's worker refuses ``start_weight_update`` and ``wake_up`` while weights are
+    kept in the NZ layout (``VLLM_ASCEND_ENABLE_NZ``, default 1; its ``worker/worker.py``)."""
+    import os
+
+    value = os.environ.get("VLLM_ASCEND_ENABLE_NZ")
+    if value is None:
+        os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"
+    elif value.strip() != "0":
+        raise ConfigError(
+            f"{who}: VLLM_ASCEND_ENABLE_NZ={value!r}: vllm-ascend then refuses weight updates "
+            "and wake_up, which RL needs; set VLLM_ASCEND_ENABLE_NZ=0 (or leave it unset: the "
+            "adapter sets 0)"
+        )
+
+
 def _has_parameter(fn: Any, name: str) -> bool:
     if not callable(fn):
         return False
@@ -437,4 +500,4 @@ def _has_parameter(fn: Any, name: str) -> bool:
         return True
 
 
-__all__ = ["VLLMEngine", "VLLMTypes"]
+__all__ = ["VLLMEngine", "VLLMTypes", "engine_args_for"]

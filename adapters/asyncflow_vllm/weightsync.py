@@ -1,36 +1,74 @@
 """The trainer's side of a weight sync into vLLM engines: ``VLLMWeightSync`` is
-``EngineGroupWeightSync`` over vLLM's own NCCL group (``vllm_nccl_group``), so the trainer
-joins exactly the group vLLM's workers build at ``init_weight_transfer_engine``
-(``vllm/distributed/weight_transfer/nccl_common.py``: a ``StatelessProcessGroup`` on a
-TCPStore plus a ``PyNcclCommunicator``; the trainer is rank 0, engine ``i`` starts at rank
-1 + the ranks before it). Each bucket is broadcast tensor by tensor (vLLM's unpacked wire,
-``packed=False``) while the engines' ``update_weights`` receive the names, dtypes and shapes.
+``EngineGroupWeightSync`` over the group vLLM's own workers build at
+``init_weight_transfer_engine`` — a ``StatelessProcessGroup`` on a TCPStore plus a device
+communicator; the trainer is rank 0, engine ``i`` starts at rank 1 + the ranks before it.
+Each bucket is broadcast tensor by tensor (vLLM's unpacked wire) while the engines'
+``update_weights`` receive the names, dtypes and shapes.
 
-Needs vLLM and a CUDA GPU in the trainer process; not run live here. The same sync runs on
-CPU with ``make_group=`` a ``WeightSyncGroup`` against the replay server in the tests.
+Which group depends on the platform (``asyncflow_core.platform``):
+
+- **cuda**: ``VLLMNcclGroup``, vLLM's ``nccl_common.trainer_init`` (a ``PyNcclCommunicator``;
+  ``vllm/distributed/weight_transfer/nccl_common.py``), engines started with
+  ``weight_transfer_config={"backend": "nccl"}``.
+- **npu**: ``VLLMHcclGroup``, vllm-ascend's ``HCCLWeightTransferEngine.trainer_init`` (a
+  ``PyHcclCommunicator``; ``vllm_ascend/distributed/weight_transfer/hccl_engine.py``), engines
+  started with ``{"backend": "hccl"}``.
+
+Neither has run live here (they need vLLM and a GPU or NPU in the trainer process). The same
+sync runs on CPU with ``make_group=`` a ``WeightSyncGroup`` against the replay server in the
+tests.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from asyncflow_core.errors import WeightSyncError
+from asyncflow_core.errors import ConfigError, WeightSyncError
+from asyncflow_core.platform import Platform, current_platform, get_platform, select_platform
 from asyncflow_core.weightsync import EngineGroupWeightSync, GroupFactory, GroupReceiver
-from asyncflow_vllm.compat import require_vllm
+from asyncflow_vllm.compat import INSTALL_ASCEND, require_vllm
+
+_BACKENDS = {
+    "cuda": ("nccl", "ipc"),
+    "npu": ("hccl", "npu_ipc"),
+}
 
 
-class VLLMNcclGroup:
-    """A ``BroadcastGroup`` (rank 0, the trainer) over vLLM's ``PyNcclCommunicator``, built
-    by ``vllm.distributed.weight_transfer.nccl_common.trainer_init`` at ``connect()``."""
+def weight_transfer_backend(
+    platform: str | Platform | None = None, *, colocated: bool = False
+) -> str:
+    """vLLM's ``weight_transfer_config`` backend for ``platform`` (None: the current one):
+    ``nccl`` / ``ipc`` (colocated) on CUDA, vllm-ascend's ``hccl`` / ``npu_ipc`` on NPU.
+    ``ConfigError`` on a platform vLLM has no weight transfer for (cpu: use
+    ``load_weights``)."""
+    p = current_platform() if platform is None else platform
+    name = p if isinstance(p, str) else p.name
+    if name not in _BACKENDS:
+        raise ConfigError(
+            f"vLLM has no weight-transfer backend for platform {name!r} (it has "
+            f"{', '.join(f'{k}: {v[0]}/{v[1]}' for k, v in _BACKENDS.items())}); on CPU load "
+            "weights with VLLMEngine.load_weights (collective_rpc) or from disk"
+        )
+    return _BACKENDS[name][1 if colocated else 0]
+
+
+class _TrainerGroup:
+    """A ``BroadcastGroup`` (rank 0, the trainer) over the communicator vLLM's workers join,
+    built by ``_init`` at ``connect()``."""
+
+    platform_name: ClassVar[str]
+    what: ClassVar[str]
 
     def __init__(self, master_address: str, master_port: int, world_size: int) -> None:
         self.master_address, self.master_port = master_address, master_port
         self._world_size = world_size
         self._comm: Any = None
+        self.platform = get_platform(self.platform_name)
 
     @property
     def rank(self) -> int:
@@ -42,41 +80,81 @@ class VLLMNcclGroup:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
+        return self.platform.device()
+
+    def _init(self, info: dict[str, Any]) -> Any:
+        raise NotImplementedError
 
     def connect(self) -> None:
         if self._comm is not None:
             return
         require_vllm()
-        if not torch.cuda.is_available():
+        if not self.platform.is_available():
             raise WeightSyncError(
-                "VLLMNcclGroup: vLLM's NCCL weight transfer needs a CUDA device in the trainer "
-                "process; on CPU pass make_group=... a WeightSyncGroup (gloo) to a matching "
-                "receiver"
+                f"{type(self).__name__}: {self.what} needs platform {self.platform_name!r} in "
+                f"the trainer process ({self.platform.unavailable_reason()}); on CPU pass "
+                "make_group=... a WeightSyncGroup (gloo) to a matching receiver"
             )
-        nccl_common = importlib.import_module("vllm.distributed.weight_transfer.nccl_common")
         info = {
             "master_address": self.master_address,
             "master_port": self.master_port,
             "world_size": self._world_size,
         }
-        self._comm = nccl_common.trainer_init(info, rank=0)
+        self._comm = self._init(info)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None) -> None:
         if self._comm is None:
-            raise WeightSyncError("VLLMNcclGroup: broadcast before connect()")
-        self._comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
-        torch.cuda.current_stream().synchronize()
+            raise WeightSyncError(f"{type(self).__name__}: broadcast before connect()")
+        stream = self.platform.torch_module().current_stream()
+        self._comm.broadcast(tensor, src=src, stream=stream)
+        stream.synchronize()
 
     def close(self) -> None:
         comm, self._comm = self._comm, None
-        destroy = getattr(comm, "destroy", None)
+        destroy = getattr(comm, "destroy", None)  # PyHcclCommunicator has none
         if callable(destroy):
             destroy()
 
 
+class VLLMNcclGroup(_TrainerGroup):
+    """The trainer's side of vLLM's ``nccl`` weight transfer (CUDA):
+    ``vllm.distributed.weight_transfer.nccl_common.trainer_init``."""
+
+    platform_name = "cuda"
+    what = "vLLM's NCCL weight transfer"
+
+    def _init(self, info: dict[str, Any]) -> Any:
+        nccl_common = importlib.import_module("vllm.distributed.weight_transfer.nccl_common")
+        init = nccl_common.trainer_init
+        if "rank" in inspect.signature(init).parameters:  # 0.33; 0.26 takes the info only
+            return init(info, rank=0)
+        return init(info)
+
+
+class VLLMHcclGroup(_TrainerGroup):
+    """The trainer's side of vllm-ascend's ``hccl`` weight transfer (Ascend NPUs):
+    ``HCCLWeightTransferEngine.trainer_init`` (the trainer is always rank 0 there)."""
+
+    platform_name = "npu"
+    what = "vllm-ascend's HCCL weight transfer"
+
+    def _init(self, info: dict[str, Any]) -> Any:
+        try:
+            module = importlib.import_module("vllm_ascend.distributed.weight_transfer.hccl_engine")
+        except ImportError as exc:
+            raise WeightSyncError(
+                f"VLLMHcclGroup needs vllm-ascend in the trainer process ({exc}); install "
+                f"{INSTALL_ASCEND}"
+            ) from exc
+        return module.HCCLWeightTransferEngine.trainer_init(info)
+
+
 vllm_nccl_group = VLLMNcclGroup
-"""The default ``make_group`` of ``VLLMWeightSync``."""
+"""The default ``make_group`` of ``VLLMWeightSync`` on CUDA."""
+vllm_hccl_group = VLLMHcclGroup
+"""The default ``make_group`` of ``VLLMWeightSync`` on Ascend NPUs."""
+
+_GROUPS: dict[str, GroupFactory] = {"cuda": vllm_nccl_group, "npu": vllm_hccl_group}
 
 
 def VLLMWeightSync(
@@ -85,14 +163,26 @@ def VLLMWeightSync(
     master_address: str,
     master_port: int,
     make_group: GroupFactory | None = None,
+    platform: str | Platform | None = None,
     timeout_s: float = 300.0,
 ) -> EngineGroupWeightSync:
-    """``EngineGroupWeightSync`` into vLLM engines (``VLLMEngine`` / ``VLLMHTTPEngine``),
-    over vLLM's NCCL group unless ``make_group`` says otherwise."""
+    """``EngineGroupWeightSync`` into vLLM engines (``VLLMEngine`` / ``VLLMHTTPEngine``), over
+    the ``platform``'s vLLM group (None: the current platform; ``VLLMNcclGroup`` on cuda,
+    ``VLLMHcclGroup`` on npu) unless ``make_group`` says otherwise. The engines must run the
+    matching backend (``weight_transfer_backend(platform)``)."""
+    if make_group is None:
+        p = current_platform() if platform is None else select_platform(platform)
+        if p.name not in _GROUPS:
+            raise ConfigError(
+                f"VLLMWeightSync: no vLLM weight-transfer group for platform {p.name!r} (cuda: "
+                "VLLMNcclGroup, npu: VLLMHcclGroup); on CPU pass make_group=..., e.g. a "
+                "WeightSyncGroup (gloo), to engines that join with gloo"
+            )
+        make_group = _GROUPS[p.name]
     return EngineGroupWeightSync(
         engines,
         master_address=master_address,
         master_port=master_port,
-        make_group=vllm_nccl_group if make_group is None else make_group,
+        make_group=make_group,
         timeout_s=timeout_s,
     )
