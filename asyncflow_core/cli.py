@@ -1,6 +1,7 @@
 """The ``asyncflow`` command line: ``run`` (the main job), ``selfcheck`` (a streaming store run),
 ``trace summarize FILE`` (the summary of a Chrome-trace file written by ``asyncflow_core.trace``),
-``simulate --preset NAME`` (a simulated cluster run of the RL pipeline, colocated vs async).
+``simulate --preset NAME`` (a simulated cluster run of the RL pipeline, colocated vs async),
+``platforms`` (the platforms known here, which can run, and why not).
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summarize.add_argument(
         "--png", default=None, metavar="PATH", help="also draw a timeline (needs matplotlib)"
     )
+    plats = sub.add_parser(
+        "platforms",
+        help="list the platforms (cpu, cuda, npu, plugins): which can run here and why not",
+    )
+    plats.add_argument("--json", action="store_true", help="print them as one JSON list")
     sim = sub.add_parser(
         "simulate",
         help="run the RL pipeline on simulated engines (virtual clock): colocated vs async",
@@ -143,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the simulator lives with the reference engines (same distribution, not a core module)
         simulate = importlib.import_module("asyncflow_reference.simulate")
         return int(simulate.cli_simulate(args))
+    if args.command == "platforms":
+        return _platforms(args.json)
     if args.command == "trace":
         return _trace_summarize(args.file, args.json, args.throughput_task, args.png)
     if args.command == "run":
@@ -154,6 +162,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"task saw every row once, {result['reclaimed']:.0f} reclaimed, "
         f"{result['rows_per_s']:,.0f} rows/s ({result['wall_s']:.2f} s)"
     )
+    return 0
+
+
+def _platforms(as_json: bool) -> int:
+    """``asyncflow platforms``: one line per platform, the one ``auto`` picks marked."""
+    from asyncflow_core.platform import platforms, select_platform
+
+    rows = platforms()
+    auto = select_platform("auto").name
+    for row in rows:
+        row["auto"] = row["name"] == auto
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'platform':<10} {'runs here':<10} {'backend':<8} {'devices':<8} source / why not")
+    for row in rows:
+        mark = "yes (auto)" if row["auto"] else "yes" if row["available"] else "no"
+        devices = "" if row.get("devices") is None else str(row["devices"])
+        note = row["source"] if row["available"] else row["reason"]
+        print(f"{row['name']:<10} {mark:<10} {row.get('dist_backend', ''):<8} {devices:<8} {note}")
     return 0
 
 

@@ -141,8 +141,8 @@ def _merge(cfg: T, data: Mapping[str, Any], *, prefix: str, where: str) -> T:
     if callable(validate):
         try:
             validate()
-        except ConfigError as e:
-            raise ConfigError(f"{where}{e}") from None
+        except ConfigError as e:  # the same kind of error (a PlatformError, say), placed
+            raise type(e)(f"{where}{e}") from None
     return out
 
 

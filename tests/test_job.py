@@ -15,7 +15,8 @@ from asyncflow_reference.job import RLSection, RunConfig, TaskSection, run
 
 from asyncflow_core.cli import main as cli_main
 from asyncflow_core.config import apply_override, load_config
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.errors import ConfigError, PlatformError, PlatformUnavailableError
+from asyncflow_core.platform import CpuPlatform, register_platform
 
 QUICK = [
     "rl.steps=4", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=2", "eval_prompts=8",
@@ -147,6 +148,7 @@ def test_the_deepspeed_trainer_learns_like_the_reference_one() -> None:
     here = asyncio.run(run(cfg))
     there = asyncio.run(run(apply_override(cfg, "train.engine=deepspeed")))
     assert there.summary.trainer == "deepspeed ZeRO-0 fp32, thread"
+    assert there.summary.platform == here.summary.platform == "cpu"
     for a, b in zip(there.result.steps, here.result.steps, strict=True):
         assert a.metrics.loss == pytest.approx(b.metrics.loss, rel=1e-4, abs=1e-6)
         assert a.reward_mean == pytest.approx(b.reward_mean, abs=0.07)
@@ -165,3 +167,42 @@ def test_bad_trainer_choices_are_refused(override: str, match: str) -> None:
         cfg = apply_override(cfg, "train.engine=deepspeed")
     with pytest.raises(ConfigError, match=match):
         apply_override(cfg, override).validate()
+
+
+@pytest.mark.skipif(
+    __import__("asyncflow_ascend").NPUPlatform().is_available(), reason="torch_npu runs here"
+)
+def test_platform_npu_without_torch_npu_fails_fast_and_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's bar: ``platform = "npu"`` on a machine without torch_npu stops before the
+    run starts (exit 2, nothing written) with one message naming the extra and CANN."""
+    for extra in ([], ["--set", "train.engine=deepspeed"]):
+        code = cli_main(["run", "--out", str(tmp_path / "x"), "--set", "platform=npu", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and not (tmp_path / "x").exists()
+        assert "platform 'npu' cannot run here: torch_npu is not installed" in err
+        assert "asyncflow[ascend]" in err and "CANN" in err
+    with pytest.raises(PlatformUnavailableError):
+        load_config(RunConfig, None, ["platform=npu"]).validate()
+
+
+def test_a_named_accelerator_needs_a_trainer_that_uses_it() -> None:
+    class Lab(CpuPlatform):  # an "accelerator" that runs anywhere
+        name = "lab-accel"
+
+    import asyncflow_core.platform as plat
+
+    saved = dict(plat._registry.platforms), dict(plat._registry.sources)
+    try:
+        register_platform(Lab)
+        with pytest.raises(ConfigError, match=r"platform = 'lab-accel' applies to train\.engine"):
+            apply_override(RunConfig(), "platform=lab-accel").validate()
+        ds = apply_override(RunConfig(), "train.engine=deepspeed")
+        ds = apply_override(ds, "platform=lab-accel")
+        assert ds.trainer_platform().name == "lab-accel"
+        assert RunConfig().trainer_platform().name == "cpu"
+        with pytest.raises(PlatformError, match="unknown platform 'gpu'"):
+            apply_override(RunConfig(), "platform=gpu").validate()
+    finally:
+        plat._registry.platforms, plat._registry.sources = saved

@@ -43,6 +43,7 @@ import torch
 
 from asyncflow_core.config import load_config, to_toml
 from asyncflow_core.errors import ConfigError
+from asyncflow_core.platform import Platform, get_platform, select_platform
 from asyncflow_core.process import ProcessTrainEngine
 from asyncflow_core.protocols import (
     Batch,
@@ -172,6 +173,12 @@ class RunConfig:
 
     seed: int = 0
     threads: int = 0
+    platform: str = "auto"
+    """Where the trainer computes (``asyncflow_core.platform``): ``auto`` (the best platform
+    that runs here, ``cpu`` without an accelerator), ``cpu``, ``cuda``, ``npu`` (Ascend, the
+    ``[ascend]`` extra) or a plugin's name. A named platform that cannot run here is refused
+    before anything starts. It applies to ``train.engine = "deepspeed"`` (DeepSpeed's
+    accelerator and collective backend); the reference engines compute on CPU."""
     eval_prompts: int = 256
     task: TaskSection = field(default_factory=TaskSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -196,11 +203,27 @@ class RunConfig:
             raise ConfigError(f"train.ranks must be >= 1, got {t.ranks}")
         if self.threads < 0:
             raise ConfigError(f"threads must be >= 0 (0 = auto), got {self.threads}")
+        self.trainer_platform()
         if self.eval_prompts < 0:
             raise ConfigError(f"eval_prompts must be >= 0, got {self.eval_prompts}")
         self.rl_config().validate()
 
     # -- derived ----------------------------------------------------------------------------
+    def trainer_platform(self) -> Platform:
+        """The platform the trainer runs on: ``platform`` resolved (a named one that cannot
+        run here raises ``PlatformUnavailableError``, a ``ConfigError``); ``cpu`` for the
+        reference trainer, which refuses a named accelerator rather than ignore it."""
+        chosen = select_platform(self.platform)
+        if self.train.engine == "torch":
+            if self.platform != "auto" and chosen.name != "cpu":
+                raise ConfigError(
+                    f"platform = {self.platform!r} applies to train.engine = 'deepspeed'; the "
+                    "reference engines (train.engine = 'torch') compute on CPU: set "
+                    "train.engine = 'deepspeed', or platform = 'cpu' / 'auto'"
+                )
+            return get_platform("cpu")
+        return chosen
+
     def task_spec(self) -> DigitTask:
         return DigitTask(self.task.name, self.task.digits)
 
@@ -277,6 +300,8 @@ class RunSummary:
     trainer: str = "thread"
     """Where the trainer ran: ``thread`` (this process) or ``process`` (``train.process``);
     for ``train.engine = "deepspeed"``, the stage, precision and ranks as well."""
+    platform: str = "cpu"
+    """The trainer's platform (``RunConfig.trainer_platform()``)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -413,7 +438,10 @@ def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int) -> TrainEn
     if t.engine == "deepspeed":
         import asyncflow_deepspeed
 
-        ds: dict[str, Any] = {**common, "zero_stage": t.zero_stage, "dtype": t.dtype}
+        ds: dict[str, Any] = {
+            **common, "zero_stage": t.zero_stage, "dtype": t.dtype,
+            "platform": cfg.trainer_platform().name,
+        }  # fmt: skip
         if t.ranks > 1 or t.process:
             return asyncflow_deepspeed.launch(model, t.ranks, threads=threads, **ds)
         return asyncflow_deepspeed.DeepSpeedTrainEngine(model, threads=threads, **ds)
@@ -465,6 +493,7 @@ def _summarize(
         sync_hidden_s=trace["sync"]["hidden_s"],
         threads=threads,
         trainer=_trainer_label(cfg.train),
+        platform=cfg.trainer_platform().name,
     )
 
 
@@ -519,7 +548,7 @@ _TRAINER_WORDS = {"process": "its own process", "thread": "a thread of this proc
 def format_summary(s: RunSummary) -> str:
     rows = [
         ("task / mode", f"{s.task}, {s.mode} (η={s.staleness}), loss {s.loss}"),
-        ("trainer", _TRAINER_WORDS.get(s.trainer, s.trainer)),
+        ("trainer", f"{_TRAINER_WORDS.get(s.trainer, s.trainer)}, on {s.platform}"),
         ("steps / samples", f"{s.steps} / {s.samples} ({s.dropped} dropped as stale)"),
         ("wall (RL) / warm-up", f"{s.wall_s:.1f} s / {s.warmup_s:.1f} s"),
         ("samples/s, tokens/s", f"{s.samples_per_s:.1f}, {s.tokens_per_s:.0f}"),
