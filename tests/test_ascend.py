@@ -5,8 +5,9 @@
   refuses a mismatch naming both, and fails fast on ``platform="npu"`` without torch_npu,
   before DeepSpeed is touched.
 * Live (``-m live_ascend``; skipped unless torch_npu loads with CANN and an NPU is visible):
-  the ``TrainEngine`` conformance suite on DeepSpeed with ``DS_ACCELERATOR=npu`` and hccl, and
-  ``WeightSyncConformance`` over an hccl ``WeightSyncGroup``.
+  the ``TrainEngine`` conformance suite on DeepSpeed with ``DS_ACCELERATOR=npu`` and hccl, a
+  bucketed broadcast over an hccl ``WeightSyncGroup`` between two NPUs, and the
+  ``InferenceEngine`` suite on vLLM + vllm-ascend (``ASYNCFLOW_VLLM_MODEL``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from asyncflow_ascend import NPUPlatform
-from asyncflow_conformance import TrainEngineConformance
+from asyncflow_conformance import InferenceEngineConformance, TrainEngineConformance
 from asyncflow_reference.model import ModelConfig
 
 import asyncflow_core.platform as plat
@@ -214,3 +215,37 @@ def test_live_hccl_weight_sync_between_two_npus(tmp_path: Path) -> None:
             assert torch.equal(torch.load(tmp_path / f"{name}.pt"), tensor)
     finally:
         child.kill()
+
+
+LIVE_MODEL = os.environ.get("ASYNCFLOW_VLLM_MODEL")
+
+
+@pytest.mark.live_ascend
+@pytest.mark.skipif(
+    not (NPU_RUNS and LIVE_MODEL),
+    reason="live vLLM-on-Ascend test: needs a usable NPU (here: "
+    f"{NPUPlatform().unavailable_reason() or 'yes'}), vllm 0.26.0 + vllm-ascend 0.26.0rc1 and "
+    "ASYNCFLOW_VLLM_MODEL set to a model path",
+)
+class TestLiveVLLMOnAscend(InferenceEngineConformance):
+    """The InferenceEngine laws on ``VLLMEngine.create(platform="npu")``: vllm-ascend's
+    platform, the hccl weight-transfer backend, ``VLLM_ASCEND_ENABLE_NZ=0``."""
+
+    long_max_tokens = 2048
+    supports_seed_determinism = True
+    timeout_s = 120.0
+    real_timeout_s = 600.0
+
+    async def make_engine(self) -> Any:
+        from asyncflow_vllm import VLLMEngine
+
+        return await VLLMEngine.create(
+            str(LIVE_MODEL),
+            platform="npu",
+            enable_sleep_mode=True,
+            gpu_memory_utilization=0.3,
+            enforce_eager=True,
+        )
+
+    async def close_engine(self, engine: Any) -> None:
+        await engine.close()
