@@ -32,12 +32,30 @@ Differences from vLLM, on purpose:
   rejects it with the retryable ``engine_paused`` error); ``mode=keep`` queues it.
 - unknown ``sampling_params`` keys are rejected (400), to catch a misspelt field.
 
+**vLLM 0.26.0** (``ReplayVLLMServer(engine, vllm_version="0.26.0")``, or ``flavour = "0.26"``:
+the release vllm-ascend 0.26.0rc1 serves; RL routes in ``entrypoints/serve/dev/rlhf/
+api_router.py``): ``GET /weight_info``, ``POST /update_weight_version`` and ``POST
+/shutdown_weight_transfer_engine`` are absent (FastAPI's 404 ``{"detail": "Not Found"}``);
+``/sleep`` and ``/wake_up`` answer 200 with an empty body (``entrypoints/serve/dev/sleep/
+api_router.py``); ``/finish_weight_update`` reads no body, so the engine keeps no label and the
+answers carry no ``weight_versions``; a generate answer is ``GenerateResponse`` (``protocol.py``:
+``{request_id, model, created, choices, usage}``, ``choices[0]`` ``{index, logprobs,
+finish_reason, token_ids, routed_experts}``) with log-prob entries ``{token: "token_id:N",
+logprob, bytes, top_logprobs}`` (``serving.py`` ``_create_tokens_logprobs``); an ``init_info``
+with any key beyond ``master_address, master_port, rank_offset, world_size`` (``packed``) is
+refused as vLLM 0.26 refuses it: the worker's ``parse_init_info`` raises ``ValueError("Invalid
+init_info for NCCLWeightTransferEngine: ...")``, the engine core's utility call fails, and the
+API server answers 500 ``InternalServerError`` quoting it; and a new request while paused is
+queued until ``/resume`` (0.26's scheduler holds it; 0.33 rejects it with 503).
+
 Test knobs: ``requests`` records every call (method, path, query, JSON body);
 ``fail(path, status=..., body=..., delay_s=..., times=...)`` injects an HTTP status, a raw
 (possibly malformed) body, or a delay; ``spans = False`` leaves ``weight_versions`` out
 (vLLM sends None when no label was reported); ``world_size`` is what ``/get_world_size``
-reports; ``vllm_version`` what ``/version`` reports; ``dev_mode = False`` answers 404 on the
-dev routes, like a server started without ``VLLM_SERVER_DEV_MODE``.
+reports; ``vllm_version`` what ``/version`` reports (changing it later keeps the flavour);
+``flavour`` which release's routes and shapes are served (``"0.33"`` or ``"0.26"``, from the
+constructor's ``vllm_version``); ``dev_mode = False`` answers 404 on the dev routes, like a
+server started without ``VLLM_SERVER_DEV_MODE``.
 """
 
 from __future__ import annotations
@@ -47,7 +65,7 @@ import json
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from aiohttp import web
@@ -93,6 +111,13 @@ DEV_ROUTES = frozenset(
         "/reset_prefix_cache",
     }
 )
+MISSING_IN_026 = frozenset(
+    {"/weight_info", "/update_weight_version", "/shutdown_weight_transfer_engine"}
+)
+"""Routes vLLM 0.26.0's server does not have (``entrypoints/serve/dev/rlhf/api_router.py``)."""
+INIT_INFO_026 = ("master_address", "master_port", "rank_offset", "world_size")
+"""``NCCLWeightTransferInitInfo``'s fields in vLLM 0.26.0 (``distributed/weight_transfer/
+nccl_common.py``; vllm-ascend's ``HCCLWeightTransferInitInfo`` has the same)."""
 
 
 @dataclass
@@ -149,7 +174,8 @@ def _detail(status: int, detail: Any) -> _HTTPError:
 class ReplayVLLMServer:
     """``ReplayVLLMServer(engine, *, vllm_version="0.33.0", world_size=1)``; ``await
     start()`` returns the base URL (a free port on 127.0.0.1); ``await close()`` stops the
-    server and closes the engine."""
+    server and closes the engine. ``vllm_version="0.26.x"`` serves vLLM 0.26.0's routes and
+    shapes (``flavour == "0.26"``), any other the 0.33.0 ones."""
 
     def __init__(
         self,
@@ -161,6 +187,9 @@ class ReplayVLLMServer:
     ) -> None:
         self.engine = engine
         self.vllm_version = vllm_version
+        self.flavour: Literal["0.33", "0.26"] = (
+            "0.26" if vllm_version.startswith("0.26.") else "0.33"
+        )
         self.world_size = world_size
         self.host = host
         self.dev_mode = True
@@ -237,6 +266,11 @@ class ReplayVLLMServer:
     def label(self, version: int) -> str:
         return self.labels.get(version, str(version))
 
+    @property
+    def legacy(self) -> bool:
+        """Serving vLLM 0.26.0's routes and shapes."""
+        return self.flavour == "0.26"
+
     # ---- plumbing -------------------------------------------------------------------------
     @web.middleware
     async def _middleware(
@@ -252,6 +286,8 @@ class ReplayVLLMServer:
             query.setdefault(key, []).append(value)
         self.requests.append(Recorded(request.method, request.path, query, body))
         if not self.dev_mode and request.path in DEV_ROUTES:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        if self.legacy and request.path in MISSING_IN_026:
             return web.json_response({"detail": "Not Found"}, status=404)
         fault = self.faults.get(request.path)
         if fault is not None:
@@ -376,6 +412,8 @@ class ReplayVLLMServer:
             raise _error(400, str(exc)) from exc
         result = await future
         want_logprobs = sp.get("logprobs") is not None
+        if self.legacy:
+            return self._generate_026(internal, tokens, result, want_logprobs)
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": result.finish_reason,
@@ -416,6 +454,45 @@ class ReplayVLLMServer:
             "choices": [choice],
         }
 
+    @staticmethod
+    def _generate_026(
+        internal: str, tokens: list[int], result: Any, want_logprobs: bool
+    ) -> dict[str, Any]:
+        """vLLM 0.26.0's ``GenerateResponse.model_dump()`` (``protocol.py``; ``serving.py``
+        ``serve_tokens_full_generator`` and ``_create_tokens_logprobs``)."""
+
+        def logprob(token: int, lp: float) -> dict[str, Any]:
+            return {"token": f"token_id:{token}", "logprob": max(lp, -9999.0), "bytes": None}
+
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": (
+                {
+                    "content": [
+                        {**logprob(t, lp), "top_logprobs": [logprob(t, lp)]}
+                        for t, lp in zip(result.tokens, result.logprobs, strict=True)
+                    ]
+                }
+                if want_logprobs
+                else None
+            ),
+            "finish_reason": result.finish_reason or "stop",
+            "token_ids": list(result.tokens),
+            "routed_experts": None,
+        }
+        return {
+            "request_id": internal,
+            "model": "replay",
+            "created": 0,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(tokens),
+                "total_tokens": len(tokens) + len(result.tokens),
+                "completion_tokens": len(result.tokens),
+                "prompt_tokens_details": None,
+            },
+        }
+
     def _spans(self, versions: tuple[int, ...]) -> list[dict[str, Any]]:
         spans: list[dict[str, Any]] = []
         for i, v in enumerate(versions):
@@ -446,7 +523,8 @@ class ReplayVLLMServer:
         if mode == "keep":
             await self.engine.pause("keep")
         else:
-            self.reject_new = mode
+            if not self.legacy:  # vLLM 0.26 queues new requests in every pause mode
+                self.reject_new = mode
             if mode == "abort":
                 await self.engine.pause("abort")
             else:
@@ -472,11 +550,15 @@ class ReplayVLLMServer:
             await self.engine.pause("abort")
             await self.engine.resume()
         await self.engine.sleep(max(level, 1))
+        if self.legacy:
+            return web.Response(status=200)
         return {"status": "sleeping", "level": level}
 
     async def _wake_up(self, request: web.Request) -> Any:
         tags = request.query.getall("tags", []) or None
         await self.engine.wake_up()
+        if self.legacy:
+            return web.Response(status=200)
         return {"status": "awake", "tags": tags}
 
     async def _reset_prefix_cache(self, request: web.Request) -> Any:
@@ -497,7 +579,9 @@ class ReplayVLLMServer:
         info = body.get("init_info")
         if not isinstance(info, dict):
             raise self._missing("body", "init_info")
-        for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        if self.legacy and set(info) != set(INIT_INFO_026):
+            raise _error(500, self._invalid_init_info_026(info))
+        for key in INIT_INFO_026:
             if key not in info:
                 raise _error(400, f"init_info lacks {key!r}")
         if info.get("packed", False):
@@ -513,6 +597,33 @@ class ReplayVLLMServer:
         await asyncio.to_thread(group.connect)
         self.group = _Group(group)
         return {"message": "Weight transfer initialized"}
+
+    @staticmethod
+    def _invalid_init_info_026(info: dict[str, Any]) -> str:
+        """What vLLM 0.26.0 answers (HTTP 500, ``InternalServerError``) for an ``init_info``
+        that is not ``NCCLWeightTransferInitInfo(**info)``: the worker's ``parse_init_info``
+        turns the dataclass's ``TypeError`` into ``ValueError("Invalid init_info for ...")``
+        (``distributed/weight_transfer/base.py``), and the engine core reports the failed
+        utility call as ``"Call to collective_rpc method failed: ..."`` (``v1/engine/
+        core.py``), which the API server's catch-all handler answers with 500."""
+        extra = [k for k in info if k not in INIT_INFO_026]
+        missing = [k for k in INIT_INFO_026 if k not in info]
+        cls = "NCCLWeightTransferInitInfo.__init__()"
+        if extra:
+            error = f"{cls} got an unexpected keyword argument {extra[0]!r}"
+        else:
+            quoted = [repr(k) for k in missing]
+            names = (
+                " and ".join(quoted)
+                if len(quoted) <= 2
+                else ", ".join(quoted[:-1]) + f", and {quoted[-1]}"
+            )
+            plural = "s" if len(missing) > 1 else ""
+            error = f"{cls} missing {len(missing)} required positional argument{plural}: {names}"
+        return (
+            "Call to collective_rpc method failed: Invalid init_info for "
+            f"NCCLWeightTransferEngine: {error}"
+        )
 
     def _need_group(self) -> _Group:
         if self.group is None:
@@ -554,8 +665,8 @@ class ReplayVLLMServer:
         return {"message": "Weights updated"}
 
     async def _finish_update(self, request: web.Request) -> Any:
-        body = await self._json(request)
-        label = body.get("weight_version")
+        # vLLM 0.26 reads no body: the engine keeps its label (and version) as it was
+        label = None if self.legacy else (await self._json(request)).get("weight_version")
         group = self._need_group()
         if not group.updating:
             raise _error(500, "finish_weight_update before start_weight_update")

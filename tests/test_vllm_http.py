@@ -7,7 +7,10 @@ vLLM, which cannot run on this CPU-only machine), and against a live ``vllm serv
 documents (the replay server records them); (b) the InferenceEngine conformance suite through
 HTTP; (c) ``EngineGroupWeightSync`` moving a model's weights into two servers over a gloo
 group; (d) error paths: a server down, HTTP errors, timeouts, malformed answers, an
-untested vLLM version.
+untested vLLM version. (b), (c) and the contract tests marked ``FLAVOURS`` also run against the
+replay server's vLLM 0.26.0 flavour (what vllm-ascend 0.26.0rc1 serves); (f) tests what
+differs there: no ``/weight_info``, versions kept by the client, no ``packed``, empty
+sleep/wake-up answers, ``"token_id:N"`` log-prob entries.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from asyncflow_core.weightsync import EngineGroupWeightSync, WeightSyncGroup
 
 T = TypeVar("T")
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
+FLAVOURS = pytest.mark.parametrize("vllm_version", ["0.33.0", "0.26.0"])
+"""The server releases the adapter follows: vLLM 0.33 (CUDA) and 0.26 (vllm-ascend)."""
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
@@ -42,9 +47,11 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
 
 
 async def serve(
-    lm: TransformerLM | ModelConfig = MODEL, **engine_kw: Any
+    lm: TransformerLM | ModelConfig = MODEL, *, vllm_version: str = "0.33.0", **engine_kw: Any
 ) -> tuple[ReplayVLLMServer, VLLMHTTPEngine]:
-    server = ReplayVLLMServer(TorchInferenceEngine(lm, max_batch=8, seed=0, threads=1))
+    server = ReplayVLLMServer(
+        TorchInferenceEngine(lm, max_batch=8, seed=0, threads=1), vllm_version=vllm_version
+    )
     url = await server.start()
     engine = VLLMHTTPEngine(url, **engine_kw)
     return server, engine
@@ -84,9 +91,10 @@ def test_connect_reads_version_weight_info_and_world_size() -> None:
     run(main())
 
 
-def test_generate_sends_a_generate_request_and_maps_the_answer() -> None:
+@FLAVOURS
+def test_generate_sends_a_generate_request_and_maps_the_answer(vllm_version: str) -> None:
     async def main() -> None:
-        server, engine = await serve(model="m")
+        server, engine = await serve(model="m", vllm_version=vllm_version)
         try:
             request = GenerationRequest(
                 "g1",
@@ -131,9 +139,10 @@ def test_generate_sends_a_generate_request_and_maps_the_answer() -> None:
     run(main())
 
 
-def test_partial_rollout_continues_after_the_resumed_prefix() -> None:
+@FLAVOURS
+def test_partial_rollout_continues_after_the_resumed_prefix(vllm_version: str) -> None:
     async def main() -> None:
-        server, engine = await serve()
+        server, engine = await serve(vllm_version=vllm_version)
         try:
             request = GenerationRequest(
                 "cont",
@@ -155,9 +164,10 @@ def test_partial_rollout_continues_after_the_resumed_prefix() -> None:
     run(main())
 
 
-def test_abort_posts_the_server_side_ids_and_returns_the_prefix() -> None:
+@FLAVOURS
+def test_abort_posts_the_server_side_ids_and_returns_the_prefix(vllm_version: str) -> None:
     async def main() -> None:
-        server, engine = await serve()
+        server, engine = await serve(vllm_version=vllm_version)
         try:
             await engine.abort(["nobody"])  # unknown: nothing sent (an empty list aborts all)
             task = asyncio.ensure_future(engine.generate(req("long", 400)))
@@ -176,9 +186,10 @@ def test_abort_posts_the_server_side_ids_and_returns_the_prefix() -> None:
     run(main())
 
 
-def test_pause_resume_sleep_wake_up_routes() -> None:
+@FLAVOURS
+def test_pause_resume_sleep_wake_up_routes(vllm_version: str) -> None:
     async def main() -> None:
-        server, engine = await serve()
+        server, engine = await serve(vllm_version=vllm_version)
         try:
             await engine.pause("keep")
             assert engine.paused and await engine.is_paused()
@@ -210,6 +221,9 @@ def test_pause_resume_sleep_wake_up_routes() -> None:
                 {"tags": ["weights", "kv_cache"]},
                 {},
             ]
+            # 0.26 answers /wake_up with an empty body: a partial wake-up asks /is_sleeping
+            asks = 1 if server.legacy else 0
+            assert len(server.calls("/is_sleeping")) == 2 + asks
             assert (await engine.generate(req("after"))).finish_reason == "length"
             mode: Any = "wait"
             with pytest.raises(EngineError, match="mode"):
@@ -253,9 +267,10 @@ class TestVLLMHTTPEngineAgainstReplayServer(InferenceEngineConformance):
     real_timeout_s = 60.0
 
     servers: ClassVar[dict[int, ReplayVLLMServer]] = {}
+    vllm_version: ClassVar[str] = "0.33.0"
 
     async def make_engine(self) -> VLLMHTTPEngine:
-        server, engine = await serve()
+        server, engine = await serve(vllm_version=self.vllm_version)
         self.servers[id(engine)] = server
         await engine.connect()
         return engine
@@ -264,13 +279,20 @@ class TestVLLMHTTPEngineAgainstReplayServer(InferenceEngineConformance):
         await shut(self.servers.pop(id(engine)), engine)
 
 
+class TestVLLMHTTPEngineAgainstReplayServer026(TestVLLMHTTPEngineAgainstReplayServer):
+    """The same laws against vLLM 0.26.0's routes and shapes (vllm-ascend 0.26.0rc1)."""
+
+    vllm_version = "0.26.0"
+
+
 # --------------------------------------------------------------------------------------------
 # (c) a collective weight sync into two servers
 # --------------------------------------------------------------------------------------------
-def test_engine_group_weight_sync_moves_a_models_weights() -> None:
+@FLAVOURS
+def test_engine_group_weight_sync_moves_a_models_weights(vllm_version: str) -> None:
     async def main() -> None:
         trained = TransformerLM(MODEL, seed=5)
-        pairs = [await serve() for _ in range(2)]
+        pairs = [await serve(vllm_version=vllm_version) for _ in range(2)]
         engines = [engine for _, engine in pairs]
         for engine in engines:
             await engine.connect()
@@ -297,15 +319,19 @@ def test_engine_group_weight_sync_moves_a_models_weights() -> None:
                 assert server.prefix_cache_resets == 1
                 result = await engine.generate(req("after-sync", seed=2))
                 assert set(result.versions) == {7}
+                # 0.26 keeps no label: the server's engine never learnt version 7, the
+                # client labelled the tokens itself
+                assert server.engine.weight_version == (0 if server.legacy else 7)
                 (init,) = server.calls("/init_weight_transfer_engine")
                 offset = 1 + pairs.index((server, engine))
+                packed = {} if server.legacy else {"packed": False}  # 0.26 refuses the key
                 assert init.body == {
                     "init_info": {
                         "master_address": "127.0.0.1",
                         "master_port": sync.master_port,
                         "rank_offset": offset,
                         "world_size": 3,
-                        "packed": False,
+                        **packed,
                     }
                 }
                 assert [c.body for c in server.calls("/start_weight_update")] == [None]
@@ -318,12 +344,14 @@ def test_engine_group_weight_sync_moves_a_models_weights() -> None:
                 assert first["dtype_names"][0] == "float32"
                 assert first["shapes"][0] == list(state[names[0]].shape)
                 assert [c.body for c in server.calls("/finish_weight_update")] == [
-                    {"weight_version": "7"}
+                    None if server.legacy else {"weight_version": "7"}
                 ]
+                assert bool(server.calls("/weight_info")) != server.legacy
         finally:
             await sync.close()
             for server, engine in pairs:
-                assert server.calls("/shutdown_weight_transfer_engine")
+                # 0.26 has no shutdown route: nothing is sent
+                assert bool(server.calls("/shutdown_weight_transfer_engine")) != server.legacy
                 await shut(server, engine)
 
     run(main(), 60.0)
@@ -466,9 +494,10 @@ def test_a_server_paused_by_someone_else_rejects_with_503() -> None:
     run(main())
 
 
-def test_a_request_that_races_our_own_pause_waits_and_goes_again() -> None:
+@FLAVOURS
+def test_a_request_that_races_our_own_pause_waits_and_goes_again(vllm_version: str) -> None:
     async def main() -> None:
-        server, engine = await serve()
+        server, engine = await serve(vllm_version=vllm_version)
         try:
             await engine.connect()
             server.fail("/inference/v1/generate", delay_s=0.3)  # sent before the pause lands
@@ -476,30 +505,50 @@ def test_a_request_that_races_our_own_pause_waits_and_goes_again() -> None:
             await asyncio.sleep(0.1)
             await engine.pause("abort")  # the server now answers new requests 503 "paused"
             await asyncio.sleep(0.4)
-            assert not task.done()  # rejected by the paused server, waiting on our pause
+            # 0.33 rejected it (503) and it waits on our pause; 0.26 queued it itself
+            assert not task.done()
             await engine.resume()
             result = await task
             assert result.finish_reason == "length"
-            assert len(server.calls("/inference/v1/generate")) == 2
+            assert len(server.calls("/inference/v1/generate")) == (1 if server.legacy else 2)
         finally:
             await shut(server, engine)
 
     run(main())
 
 
-@pytest.mark.parametrize("version", ["0.32.1", "0.34.0", "garbage"])
-def test_an_untested_server_version_is_a_config_error(version: str) -> None:
+@pytest.mark.parametrize("version", ["0.25.9", "0.27.0", "0.32.1", "0.34", "0.34.0", "garbage"])
+def test_an_unsupported_server_version_is_a_config_error(version: str) -> None:
     async def main() -> None:
         server, engine = await serve()
         server.vllm_version = version
         lenient = VLLMHTTPEngine(server.base_url, check_server_version=False)
         try:
-            with pytest.raises(ConfigError, match="tested with vllm"):
+            with pytest.raises(ConfigError, match=r"follows vllm >=0\.33\.0,<0\.34.*0\.26\.0"):
                 await engine.connect()
             await lenient.connect()
             assert lenient.server_version == version
+            # outside 0.33 the adapter uses what 0.26 offers: no /weight_info
+            assert lenient.features is not None and not lenient.features.weight_version_label
+            assert not server.calls("/weight_info")
         finally:
             await lenient.close()
+            await shut(server, engine)
+
+    run(main())
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.26.1", "0.33.0", "0.33.2"])
+def test_the_supported_server_versions_connect(version: str) -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version=version)
+        try:
+            await engine.connect()
+            assert engine.server_version == version
+            modern = version.startswith("0.33.")
+            assert engine.features is not None
+            assert engine.features.weight_version_label == engine.features.packed_init == modern
+        finally:
             await shut(server, engine)
 
     run(main())
@@ -518,6 +567,230 @@ def test_bad_constructor_arguments_and_a_closed_engine() -> None:
         await engine.close()
         with pytest.raises(EngineError, match="closed"):
             await engine.generate(req("c"))
+
+    run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# (f) what differs on a vLLM 0.26 server (vllm-ascend 0.26.0rc1)
+# --------------------------------------------------------------------------------------------
+def test_connect_to_0_26_reads_no_weight_info() -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version="0.26.0")
+        try:
+            await engine.connect()
+            assert [(r.method, r.path) for r in server.requests] == [
+                ("GET", "/version"),
+                ("GET", "/get_world_size"),
+            ]
+            assert engine.server_version == "0.26.0"
+            assert engine.features is not None
+            assert not engine.features.weight_version_label and not engine.features.packed_init
+            assert engine.weight_version == 0 and engine.weight_group_ranks == 1
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+def test_the_0_26_replay_serves_0_26_routes_and_shapes() -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version="0.26.0")
+        client = engine._client
+        try:
+            for method, path in (
+                ("GET", "/weight_info"),
+                ("POST", "/update_weight_version"),
+                ("POST", "/shutdown_weight_transfer_engine"),
+            ):
+                with pytest.raises(EngineError, match="HTTP 404"):
+                    await client.call(method, path)
+            body = {
+                "request_id": "raw",
+                "token_ids": [1, 2, 3],
+                "sampling_params": {"max_tokens": 3, "logprobs": 0, "seed": 1},
+            }
+            answer = await client.call("POST", "/inference/v1/generate", json_body=body)
+            assert set(answer) == {"request_id", "model", "created", "choices", "usage"}
+            (choice,) = answer["choices"]
+            assert set(choice) == {
+                "index",
+                "logprobs",
+                "finish_reason",
+                "token_ids",
+                "routed_experts",
+            }
+            entries = choice["logprobs"]["content"]
+            assert [e["token"] for e in entries] == [f"token_id:{t}" for t in choice["token_ids"]]
+            assert all(set(e) == {"token", "logprob", "bytes", "top_logprobs"} for e in entries)
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+def test_load_weights_on_0_26_sets_the_version_here_only() -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version="0.26.0")
+        try:
+            await engine.connect()
+            before = len(server.requests)
+            await engine.load_weights((), 3)
+            assert len(server.requests) == before  # no /update_weight_version on 0.26
+            assert engine.weight_version == 3
+            result = await engine.generate(req("v3"))
+            assert set(result.versions) == {3}  # labelled by the client
+            assert server.engine.weight_version == 0  # the server was told nothing
+            with pytest.raises(EngineError, match="EngineGroupWeightSync"):
+                await engine.load_weights([("w", torch.zeros(2))], 4)
+            assert engine.weight_version == 3
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+@FLAVOURS
+def test_packed_is_sent_in_init_info_on_0_33_only(vllm_version: str) -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version=vllm_version)
+        try:
+            # answered at once (no group to join): only the request body matters here
+            reply = '{"message": "Weight transfer initialized"}'
+            server.fail("/init_weight_transfer_engine", body=reply)
+            await engine.join_weight_group("10.0.0.1", 29500, 1, 2)
+            (call,) = server.calls("/init_weight_transfer_engine")
+            base = {
+                "master_address": "10.0.0.1",
+                "master_port": 29500,
+                "rank_offset": 1,
+                "world_size": 2,
+            }
+            expected = base if server.legacy else {**base, "packed": False}
+            assert call.body == {"init_info": expected}
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+def test_the_0_26_replay_refuses_packed_like_vllm_0_26() -> None:
+    async def main() -> None:
+        import aiohttp
+
+        server, engine = await serve(vllm_version="0.26.0")
+        info = {
+            "master_address": "127.0.0.1",
+            "master_port": free_port(),
+            "rank_offset": 1,
+            "world_size": 2,
+            "packed": False,
+        }
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{server.base_url}/init_weight_transfer_engine", json={"init_info": info}
+                ) as response,
+            ):
+                assert response.status == 500
+                error = (await response.json())["error"]
+            assert error["type"] == "InternalServerError" and error["code"] == 500
+            assert error["message"] == (
+                "Call to collective_rpc method failed: Invalid init_info for "
+                "NCCLWeightTransferEngine: NCCLWeightTransferInitInfo.__init__() got an "
+                "unexpected keyword argument 'packed'"
+            )
+            assert server.group is None
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+def asleep(engine: VLLMHTTPEngine) -> bool:
+    return engine.asleep  # read afresh (a plain attribute read would stay narrowed for mypy)
+
+
+def test_empty_sleep_and_wake_up_answers_of_0_26_are_accepted() -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version="0.26.0")
+        try:
+            await engine.connect()
+            raw = await engine._client.call(
+                "POST", "/sleep", params={"level": 1}, expect_json=False
+            )
+            assert raw == ""  # what vLLM 0.26 answers: 200, no body
+            await engine._client.call("POST", "/wake_up", expect_json=False)
+            await engine.sleep(1)
+            assert asleep(engine) and await engine.is_sleeping()
+            await engine.wake_up()
+            assert not asleep(engine) and not server.calls("/is_sleeping")[1:]
+            await engine.sleep(2)
+            # a partial wake-up: /is_sleeping says whether some tag still sleeps
+            server.fail("/is_sleeping", body='{"is_sleeping": true}')
+            await engine.wake_up(["weights"])
+            assert asleep(engine)
+            await engine.wake_up(["kv_cache"])
+            assert not asleep(engine)
+            assert (await engine.generate(req("awake"))).finish_reason == "length"
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+def _answer_026(entry: str, extra: str = "") -> str:
+    return (
+        '{"choices": [{"index": 0, "token_ids": [1], "finish_reason": "length",'
+        f' "routed_experts": null, "logprobs": {{"content": [{entry}]}}{extra}}}]}}'
+    )
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        '{"token": "token_id:2", "logprob": -1.0, "bytes": null, "top_logprobs": []}',
+        '{"token": "token_id:", "logprob": -1.0}',
+        '{"token": "token_id:-1", "logprob": -1.0}',
+        '{"token": "token_id:1x", "logprob": -1.0}',
+        '{"token": "hello", "logprob": -1.0}',
+        '{"token": 1, "logprob": -1.0}',
+        '{"logprob": -1.0}',
+        '{"token_id": 2, "logprob": -1.0}',
+    ],
+)
+def test_a_0_26_logprob_entry_for_another_token_is_an_engine_error(entry: str) -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version="0.26.0")
+        try:
+            server.fail("/inference/v1/generate", body=_answer_026(entry))
+            with pytest.raises(EngineError, match="malformed") as info:
+                await engine.generate(req("m"))
+            assert "vLLM 0.26" in str(info.value)
+            assert (await engine.generate(req("m"))).finish_reason == "length"
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+def test_a_0_26_answer_is_labelled_with_the_clients_version_spans_or_not() -> None:
+    async def main() -> None:
+        server, engine = await serve(vllm_version="0.26.0")
+        try:
+            await engine.load_weights((), 4)
+            entry = '{"token": "token_id:1", "logprob": -0.5, "bytes": null, "top_logprobs": []}'
+            server.fail("/inference/v1/generate", body=_answer_026(entry))
+            result = await engine.generate(req("ok"))
+            assert result.tokens == (1,) and result.logprobs == (-0.5,)
+            assert result.versions == (4,)
+            # spans a 0.26 server never sends would carry a label nobody set: ignored
+            spans = ', "weight_versions": [{"version": "default", "start": 0, "end": 1}]'
+            server.fail("/inference/v1/generate", body=_answer_026(entry, spans))
+            assert (await engine.generate(req("spans"))).versions == (4,)
+        finally:
+            await shut(server, engine)
 
     run(main())
 

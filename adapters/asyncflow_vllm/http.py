@@ -11,6 +11,18 @@ temperature included, as AsyncFlow's trainers compute them; vLLM's default ``raw
 reports the model's distribution before temperature — ``vllm/config/model.py``
 ``ModelConfig.logprobs_mode``.)
 
+On Ascend NPUs (vLLM 0.26.0 with vllm-ascend 0.26.0rc1, ``compat.ASCEND``) the weight-transfer
+backend is HCCL, and FRACTAL_NZ weights must be off: vllm-ascend's NPU worker refuses
+``start_weight_update`` unless ``VLLM_ASCEND_ENABLE_NZ=0`` (it defaults to 1), and ``wake_up``
+unless its ``weight_nz_mode`` is 0 (taken from that variable unless ``--additional-config``
+sets ``weight_nz_mode``) — ``vllm_ascend/worker/worker.py``, ``ascend_config.py``::
+
+    VLLM_ASCEND_ENABLE_NZ=0 VLLM_SERVER_DEV_MODE=1 vllm serve MODEL \\
+        --weight-transfer-config '{"backend":"hccl"}' --logprobs-mode processed_logprobs
+
+(vllm-ascend registers the ``hccl`` and ``npu_ipc`` backends, and also points ``nccl`` at its
+HCCL engine, so ``{"backend":"nccl"}`` works there too.)
+
 Routes, bodies and answers follow vLLM 0.33.0's source (paths relative to ``vllm/``):
 
 - generate: ``POST /inference/v1/generate`` (``entrypoints/scale_out/token_in_token_out/
@@ -38,6 +50,19 @@ Routes, bodies and answers follow vLLM 0.33.0's source (paths relative to ``vllm
   (``entrypoints/serve/dev/cache/api_router.py``); ``GET /version``
   (``entrypoints/serve/instrumentator/basic.py``).
 
+vLLM 0.26.0 (``Features.of(version).weight_version_label`` / ``packed_init`` False; its RL
+routes live in ``entrypoints/serve/dev/rlhf/api_router.py``) serves the same routes with the
+same answers except: no ``GET /weight_info``, ``POST /update_weight_version`` or
+``POST /shutdown_weight_transfer_engine`` (404); ``/finish_weight_update`` reads no body (no
+``weight_version``); ``/sleep`` and ``/wake_up`` answer 200 with an empty body
+(``entrypoints/serve/dev/sleep/api_router.py``); a generate choice is ``{index, logprobs,
+finish_reason, token_ids, routed_experts}`` without ``weight_versions``, its log-prob entries
+``{token: "token_id:N", logprob, bytes, top_logprobs}`` without ``token_id``
+(``token_in_token_out/{protocol,serving}.py``); the nccl (and vllm-ascend's hccl) ``init_info``
+takes only ``master_address, master_port, rank_offset, world_size`` — any other key, such as
+``packed``, fails with "Invalid init_info" (``distributed/weight_transfer/base.py``
+``parse_init_info``); and a new request while paused is queued, not rejected.
+
 Weights: tensors cannot travel through these JSON routes; ``EngineGroupWeightSync`` drives
 this class's ``GroupReceiver`` methods while the trainer broadcasts over vLLM's NCCL group
 (``distributed/weight_transfer/nccl_engine.py``, unpacked: one broadcast per tensor, in the
@@ -49,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -69,14 +95,14 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import EngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_vllm.compat import INSTALL_CLIENT, check_vllm_version
+from asyncflow_vllm.compat import INSTALL_CLIENT, Features, check_vllm_version
 
 __all__ = ["DEV_MODE_HINT", "REQUEST_ID_PREFIX", "VLLMHTTPEngine"]
 
 DEV_MODE_HINT = (
     "the route is missing: start vllm serve with VLLM_SERVER_DEV_MODE=1 (the RL, sleep and "
-    'cache routes exist only then) and --weight-transfer-config \'{"backend":"nccl"}\', '
-    "and check base_url"
+    'cache routes exist only then) and --weight-transfer-config \'{"backend":"nccl"}\' '
+    '(on Ascend: \'{"backend":"hccl"}\' and VLLM_ASCEND_ENABLE_NZ=0), and check base_url'
 )
 
 REQUEST_ID_PREFIX = "generate-tokens-"
@@ -84,6 +110,7 @@ REQUEST_ID_PREFIX = "generate-tokens-"
 (``entrypoints/scale_out/token_in_token_out/serving.py``, ``serve_tokens``)."""
 
 _PAUSED_MARK = "paused"  # vLLM's RequestError "Generation is paused..." (v1/engine/core.py)
+_TOKEN_LABEL = re.compile(r"token_id:(\d+)", re.ASCII)  # 0.26's logprob "token" (serving.py)
 
 
 class VLLMHTTPEngine:
@@ -91,11 +118,30 @@ class VLLMHTTPEngine:
     + ``GroupReceiver`` over one ``vllm serve`` (``base_url``, e.g. ``http://127.0.0.1:8000``).
 
     ``await engine.connect()`` (run by the first call otherwise; safe to repeat) reads
-    ``GET /version`` and raises ``ConfigError`` outside ``compat.TESTED`` unless
-    ``check_server_version=False``, the weight version (``GET /weight_info``) and, unless
-    ``weight_group_ranks`` is given, how many ranks the server's workers take in a weight
-    group (``GET /get_world_size``: TP x PP x DP). ``weight_group_ranks`` needs ``connect()``
-    (or the constructor argument) before ``EngineGroupWeightSync.init``.
+    ``GET /version`` and raises ``ConfigError`` outside ``compat.TESTED`` and
+    ``compat.ASCEND`` unless ``check_server_version=False``; decides ``features``
+    (``compat.Features.of`` that version); reads the weight version (``GET /weight_info``,
+    where the server has it) and, unless ``weight_group_ranks`` is given, how many ranks the
+    server's workers take in a weight group (``GET /get_world_size``: TP x PP x DP).
+    ``weight_group_ranks`` needs ``connect()`` (or the constructor argument) before
+    ``EngineGroupWeightSync.init``.
+
+    **A vLLM 0.26 server** (vllm-ascend 0.26.0rc1; ``features.weight_version_label`` False —
+    also any version outside ``compat.TESTED`` reached with ``check_server_version=False``)
+    keeps no weight-version label, so this class keeps the version itself: it starts at 0
+    (no ``/weight_info``), ``commit_weights(v)`` and ``load_weights((), v)`` set it here only
+    (no ``/update_weight_version``; ``/finish_weight_update`` gets no body), and every token of
+    an answer is labelled with the version this client knows when the answer arrives, not with
+    per-token ``weight_versions`` spans (0.26 sends none; any spans such a server sent would
+    carry a label nobody set, and are ignored). What that costs: a request that straddles a
+    weight update reports the newer version for all its tokens (an upper bound; exact when
+    generation is paused across the update, as ``BlockingUpdate`` does), and the server
+    carries no engine-side label, so another client of the same server (or this one after a
+    restart) cannot read the version back. ``leave_weight_group`` sends nothing (no
+    ``/shutdown_weight_transfer_engine``: the server keeps its side of the group until it
+    exits or joins another); ``init_info`` carries no ``packed`` (0.26 rejects the key);
+    ``/sleep`` and ``/wake_up`` answer with an empty body, so after ``wake_up(tags)`` the
+    engine asks ``GET /is_sleeping`` whether it is fully awake.
 
     ``timeout_s`` bounds a generate call, ``control_timeout_s`` every other route (a weight
     group join or a weight update waits for the trainer's broadcast). ``ignore_eos``: by
@@ -171,6 +217,7 @@ class VLLMHTTPEngine:
         self.server_version: str | None = None
         self.prefix_cache_reset_ok = True
         self._ranks = weight_group_ranks
+        self._features: Features | None = None
         self._version: Version = 0
         self._connected = False
         self._connect_lock: asyncio.Lock | None = None
@@ -196,6 +243,12 @@ class VLLMHTTPEngine:
                 "constructor"
             )
         return self._ranks
+
+    @property
+    def features(self) -> Features | None:
+        """What the server's vLLM release offers (``compat.Features``), decided by
+        ``connect()`` from ``GET /version``; None before."""
+        return self._features
 
     @property
     def paused(self) -> bool:
@@ -226,10 +279,14 @@ class VLLMHTTPEngine:
             raise self._malformed("GET /version", data)
         if self.check_server_version:
             check_vllm_version(version)
-        info = await self._get("/weight_info")
-        current = parse_version(
-            self._key(info, "weight_version", "GET /weight_info"), who=self.name
-        )
+        features = Features.of(version)
+        if features.weight_version_label:
+            info = await self._get("/weight_info")
+            current = parse_version(
+                self._key(info, "weight_version", "GET /weight_info"), who=self.name
+            )
+        else:  # vLLM 0.26: no /weight_info, no label on the server; the version is kept here
+            current = self._version
         ranks = self._ranks
         if ranks is None:
             sizes = await self._get("/get_world_size")
@@ -238,6 +295,7 @@ class VLLMHTTPEngine:
                 raise self._malformed("GET /get_world_size", sizes)
             ranks = size
         self.server_version = version
+        self._features = features
         self._version = current
         self._ranks = ranks
         self._connected = True
@@ -340,16 +398,27 @@ class VLLMHTTPEngine:
             raise EngineError(f"{self.name}: sleep level must be 0, 1 or 2, got {level!r}")
         self._usable()
         await self.connect()
-        data = await self._post("/sleep", params={"level": level, "mode": self.sleep_mode})
-        self._expect(data, "status", "sleeping", "POST /sleep")
+        params = {"level": level, "mode": self.sleep_mode}
+        if self._labels():
+            data = await self._post("/sleep", params=params)
+            self._expect(data, "status", "sleeping", "POST /sleep")
+        else:  # vLLM 0.26 answers 200 with an empty body
+            await self._post("/sleep", params=params, expect_json=False)
         self._asleep = True
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """``POST /wake_up`` (``?tags=weights&tags=kv_cache`` to wake part of it; none wakes
-        everything)."""
+        everything). vLLM 0.26 answers with an empty body: after a partial wake-up
+        ``GET /is_sleeping`` tells whether everything is awake again."""
         self._usable()
         await self.connect()
         params = [("tags", str(tag)) for tag in tags] if tags else None
+        if not self._labels():
+            await self._post("/wake_up", params=params, expect_json=False)
+            # vLLM 0.26 resumes scheduling once all memory is resident; /is_sleeping is True
+            # while any tag still sleeps (v1/engine/core.py wake_up, is_sleeping)
+            self._asleep = bool(params) and await self.is_sleeping()
+            return
         data = await self._post("/wake_up", params=params)
         status = self._key(data, "status", "POST /wake_up")
         if status not in ("awake", "sleeping"):
@@ -376,7 +445,8 @@ class VLLMHTTPEngine:
         self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
     ) -> None:
         """With no tensors: ``POST /update_weight_version {"new_version": str(version)}`` (a
-        version bump). Tensors cannot travel through vLLM's JSON routes: sync them with
+        version bump; on vLLM 0.26, which has no such route, the bump is this client's only).
+        Tensors cannot travel through vLLM's JSON routes: sync them with
         ``EngineGroupWeightSync`` (this engine is its ``GroupReceiver``)."""
         self._check_version_arg("load_weights", version)
         if len(weights):
@@ -390,9 +460,10 @@ class VLLMHTTPEngine:
             )
         self._usable()
         await self.connect()
-        data = await self._post("/update_weight_version", {"new_version": str(version)})
-        if not isinstance(data, dict) or data.get("success") is not True:
-            raise self._malformed("POST /update_weight_version", data)
+        if self._labels():
+            data = await self._post("/update_weight_version", {"new_version": str(version)})
+            if not isinstance(data, dict) or data.get("success") is not True:
+                raise self._malformed("POST /update_weight_version", data)
         self._version = int(version)
 
     # ---- GroupReceiver -------------------------------------------------------------------
@@ -401,16 +472,18 @@ class VLLMHTTPEngine:
     ) -> None:
         """``POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
         rank_offset, world_size, packed: false}}`` (``NCCLWeightTransferInitInfo``,
-        ``distributed/weight_transfer/nccl_common.py``); returns once the workers joined."""
+        ``distributed/weight_transfer/nccl_common.py``); returns once the workers joined.
+        Without ``packed`` on vLLM 0.26, whose init info has no such field."""
         self._usable()
         await self.connect()
-        init_info = {
+        init_info: dict[str, Any] = {
             "master_address": str(master_address),
             "master_port": int(master_port),
             "rank_offset": int(rank_offset),
             "world_size": int(world_size),
-            "packed": False,
         }
+        if self._connected_features().packed_init:
+            init_info["packed"] = False
         await self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     async def begin_weight_update(self) -> None:
@@ -441,19 +514,27 @@ class VLLMHTTPEngine:
         await self._post("/update_weights", {"update_info": update_info})
 
     async def commit_weights(self, version: Version) -> None:
-        """``POST /finish_weight_update {"weight_version": str(version)}``, then
-        ``POST /reset_prefix_cache`` (see ``reset_prefix_cache_on_commit``)."""
+        """``POST /finish_weight_update {"weight_version": str(version)}`` (vLLM 0.26: no
+        body, and the version is this client's only), then ``POST /reset_prefix_cache`` (see
+        ``reset_prefix_cache_on_commit``)."""
         self._check_version_arg("commit_weights", version)
         self._usable()
-        await self._post("/finish_weight_update", {"weight_version": str(version)})
+        await self.connect()
+        if self._labels():
+            await self._post("/finish_weight_update", {"weight_version": str(version)})
+        else:
+            await self._post("/finish_weight_update")
         self._version = int(version)
         if self.reset_prefix_cache_on_commit:
             self.prefix_cache_reset_ok = await self.reset_prefix_cache()
 
     async def leave_weight_group(self) -> None:
-        """``POST /shutdown_weight_transfer_engine``."""
+        """``POST /shutdown_weight_transfer_engine``; nothing on vLLM 0.26, which has no such
+        route (its workers keep the group until the server exits or joins another)."""
         self._usable()
-        await self._post("/shutdown_weight_transfer_engine")
+        await self.connect()
+        if self._labels():
+            await self._post("/shutdown_weight_transfer_engine")
 
     # ---- internals -----------------------------------------------------------------------
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
@@ -534,16 +615,27 @@ class VLLMHTTPEngine:
             raise self._malformed(
                 where, data, "choices[0].logprobs.content needs one entry per token"
             )
+        labels = self._labels()
         logprobs: list[float] = []
         for i, (token, entry) in enumerate(zip(tokens, content, strict=True)):
             lp = entry.get("logprob") if isinstance(entry, dict) else None
             if not isinstance(lp, int | float) or isinstance(lp, bool):
                 raise self._malformed(where, data, f"no logprob for token {i}")
-            if entry.get("token_id", token) != token:
-                raise self._malformed(where, data, f"logprob {i} is for another token")
+            if "token_id" in entry or ("token" not in entry and labels):
+                if entry.get("token_id", token) != token:  # vLLM 0.33's entries
+                    raise self._malformed(where, data, f"logprob {i} is for another token")
+            else:  # vLLM 0.26's entries name the token "token_id:N" (serving.py)
+                label = entry.get("token")
+                match = _TOKEN_LABEL.fullmatch(label) if isinstance(label, str) else None
+                if match is None:
+                    raise self._malformed(
+                        where, data, f"logprob {i} names its token {label!r}, not 'token_id:N'"
+                    )
+                if int(match.group(1)) != token:
+                    raise self._malformed(where, data, f"logprob {i} is for another token")
             logprobs.append(float(lp))
         reason = finish_reason(choice.get("finish_reason"), who=self.name, rid=rid)
-        raw_spans = choice.get("weight_versions")
+        raw_spans = choice.get("weight_versions") if labels else None
         spans: list[tuple[object, int, int]] = []
         if raw_spans is not None:
             if not isinstance(raw_spans, list):
@@ -569,14 +661,34 @@ class VLLMHTTPEngine:
     async def _get(self, path: str) -> Any:
         return await self._client.call("GET", path, timeout_s=self.control_timeout_s)
 
-    async def _post(self, path: str, body: Any = None, *, params: Any = None) -> Any:
+    async def _post(
+        self, path: str, body: Any = None, *, params: Any = None, expect_json: bool = True
+    ) -> Any:
         if body is None:
             return await self._client.call(
-                "POST", path, params=params, timeout_s=self.control_timeout_s
+                "POST",
+                path,
+                params=params,
+                timeout_s=self.control_timeout_s,
+                expect_json=expect_json,
             )
         return await self._client.call(
-            "POST", path, json_body=body, params=params, timeout_s=self.control_timeout_s
+            "POST",
+            path,
+            json_body=body,
+            params=params,
+            timeout_s=self.control_timeout_s,
+            expect_json=expect_json,
         )
+
+    def _connected_features(self) -> Features:
+        if self._features is None:  # connect() sets it; every caller awaited connect() first
+            raise EngineError(f"{self.name}: not connected; await engine.connect() first")
+        return self._features
+
+    def _labels(self) -> bool:
+        """Whether the server keeps a weight-version label (vLLM 0.33; not 0.26)."""
+        return self._connected_features().weight_version_label
 
     def _usable(self) -> None:
         if self._closed:
@@ -588,9 +700,10 @@ class VLLMHTTPEngine:
 
     def _malformed(self, where: str, data: Any, detail: str = "") -> EngineError:
         extra = f" ({detail})" if detail else ""
+        line = "0.26" if self._features is not None and not self._labels() else "0.33"
         return EngineError(
-            f"{self.name}: {where} answered {describe(data)}, not the JSON vLLM 0.33 sends"
-            f"{extra}; a malformed response — is {self.base_url} a vllm serve of a tested "
+            f"{self.name}: {where} answered {describe(data)}, not the JSON vLLM {line} sends"
+            f"{extra}; a malformed response — is {self.base_url} a vllm serve of a supported "
             "version?"
         )
 
