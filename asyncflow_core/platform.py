@@ -472,6 +472,21 @@ def use_platform(name: str | Platform | None) -> Iterator[Platform]:
             _registry.current = previous
 
 
+@contextlib.contextmanager
+def preserved_registry() -> Iterator[None]:
+    """Restore the registry (platforms, plugins read, the current choice) on leaving the block:
+    for tests that register platforms or force one."""
+    r = _registry
+    with r.lock:
+        saved = (dict(r.platforms), dict(r.sources), dict(r.broken), r.discovered, r.current)
+    try:
+        yield
+    finally:
+        with r.lock:
+            r.platforms, r.sources, r.broken = saved[0], saved[1], saved[2]
+            r.discovered, r.current = saved[3], saved[4]
+
+
 def platform_for_backend(backend: str) -> Platform:
     """The platform whose collective backend is ``backend`` (``gloo``: cpu), loaded; a
     ``PlatformError`` names the backends known here."""

@@ -41,11 +41,9 @@ live_ascend = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def registry() -> Iterator[None]:
-    r = plat._registry
-    saved = (dict(r.platforms), dict(r.sources), dict(r.broken), r.discovered, r.current)
-    yield
-    r.platforms, r.sources, r.broken = saved[0], saved[1], saved[2]
-    r.discovered, r.current = saved[3], saved[4]
+    """Every test leaves the process's platform registry as it found it."""
+    with plat.preserved_registry():
+        yield
 
 
 # --------------------------------------------------------------------------------------------

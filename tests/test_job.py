@@ -193,8 +193,7 @@ def test_a_named_accelerator_needs_a_trainer_that_uses_it() -> None:
 
     import asyncflow_core.platform as plat
 
-    saved = dict(plat._registry.platforms), dict(plat._registry.sources)
-    try:
+    with plat.preserved_registry():
         register_platform(Lab)
         with pytest.raises(ConfigError, match=r"platform = 'lab-accel' applies to train\.engine"):
             apply_override(RunConfig(), "platform=lab-accel").validate()
@@ -204,5 +203,3 @@ def test_a_named_accelerator_needs_a_trainer_that_uses_it() -> None:
         assert RunConfig().trainer_platform().name == "cpu"
         with pytest.raises(PlatformError, match="unknown platform 'gpu'"):
             apply_override(RunConfig(), "platform=gpu").validate()
-    finally:
-        plat._registry.platforms, plat._registry.sources = saved

@@ -63,12 +63,9 @@ NO_ACCELERATOR = not torch.cuda.is_available() and not NPUPlatform().is_availabl
 
 @pytest.fixture(autouse=True)
 def registry() -> Iterator[None]:
-    """Every test sees the process's registry and leaves it as it found it."""
-    r = plat._registry
-    saved = (dict(r.platforms), dict(r.sources), dict(r.broken), r.discovered, r.current)
-    yield
-    r.platforms, r.sources, r.broken = saved[0], saved[1], saved[2]
-    r.discovered, r.current = saved[3], saved[4]
+    """Every test leaves the process's platform registry as it found it."""
+    with plat.preserved_registry():
+        yield
 
 
 def child(code: str, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
