@@ -21,6 +21,7 @@ tests.
 
 from __future__ import annotations
 
+import abc
 import importlib
 import inspect
 from collections.abc import Sequence
@@ -57,9 +58,9 @@ def weight_transfer_backend(
     return _BACKENDS[name][1 if colocated else 0]
 
 
-class _TrainerGroup:
+class _TrainerGroup(abc.ABC):
     """A ``BroadcastGroup`` (rank 0, the trainer) over the communicator vLLM's workers join,
-    built by ``_init`` at ``connect()``."""
+    built by ``_init`` at ``connect()`` (each subclass calls its engine's ``trainer_init``)."""
 
     platform_name: ClassVar[str]
     what: ClassVar[str]
@@ -82,8 +83,9 @@ class _TrainerGroup:
     def device(self) -> torch.device:
         return self.platform.device()
 
+    @abc.abstractmethod
     def _init(self, info: dict[str, Any]) -> Any:
-        raise NotImplementedError
+        """The communicator, from ``master_address``, ``master_port`` and ``world_size``."""
 
     def connect(self) -> None:
         if self._comm is not None:
