@@ -158,9 +158,7 @@ class Platform:
 
     def memory_stats(self, device: torch.device | int | None = None) -> MemoryStats:
         mod = self.torch_module()
-        dev = self.device(device if isinstance(device, int) else None)
-        if isinstance(device, torch.device):
-            dev = device
+        dev = device if isinstance(device, torch.device) else self.device(device)
         free, total = mod.mem_get_info(dev)
         return MemoryStats(
             device=str(dev),
@@ -497,7 +495,7 @@ def platform_for_backend(backend: str) -> Platform:
         matches = [p for p in _registry.platforms.values() if p.dist_backend == backend]
         known = sorted({p.dist_backend for p in _registry.platforms.values()})
     if not matches:
-        hint = " (hccl comes with the npu platform: " + KNOWN_PLUGINS["npu"] + ")"
+        hint = f" (hccl comes with the npu platform: {KNOWN_PLUGINS['npu']})"
         raise PlatformError(
             f"no platform here uses the collective backend {backend!r}; known: "
             f"{', '.join(known)}{hint if backend == 'hccl' else ''}"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from asyncflow_core.errors import WeightSyncError
+from asyncflow_core.platform import platform_for_backend
 from asyncflow_core.weightsync import (
     EngineGroupWeightSync,
     GroupReceiver,
@@ -139,9 +140,7 @@ class SGLangGroup:
 
     @property
     def device(self) -> torch.device:
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return platform_for_backend(self.backend).device()
 
     @property
     def connected(self) -> bool:

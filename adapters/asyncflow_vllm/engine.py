@@ -63,7 +63,7 @@ from asyncflow_core.errors import ConfigError, EngineError
 from asyncflow_core.platform import Platform, current_platform, select_platform
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_vllm.compat import Features, check_vllm_version, require_vllm
-from asyncflow_vllm.weightsync import weight_transfer_backend
+from asyncflow_vllm.weightsync import WEIGHT_TRANSFER_BACKENDS, weight_transfer_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +158,8 @@ class VLLMEngine:
         self._gate = PauseGate(name)
         self._native = callable(getattr(engine, "init_weight_transfer_engine", None))
         self._pause_has_mode = _has_parameter(getattr(engine, "pause_generation", None), "mode")
+        finish = getattr(engine, "finish_weight_update", None)  # vLLM 0.26: no version argument
+        self._finish_has_version = _has_parameter(finish, "weight_version")
         self._closed = False
 
     @classmethod
@@ -333,11 +335,10 @@ class VLLMEngine:
         self._usable()
         self._check_version(version)
         if self._native:
-            finish = self.engine.finish_weight_update
-            if _has_parameter(finish, "weight_version"):
-                await finish(weight_version=str(version))
+            if self._finish_has_version:
+                await self.engine.finish_weight_update(weight_version=str(version))
             else:  # vLLM 0.26: no label on the engine; the adapter keeps the version
-                await finish()
+                await self.engine.finish_weight_update()
             self._version = version
         else:
             reset = getattr(self.engine, "reset_prefix_cache", None)
@@ -467,7 +468,7 @@ def engine_args_for(
     environment (set when unset; another value is a ``ConfigError``, environment unchanged)."""
     out = dict(engine_args)
     out.setdefault("logprobs_mode", "processed_logprobs")
-    if "weight_transfer_config" not in out and platform.name in ("cuda", "npu"):
+    if "weight_transfer_config" not in out and platform.name in WEIGHT_TRANSFER_BACKENDS:
         backend = weight_transfer_backend(platform, colocated=colocated)
         out["weight_transfer_config"] = {"backend": backend}
     if platform.name == "npu":

@@ -101,7 +101,7 @@ class VLLMIPCWeightSync:
             asyncio.run_coroutine_threadsafe(llm.update_weights(request), loop).result()
             sent.append(len(fields.get("names", ())))
 
-        pairs = iter(list(zip(bucket.names, bucket.tensors, strict=True)))
+        pairs = zip(bucket.names, bucket.tensors, strict=True)
         assert self._send is not None
         sender = self._send
         args = {"send_mode": send_mode, "packed": False}

@@ -34,10 +34,11 @@ from asyncflow_core.platform import Platform, current_platform, get_platform, se
 from asyncflow_core.weightsync import EngineGroupWeightSync, GroupFactory, GroupReceiver
 from asyncflow_vllm.compat import INSTALL_ASCEND, require_vllm
 
-_BACKENDS = {
+WEIGHT_TRANSFER_BACKENDS = {
     "cuda": ("nccl", "ipc"),
     "npu": ("hccl", "npu_ipc"),
 }
+"""vLLM's weight-transfer backends per platform: (over a group, colocated)."""
 
 
 def weight_transfer_backend(
@@ -49,13 +50,13 @@ def weight_transfer_backend(
     ``load_weights``)."""
     p = current_platform() if platform is None else platform
     name = p if isinstance(p, str) else p.name
-    if name not in _BACKENDS:
+    if name not in WEIGHT_TRANSFER_BACKENDS:
+        known = ", ".join(f"{k}: {v[0]}/{v[1]}" for k, v in WEIGHT_TRANSFER_BACKENDS.items())
         raise ConfigError(
-            f"vLLM has no weight-transfer backend for platform {name!r} (it has "
-            f"{', '.join(f'{k}: {v[0]}/{v[1]}' for k, v in _BACKENDS.items())}); on CPU load "
-            "weights with VLLMEngine.load_weights (collective_rpc) or from disk"
+            f"vLLM has no weight-transfer backend for platform {name!r} (it has {known}); on "
+            "CPU load weights with VLLMEngine.load_weights (collective_rpc) or from disk"
         )
-    return _BACKENDS[name][1 if colocated else 0]
+    return WEIGHT_TRANSFER_BACKENDS[name][1 if colocated else 0]
 
 
 class _TrainerGroup(abc.ABC):

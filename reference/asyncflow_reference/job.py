@@ -394,7 +394,8 @@ async def run(
         t0 = time.perf_counter()
         model = await _warm_up(cfg, TransformerLM(cfg.model_config(), seed=cfg.seed))
         warmup_s = time.perf_counter() - t0
-        trainer = _make_trainer(cfg, model, threads)
+        platform = cfg.trainer_platform().name  # validated above; resolved once per run
+        trainer = _make_trainer(cfg, model, threads, platform)
         engines = [
             TorchInferenceEngine(
                 model,
@@ -420,14 +421,14 @@ async def run(
             await trainer.close()  # type: ignore[attr-defined]  # every trainer here has one
     finally:
         torch.set_num_threads(previous_threads)
-    summary = _summarize(cfg, result, tracer, warmup_s, eval_reward, eval_exact, threads)
+    summary = _summarize(cfg, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
     return RunOutput(summary, result, out)
 
 
-def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int) -> TrainEngine:
+def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int, platform: str) -> TrainEngine:
     """The trainer ``train`` asks for: the reference or DeepSpeed, here or in processes."""
     t = cfg.train
     common: dict[str, Any] = {
@@ -440,7 +441,7 @@ def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int) -> TrainEn
 
         ds: dict[str, Any] = {
             **common, "zero_stage": t.zero_stage, "dtype": t.dtype,
-            "platform": cfg.trainer_platform().name,
+            "platform": platform,
         }  # fmt: skip
         if t.ranks > 1 or t.process:
             return asyncflow_deepspeed.launch(model, t.ranks, threads=threads, **ds)
@@ -466,6 +467,7 @@ def _summarize(
     eval_reward: float | None,
     eval_exact: float | None,
     threads: int,
+    platform: str,
 ) -> RunSummary:
     rewards = [s.reward_mean for s in result.steps]
     trace = tracer.summary()
@@ -493,7 +495,7 @@ def _summarize(
         sync_hidden_s=trace["sync"]["hidden_s"],
         threads=threads,
         trainer=_trainer_label(cfg.train),
-        platform=cfg.trainer_platform().name,
+        platform=platform,
     )
 
 
