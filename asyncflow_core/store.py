@@ -236,6 +236,177 @@ def _prepare_put(partition: str, data: Mapping[str, Any], copy: bool) -> _Prepar
     return out
 
 
+class ControlPlane:
+    """A ``Controller`` plus the waiting the DataStore contract needs: for capacity (a put of
+    new rows), for data (``get_meta``) and for lease deadlines. The in-process store calls it
+    directly; the Ray runtime's controller actor serves the same object, so both stores wait,
+    time out and explain a timeout the same way. ``on_reclaimed(freed)`` is told which rows
+    (``storage key -> rows``) every task has consumed, to delete them from the storage units.
+    """
+
+    def __init__(
+        self, controller: Controller, on_reclaimed: Callable[[dict[str, list[int]]], None]
+    ) -> None:
+        self.controller = controller
+        self._on_reclaimed = on_reclaimed
+        self._waiters = Waiters()
+        controller.add_listener(self._waiters.wake_all)
+
+    def free_reclaimed(self) -> None:
+        freed = self.controller.take_reclaimed()
+        if freed:
+            self._on_reclaimed(freed)
+
+    async def _wait_for_change(self, generation: int, until: float | None) -> None:
+        with self._waiters.arm() as waiter:
+            if self.controller.generation != generation:
+                return
+            await waiter.wait(None if until is None else max(0.0, until - loop_clock()))
+
+    def _lease_wake(self, partition: str, until: float | None) -> float | None:
+        nd = self.controller.next_deadline(partition)
+        if nd is None:
+            return until
+        at = loop_clock() + max(0.0, nd - self.controller.now()) + 1e-3
+        return at if until is None else min(at, until)
+
+    async def reserve_put(
+        self,
+        partition: str,
+        schemas: Mapping[str, FieldSchema],
+        row_bytes: Mapping[str, Sequence[int]],
+        n: int,
+        rows: Sequence[int] | None,
+        tags: Sequence[Tags] | None,
+        overwrite: bool,
+        timeout: float | None,
+    ) -> PutTicket:
+        """``Controller.begin_put``, waiting up to ``timeout`` for capacity."""
+        until = None if timeout is None else loop_clock() + timeout
+        while True:
+            generation = self.controller.generation
+            ticket = self.controller.begin_put(
+                partition, schemas, row_bytes, n, rows, tags, overwrite
+            )
+            if ticket is not None:
+                return ticket
+            if until is not None and loop_clock() >= until:
+                s = self.controller.stats(partition)
+                raise StoreTimeoutError(
+                    f"put of {n} new rows into {partition!r} waited {timeout} s for "
+                    f"capacity ({s.rows_live} rows / {s.bytes_live} bytes live, bound "
+                    f"{s.capacity}); nothing was written. Consumers must ack rows (and every "
+                    f"registered task {list(s.tasks)} consume them) to free space"
+                )
+            await self._wait_for_change(generation, until)
+
+    async def lease(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        sampler: Scheduler,
+        *,
+        timeout: float | None,
+        lease_s: float,
+        current_version: Version | None,
+        dp_rank: int,
+        dp_size: int,
+        member: int,
+    ) -> BatchMeta:
+        """``Controller.try_get_meta``, waiting up to ``timeout`` for the sampler to choose."""
+        until = None if timeout is None else loop_clock() + timeout
+        while True:
+            generation = self.controller.generation
+            meta = self.controller.try_get_meta(
+                partition, task, list(fields), batch_size, sampler, lease_s=lease_s,
+                current_version=current_version, dp_rank=dp_rank, dp_size=dp_size,
+                member=member,
+            )  # fmt: skip
+            self.free_reclaimed()
+            if meta is not None:
+                return meta
+            if until is not None and loop_clock() >= until:
+                raise StoreTimeoutError(
+                    self._explain_wait(partition, task, fields, batch_size, timeout)
+                )
+            await self._wait_for_change(generation, self._lease_wake(partition, until))
+
+    def _explain_wait(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float | None,
+    ) -> str:
+        s = self.controller.stats(partition)
+        ready = ", ".join(f"{f}={s.ready[f]}" for f in fields)
+        return (
+            f"get_meta({partition!r}, task={task!r}, batch_size={batch_size}) waited {timeout} s; "
+            f"{s.rows_live} live rows, ready per field: {ready}; task consumed "
+            f"{s.consumed.get(task, 0)}, leased {s.leased.get(task, 0)}, held back "
+            f"{s.held.get(task, 0)}; closed={s.closed}. Nothing was leased. Raise the timeout, "
+            "check the producers of those fields, or close() the partition so a short final "
+            "batch is handed out"
+        )
+
+
+def split_by_unit(
+    rows: Sequence[int], cells: Mapping[str, Sequence[CellValue]], n_units: int, consecutive: bool
+) -> list[dict[str, dict[int, CellValue]]]:
+    """Each unit's share of a put: ``unit -> field -> {row: value}`` (row ``r`` lives on unit
+    ``r % n_units``). ``consecutive``: ``rows`` are ascending consecutive ids (new rows), so
+    every unit's share is a strided slice."""
+    per_unit: list[dict[str, dict[int, CellValue]]] = [{} for _ in range(n_units)]
+    if n_units == 1:
+        per_unit[0] = {f: dict(zip(rows, v, strict=True)) for f, v in cells.items()}
+    elif consecutive and rows:
+        first = rows[0]
+        for u in range(n_units):
+            start = (u - first) % n_units
+            rows_u = rows[start::n_units]
+            if rows_u:
+                per_unit[u] = {
+                    f: dict(zip(rows_u, v[start::n_units], strict=True)) for f, v in cells.items()
+                }
+    else:
+        for f, values in cells.items():
+            for row, v in zip(rows, values, strict=True):
+                per_unit[row % n_units].setdefault(f, {})[row] = v
+    return per_unit
+
+
+def rows_by_unit(rows: Sequence[int], n_units: int) -> list[list[int]]:
+    """``rows`` grouped by the unit holding them (order kept within each unit)."""
+    by_unit: list[list[int]] = [[] for _ in range(n_units)]
+    for r in rows:
+        by_unit[r % n_units].append(r)
+    return by_unit
+
+
+def merge_by_unit(
+    rows: Sequence[int],
+    got: Sequence[Mapping[str, Sequence[CellValue]]],
+    fields: Sequence[str],
+    n_units: int,
+) -> dict[str, list[CellValue]]:
+    """Undo ``rows_by_unit``: ``got[u][field]`` holds unit ``u``'s values in its rows' order;
+    returns ``field -> values`` in ``rows``' order."""
+    order = [r % n_units for r in rows]
+    out: dict[str, list[CellValue]] = {}
+    for f in fields:
+        cols = [g.get(f, []) for g in got]
+        cursors = [0] * n_units
+        col_out: list[CellValue] = []
+        for u in order:
+            col_out.append(cols[u][cursors[u]])
+            cursors[u] += 1
+        out[f] = col_out
+    return out
+
+
 class InProcessDataStore:
     """The DataStore contract in one process: ``Controller`` + ``num_storage_units`` units.
 
@@ -268,22 +439,7 @@ class InProcessDataStore:
             else Controller(clock if clock is not None else loop_clock)
         )
         self.copy_on_put = copy_on_put
-        self._waiters = Waiters()
-        self.controller.add_listener(self._waiters.wake_all)
-
-    # -- waiting -------------------------------------------------------------------------------
-    async def _wait_for_change(self, generation: int, until: float | None) -> None:
-        with self._waiters.arm() as waiter:
-            if self.controller.generation != generation:
-                return
-            await waiter.wait(None if until is None else max(0.0, until - loop_clock()))
-
-    def _lease_wake(self, partition: str, until: float | None) -> float | None:
-        nd = self.controller.next_deadline(partition)
-        if nd is None:
-            return until
-        at = loop_clock() + max(0.0, nd - self.controller.now()) + 1e-3
-        return at if until is None else min(at, until)
+        self._plane = ControlPlane(self.controller, self._delete_rows)
 
     # -- partitions ----------------------------------------------------------------------------
     async def create_partition(
@@ -341,23 +497,9 @@ class InProcessDataStore:
                 raise BadRequestError(
                     f"put into {partition!r}: tags must be {prep.n} Tags objects (one per row)"
                 )
-        until = None if timeout is None else loop_clock() + timeout
-        while True:
-            generation = self.controller.generation
-            ticket = self.controller.begin_put(
-                partition, prep.schemas, prep.row_bytes, prep.n, rows, tags, overwrite
-            )
-            if ticket is not None:
-                break
-            if until is not None and loop_clock() >= until:
-                s = self.controller.stats(partition)
-                raise StoreTimeoutError(
-                    f"put of {prep.n} new rows into {partition!r} waited {timeout} s for "
-                    f"capacity ({s.rows_live} rows / {s.bytes_live} bytes live, bound "
-                    f"{s.capacity}); nothing was written. Consumers must ack rows (and every "
-                    f"registered task {list(s.tasks)} consume them) to free space"
-                )
-            await self._wait_for_change(generation, until)
+        ticket = await self._plane.reserve_put(
+            partition, prep.schemas, prep.row_bytes, prep.n, rows, tags, overwrite, timeout
+        )
         try:
             try:
                 written = self._write(ticket, prep.cells)
@@ -375,30 +517,13 @@ class InProcessDataStore:
                 _undo(ticket.storage_key, written)
                 raise
         finally:  # rows consumed by every task while this put wrote into them are freed now
-            self._free_reclaimed()
+            self._plane.free_reclaimed()
         return ticket.rows
 
     def _write(self, ticket: PutTicket, cells: Mapping[str, list[CellValue]]) -> _Written:
         """Write every unit's share; if one fails, undo the others so nothing changed.
         Returns what was written, so a failed commit can undo it too."""
-        n_units = len(self.units)
-        per_unit: list[dict[str, dict[int, CellValue]]] = [{} for _ in range(n_units)]
-        if n_units == 1:
-            per_unit[0] = {f: dict(zip(ticket.rows, v, strict=True)) for f, v in cells.items()}
-        elif ticket.new_rows:  # consecutive ids: unit u holds every n-th row, from an offset
-            first = ticket.rows[0]
-            for u in range(n_units):
-                start = (u - first) % n_units
-                rows_u = ticket.rows[start::n_units]
-                if rows_u:
-                    per_unit[u] = {
-                        f: dict(zip(rows_u, v[start::n_units], strict=True))
-                        for f, v in cells.items()
-                    }
-        else:
-            for f, values in cells.items():
-                for row, v in zip(ticket.rows, values, strict=True):
-                    per_unit[row % n_units].setdefault(f, {})[row] = v
+        per_unit = split_by_unit(ticket.rows, cells, len(self.units), ticket.new_rows)
         done: _Written = []
         try:
             for unit, part in zip(self.units, per_unit, strict=True):
@@ -428,49 +553,12 @@ class InProcessDataStore:
         _check_timeout(timeout)
         if isinstance(fields, str) or not fields:
             raise BadRequestError(f"fields must be a non-empty list of field names, got {fields!r}")
-        sampler = sampler if sampler is not None else SequentialSampler()
-        until = None if timeout is None else loop_clock() + timeout
-        while True:
-            generation = self.controller.generation
-            meta = self.controller.try_get_meta(
-                partition,
-                task,
-                list(fields),
-                batch_size,
-                sampler,
-                lease_s=lease_s,
-                current_version=current_version,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-                member=member,
-            )
-            self._free_reclaimed()
-            if meta is not None:
-                return meta
-            if until is not None and loop_clock() >= until:
-                raise StoreTimeoutError(
-                    self._explain_wait(partition, task, fields, batch_size, timeout)
-                )
-            await self._wait_for_change(generation, self._lease_wake(partition, until))
-
-    def _explain_wait(
-        self,
-        partition: str,
-        task: str,
-        fields: Sequence[str],
-        batch_size: int,
-        timeout: float | None,
-    ) -> str:
-        s = self.controller.stats(partition)
-        ready = ", ".join(f"{f}={s.ready[f]}" for f in fields)
-        return (
-            f"get_meta({partition!r}, task={task!r}, batch_size={batch_size}) waited {timeout} s; "
-            f"{s.rows_live} live rows, ready per field: {ready}; task consumed "
-            f"{s.consumed.get(task, 0)}, leased {s.leased.get(task, 0)}, held back "
-            f"{s.held.get(task, 0)}; closed={s.closed}. Nothing was leased. Raise the timeout, "
-            "check the producers of those fields, or close() the partition so a short final "
-            "batch is handed out"
-        )
+        return await self._plane.lease(
+            partition, task, fields, batch_size,
+            sampler if sampler is not None else SequentialSampler(), timeout=timeout,
+            lease_s=lease_s, current_version=current_version, dp_rank=dp_rank,
+            dp_size=dp_size, member=member,
+        )  # fmt: skip
 
     async def get_data(
         self,
@@ -501,9 +589,7 @@ class InProcessDataStore:
         try:
             if n_units == 1:
                 return self.units[0].read(partition, rows, fields)
-            by_unit: list[list[int]] = [[] for _ in range(n_units)]
-            for r in rows:
-                by_unit[r % n_units].append(r)
+            by_unit = rows_by_unit(rows, n_units)
             got = [
                 u.read(partition, rs, fields) if rs else {}
                 for u, rs in zip(self.units, by_unit, strict=True)
@@ -517,35 +603,21 @@ class InProcessDataStore:
                 f"reading rows of partition key {partition!r} failed in a storage unit "
                 f"({type(e).__name__}: {e})"
             ) from e
-        out: dict[str, list[CellValue]] = {}
-        cursors = [0] * n_units
-        order = [r % n_units for r in rows]
-        for f in fields:
-            cols = [g.get(f, []) for g in got]
-            cursors = [0] * n_units
-            col_out: list[CellValue] = []
-            for u in order:
-                col_out.append(cols[u][cursors[u]])
-                cursors[u] += 1
-            out[f] = col_out
-        return out
+        return merge_by_unit(rows, got, fields, n_units)
 
     # -- consumption ---------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:
         self.controller.ack(meta)
-        self._free_reclaimed()
+        self._plane.free_reclaimed()
 
     async def nack(self, meta: BatchMeta) -> None:
         self.controller.nack(meta)
 
-    def _free_reclaimed(self) -> None:
-        freed = self.controller.take_reclaimed()
-        for partition, rows in freed.items():
-            n_units = len(self.units)
-            for u, unit in enumerate(self.units):
-                mine = [r for r in rows if r % n_units == u]
+    def _delete_rows(self, freed: dict[str, list[int]]) -> None:
+        for key, rows in freed.items():
+            for unit, mine in zip(self.units, rows_by_unit(rows, len(self.units)), strict=True):
                 if mine:
-                    unit.delete_rows(partition, mine)
+                    unit.delete_rows(key, mine)
 
 
 _Written = list[

@@ -463,7 +463,7 @@ def test_reclaimed_rows_of_a_deleted_partition_never_touch_its_successor() -> No
         await store.delete_partition("p")
         await store.create_partition("p", ["x"], tasks=["t"])
         await store.put("p", {"x": [torch.full((2,), 7.0)] * 4})
-        store._free_reclaimed()  # the old partition's queued ids must not hit the new one
+        store._plane.free_reclaimed()  # the old partition's queued ids must not hit the new one
         meta = await store.get_meta("p", "t", ["x"], 4)
         assert bool(((await store.get_data(meta))["x"] == 7).all())
 
