@@ -642,7 +642,7 @@ class Controller:
     ) -> BatchMeta | None:
         """Lease a batch now, or return None if the sampler wants to wait. Returns an
         end-of-stream meta once the partition is closed and the task consumed every row."""
-        _check_get_args(batch_size, lease_s, dp_rank, dp_size, member, sampler)
+        check_get_args(batch_size, lease_s, dp_rank, dp_size, member, sampler)
         changed = False
         try:
             with self._lock:
@@ -650,7 +650,7 @@ class Controller:
                 cols = self._fields(p, fields)
                 ts = self._task(p, task)
                 changed = self._expire(p)
-                members = _members(sampler)
+                members = members_of(sampler)
                 if member >= members:
                     raise BadRequestError(
                         f"member={member} but the sampler serves {members} member(s) per DP "
@@ -673,7 +673,7 @@ class Controller:
                     partition, task, batch_size, final, current_version, dp_rank, dp_size, member
                 )
                 sel = sampler.select(cand, request)
-                rows, dropped = _validate_selection(sel, cand, batch_size, sampler)
+                rows, dropped = validate_selection(sel, cand, batch_size, sampler)
                 ts.n_held = int(sel.held)
                 if dropped:
                     dslots = p.lookup(dropped)
@@ -912,7 +912,8 @@ def _finished(p: _Partition, ts: _TaskState) -> bool:
     return not (p.alive[:used] & ~ts.consumed[:used]).any()
 
 
-def _members(sampler: Scheduler) -> int:
+def members_of(sampler: Scheduler) -> int:
+    """How many peers of one DP rank share a batch (``SupportsRankReplay``; else 1)."""
     # the SupportsRankReplay check by attribute: a runtime-checkable isinstance costs more
     # than the rest of a lease
     if hasattr(sampler, "members_per_rank"):
@@ -923,9 +924,10 @@ def _members(sampler: Scheduler) -> int:
     return 1
 
 
-def _check_get_args(
+def check_get_args(
     batch_size: int, lease_s: float, dp_rank: int, dp_size: int, member: int, sampler: object
 ) -> None:
+    """The argument checks of a lease request (``try_get_meta``)."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise BadRequestError(f"batch_size must be a positive int, got {batch_size!r}")
     if not lease_s > 0:
@@ -942,9 +944,11 @@ def _check_get_args(
         )
 
 
-def _validate_selection(
+def validate_selection(
     sel: Selection, cand: Candidates, batch_size: int, sampler: Scheduler
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``sel``'s rows and dropped rows as ints, or ``SamplerError`` naming ``sampler`` if
+    they are not a duplicate-free subset of ``cand`` within ``batch_size``."""
     name = type(sampler).__name__
     if not isinstance(sel, Selection):
         raise SamplerError(f"sampler {name} returned {type(sel).__name__}, not a Selection")

@@ -86,6 +86,23 @@ class StorageUnitError(DataStoreError):
     """A storage unit failed or lost rows; the message names the unit and rows."""
 
 
+class StorageUnitLostError(StorageUnitError):
+    """A storage unit is gone (its process or node died) and the rows it held with it.
+    ``unit`` is its index, ``rows`` the rows of the failed call that lived on it."""
+
+    def __init__(self, message: str, unit: int = -1, rows: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.unit = unit
+        self.rows = rows
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.unit, self.rows))
+
+
+class StoreLostError(DataStoreError):
+    """The store's controller is gone (its process or node died): its metadata with it."""
+
+
 # --- engines and sync ---------------------------------------------------------------------------
 class EngineError(AsyncFlowError):
     """An inference or training engine rejected a call or failed."""

@@ -257,13 +257,13 @@ class ControlPlane:
         if freed:
             self._on_reclaimed(freed)
 
-    async def _wait_for_change(self, generation: int, until: float | None) -> None:
+    async def wait_for_change(self, generation: int, until: float | None) -> None:
         with self._waiters.arm() as waiter:
             if self.controller.generation != generation:
                 return
             await waiter.wait(None if until is None else max(0.0, until - loop_clock()))
 
-    def _lease_wake(self, partition: str, until: float | None) -> float | None:
+    def lease_wake(self, partition: str, until: float | None) -> float | None:
         nd = self.controller.next_deadline(partition)
         if nd is None:
             return until
@@ -298,7 +298,7 @@ class ControlPlane:
                     f"{s.capacity}); nothing was written. Consumers must ack rows (and every "
                     f"registered task {list(s.tasks)} consume them) to free space"
                 )
-            await self._wait_for_change(generation, until)
+            await self.wait_for_change(generation, until)
 
     async def lease(
         self,
@@ -329,11 +329,11 @@ class ControlPlane:
                 return meta
             if until is not None and loop_clock() >= until:
                 raise StoreTimeoutError(
-                    self._explain_wait(partition, task, fields, batch_size, timeout)
+                    self.explain_wait(partition, task, fields, batch_size, timeout)
                 )
-            await self._wait_for_change(generation, self._lease_wake(partition, until))
+            await self.wait_for_change(generation, self.lease_wake(partition, until))
 
-    def _explain_wait(
+    def explain_wait(
         self,
         partition: str,
         task: str,
@@ -483,20 +483,7 @@ class InProcessDataStore:
         overwrite: bool = False,
         timeout: float | None = DEFAULT_GET_TIMEOUT_S,
     ) -> tuple[int, ...]:
-        _check_timeout(timeout)
-        prep = _prepare_put(partition, data, self.copy_on_put)
-        if rows is not None:
-            rows = _int_rows(rows)
-            if len(rows) != prep.n:
-                raise BadRequestError(
-                    f"put into {partition!r}: {len(rows)} rows given for {prep.n} values per field"
-                )
-        if tags is not None:
-            tags = list(tags)
-            if len(tags) != prep.n or not all(isinstance(t, Tags) for t in tags):
-                raise BadRequestError(
-                    f"put into {partition!r}: tags must be {prep.n} Tags objects (one per row)"
-                )
+        prep, rows, tags = prepare_put(partition, data, rows, tags, timeout, self.copy_on_put)
         ticket = await self._plane.reserve_put(
             partition, prep.schemas, prep.row_bytes, prep.n, rows, tags, overwrite, timeout
         )
@@ -550,9 +537,7 @@ class InProcessDataStore:
         dp_size: int = 1,
         member: int = 0,
     ) -> BatchMeta:
-        _check_timeout(timeout)
-        if isinstance(fields, str) or not fields:
-            raise BadRequestError(f"fields must be a non-empty list of field names, got {fields!r}")
+        check_get_meta(fields, timeout)
         return await self._plane.lease(
             partition, task, fields, batch_size,
             sampler if sampler is not None else SequentialSampler(), timeout=timeout,
@@ -568,19 +553,12 @@ class InProcessDataStore:
         layout: Layout = "padded",
         pad_value: float = 0,
     ) -> Batch:
-        if not isinstance(meta, BatchMeta):
-            raise BadRequestError(f"get_data takes the BatchMeta from get_meta, got {meta!r:.80}")
-        if layout not in _LAYOUTS:
-            raise BadRequestError(f"layout must be one of {list(_LAYOUTS)}, got {layout!r}")
-        names = list(meta.fields if fields is None else fields)
+        names = check_get_data(meta, fields, layout)
         if not meta.rows:
             return Batch((), {}, {}, ())
         key, schemas = self.controller.check_readable(meta.partition, meta.rows, names)
         values = self._read(key, meta.rows, names)
-        batch = Batch(meta.rows, {}, {}, meta.tags)
-        for f in names:
-            _assemble(batch, f, schemas[f], values[f], layout, pad_value)
-        return batch
+        return assemble_batch(meta, names, schemas, values, layout, pad_value)
 
     def _read(
         self, partition: str, rows: Sequence[int], fields: Sequence[str]
@@ -628,6 +606,65 @@ _Written = list[
 def _undo(key: str, written: _Written) -> None:
     for unit, part, replaced in written:
         unit.undo(key, part, replaced)
+
+
+def prepare_put(
+    partition: str,
+    data: Mapping[str, Any],
+    rows: Sequence[int] | None,
+    tags: Sequence[Tags] | None,
+    timeout: float | None,
+    copy: bool,
+) -> tuple[_Prepared, list[int] | None, list[Tags] | None]:
+    """Check a put's arguments and split its data into per-row cells (see ``put``)."""
+    _check_timeout(timeout)
+    prep = _prepare_put(partition, data, copy)
+    row_ids = None
+    if rows is not None:
+        row_ids = _int_rows(rows)
+        if len(row_ids) != prep.n:
+            raise BadRequestError(
+                f"put into {partition!r}: {len(row_ids)} rows given for {prep.n} values per field"
+            )
+    tag_list = None
+    if tags is not None:
+        tag_list = list(tags)
+        if len(tag_list) != prep.n or not all(isinstance(t, Tags) for t in tag_list):
+            raise BadRequestError(
+                f"put into {partition!r}: tags must be {prep.n} Tags objects (one per row)"
+            )
+    return prep, row_ids, tag_list
+
+
+def check_get_meta(fields: Sequence[str], timeout: float | None) -> None:
+    """The checks of ``get_meta``'s arguments made before the controller sees them."""
+    _check_timeout(timeout)
+    if isinstance(fields, str) or not fields:
+        raise BadRequestError(f"fields must be a non-empty list of field names, got {fields!r}")
+
+
+def check_get_data(meta: BatchMeta, fields: Sequence[str] | None, layout: str) -> list[str]:
+    """The checks of ``get_data``'s arguments; returns the field names to read."""
+    if not isinstance(meta, BatchMeta):
+        raise BadRequestError(f"get_data takes the BatchMeta from get_meta, got {meta!r:.80}")
+    if layout not in _LAYOUTS:
+        raise BadRequestError(f"layout must be one of {list(_LAYOUTS)}, got {layout!r}")
+    return list(meta.fields if fields is None else fields)
+
+
+def assemble_batch(
+    meta: BatchMeta,
+    names: Sequence[str],
+    schemas: Mapping[str, FieldSchema],
+    values: Mapping[str, list[CellValue]],
+    layout: Layout,
+    pad_value: float,
+) -> Batch:
+    """The ``Batch`` of ``meta``'s rows from the per-row cell values read from storage."""
+    batch = Batch(meta.rows, {}, {}, meta.tags)
+    for f in names:
+        _assemble(batch, f, schemas[f], values[f], layout, pad_value)
+    return batch
 
 
 def _check_timeout(timeout: float | None) -> None:

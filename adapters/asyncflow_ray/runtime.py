@@ -1,0 +1,272 @@
+"""Connecting to a Ray cluster, or starting a local one, and leaving nothing behind.
+
+``RayRuntime`` is the one place AsyncFlow calls ``ray.init`` / ``ray.shutdown``::
+
+    with RayRuntime() as rt:            # a local cluster of this machine, owned by rt
+        store = RayDataStore.create(rt, num_storage_units=2)
+        ...
+    # every Ray process this runtime started is gone here
+
+    RayRuntime(address="auto")          # the cluster of `ray start --head` on this node
+    RayRuntime(address="10.0.0.1:6379") # a cluster's head, from any node of it
+
+A runtime that connects to a running cluster (or finds Ray already initialised in this
+process, e.g. by a test's ``ray.cluster_utils.Cluster``) disconnects on ``shutdown`` but never
+stops the cluster; one that started a local cluster stops it, and ``shutdown`` waits until its
+processes have exited. Actors are created in the runtime's ``namespace``; nothing listens on
+a port of our own: every call goes through Ray, inside the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from asyncflow_core.errors import ConfigError, MissingExtraError
+from asyncflow_core.platform import Platform, get_platform
+
+INSTALL = "pip install 'asyncflow[ray]'"
+TESTED = "2.60"
+"""The Ray release the runtime is tested with (``ray==2.60.0``)."""
+
+DEFAULT_OBJECT_STORE_BYTES = 1 << 30
+"""Object store of a local cluster started by ``RayRuntime`` (Ray's own default is 30% of
+RAM, and in a container whose ``/dev/shm`` is small it falls back to slow disk)."""
+
+
+def import_ray() -> ModuleType:
+    """``ray``, or ``MissingExtraError`` naming the extra."""
+    try:
+        import ray
+    except ImportError as e:
+        raise MissingExtraError(
+            f"the Ray runtime needs Ray ({e}): {INSTALL} (tested with ray {TESTED})"
+        ) from e
+    return ray
+
+
+def resources_for(platform: str | Platform, count: float = 1.0) -> dict[str, Any]:
+    """Ray actor options that reserve ``count`` devices of ``platform``'s Ray resource:
+    ``num_cpus`` for ``CPU``, ``num_gpus`` for ``GPU``, ``resources={name: count}`` for any
+    other (``NPU`` for Ascend, a node started with ``ray start --resources='{"NPU": 8}'``)."""
+    p = get_platform(platform) if isinstance(platform, str) else platform
+    if not count >= 0:
+        raise ConfigError(f"a device count must be >= 0, got {count!r}")
+    name = p.ray_resource
+    if name == "CPU":
+        return {"num_cpus": count}
+    if name == "GPU":
+        return {"num_cpus": 0, "num_gpus": count}
+    return {"num_cpus": 0, "resources": {name: count}}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One alive node of the cluster."""
+
+    node_id: str
+    address: str
+    resources: dict[str, float]
+    is_head: bool
+
+
+@dataclass
+class RayRuntime:
+    """A connection to a Ray cluster (see the module docstring).
+
+    ``address``: ``None`` starts a local cluster (unless Ray is already initialised in this
+    process, which is then used as is); ``"auto"`` joins the cluster started on this node with
+    ``ray start``; ``"host:port"`` joins that head. ``num_cpus`` / ``num_gpus`` /
+    ``resources`` / ``object_store_bytes`` size a local cluster only. ``temp_dir``: where a
+    local cluster keeps its sockets and logs (default: a fresh folder under the system's
+    temp dir, deleted by ``shutdown``); ``log_to_driver`` prints the actors' output here.
+    """
+
+    address: str | None = None
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    resources: dict[str, float] = field(default_factory=dict)
+    object_store_bytes: int | None = DEFAULT_OBJECT_STORE_BYTES
+    namespace: str = "asyncflow"
+    temp_dir: str | None = None
+    log_to_driver: bool = False
+    owns_cluster: bool = field(default=False, init=False)
+    _connected: bool = field(default=False, init=False, repr=False)
+    _made_temp: str | None = field(default=None, init=False, repr=False)
+
+    @property
+    def ray(self) -> ModuleType:
+        return import_ray()
+
+    def start(self) -> RayRuntime:
+        """Connect (or start); idempotent."""
+        ray = import_ray()
+        if self._connected:
+            return self
+        if ray.is_initialized():
+            if self.address not in (None, "auto") and not _same_address(ray, self.address):
+                raise ConfigError(
+                    f"Ray is already initialised in this process (cluster "
+                    f"{_gcs_address(ray)!r}), not connected to address={self.address!r}; "
+                    "call ray.shutdown() first or drop the address"
+                )
+            self._connected = True
+            return self
+        kwargs: dict[str, Any] = {
+            "namespace": self.namespace,
+            "log_to_driver": self.log_to_driver,
+            "include_dashboard": False,
+            "configure_logging": False,
+        }
+        if self.address is None:
+            temp = self.temp_dir or tempfile.mkdtemp(prefix="afray-")
+            self._made_temp = None if self.temp_dir else temp
+            kwargs.update(
+                num_cpus=self.num_cpus if self.num_cpus is not None else os.cpu_count() or 1,
+                num_gpus=self.num_gpus,
+                resources=dict(self.resources) or None,
+                object_store_memory=self.object_store_bytes,
+                _temp_dir=temp,
+            )
+            self.owns_cluster = True
+        else:
+            if self.num_cpus is not None or self.num_gpus is not None or self.resources:
+                raise ConfigError(
+                    f"num_cpus / num_gpus / resources size a local cluster; the cluster at "
+                    f"{self.address!r} has its own (set them with `ray start`)"
+                )
+            kwargs["address"] = self.address
+        try:
+            ray.init(**kwargs)
+        except ConnectionError as e:
+            self.owns_cluster = False
+            raise ConfigError(
+                f"could not reach a Ray cluster at address={self.address!r} ({e}); start one "
+                "with `ray start --head` (then address='auto' on that node, or "
+                "'HEAD_IP:6379' elsewhere), or leave address unset to start a local cluster"
+            ) from e
+        self._connected = True
+        return self
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Disconnect; a cluster this runtime started is stopped and its processes waited
+        for (at most ``timeout_s``)."""
+        if not self._connected:
+            return
+        ray = import_ray()
+        self._connected = False
+        if not self.owns_cluster:
+            return
+        pids = _cluster_pids(ray)
+        ray.shutdown()
+        self.owns_cluster = False
+        _wait_gone(pids, timeout_s)
+        if self._made_temp is not None:
+            shutil.rmtree(self._made_temp, ignore_errors=True)
+            self._made_temp = None
+
+    def __enter__(self) -> RayRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def nodes(self) -> list[NodeInfo]:
+        """The cluster's alive nodes."""
+        ray = import_ray()
+        out = []
+        for n in ray.nodes():
+            if not n.get("Alive"):
+                continue
+            res = {k: float(v) for k, v in n.get("Resources", {}).items()}
+            out.append(
+                NodeInfo(
+                    n["NodeID"],
+                    n.get("NodeManagerAddress", ""),
+                    res,
+                    "node:__internal_head__" in res,
+                )
+            )
+        return out
+
+
+@contextlib.contextmanager
+def ray_runtime(address: str | None = None, **kwargs: Any) -> Iterator[RayRuntime]:
+    """``with ray_runtime(...) as rt``: a started ``RayRuntime``, shut down on exit."""
+    rt = RayRuntime(address, **kwargs).start()
+    try:
+        yield rt
+    finally:
+        rt.shutdown()
+
+
+def _gcs_address(ray: ModuleType) -> str:
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # pragma: no cover - Ray internals vary
+        return "?"
+
+
+def _same_address(ray: ModuleType, address: str) -> bool:
+    return _gcs_address(ray).split(":")[-1] == address.split(":")[-1]
+
+
+def _cluster_pids(ray: ModuleType) -> list[int]:
+    """The processes of the local cluster started by this driver: those naming its session
+    folder (GCS, raylet, agents) and their descendants (the workers)."""
+    try:
+        session = str(ray._private.worker.global_worker.node.get_session_dir_path())
+    except Exception:  # pragma: no cover - Ray internals vary
+        return []
+    parent: dict[int, int] = {}
+    roots = set()
+    for pid, cmd, ppid in _processes():
+        parent[pid] = ppid
+        if session in cmd:
+            roots.add(pid)
+    out = []
+    for pid in parent:
+        p, seen = pid, 0
+        while p > 1 and seen < 64:
+            if p in roots:
+                out.append(pid)
+                break
+            p, seen = parent.get(p, 0), seen + 1
+    return out
+
+
+def _processes() -> Iterator[tuple[int, str, int]]:
+    """(pid, command line, parent pid) of every process (Linux ``/proc``; none elsewhere)."""
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[-1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        yield int(entry), cmd, ppid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[-1].split()[0]
+        return state != b"Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)

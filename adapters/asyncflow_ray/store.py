@@ -1,0 +1,852 @@
+"""The DataStore on a Ray cluster: a controller actor, N storage-unit actors spread over the
+nodes, and a client (``RayDataStore``) that any driver, task or actor of the cluster can hold.
+
+Control plane and data plane are separate, as in TransferQueue:
+
+* The **controller actor** holds the partitions' metadata: the same ``Controller`` and
+  ``ControlPlane`` the in-process store runs (readiness per cell, consumption per task,
+  leases, tags, capacity), so both stores follow one implementation of the contract. It never
+  sees a value. It is an asyncio actor: a ``get_meta`` (or a put waiting for capacity) waits
+  inside it, and many can wait at once.
+* Each **storage-unit actor** holds the cells of the rows routed to it (row ``r`` on unit
+  ``r % N``), in a ``StorageUnit``. ``create()`` places unit ``u`` on node ``u % nodes``.
+* The **client** asks the controller for a ticket (put) or a lease (``get_meta``), then writes
+  or reads the units directly, all units in parallel: values never pass through the
+  controller.
+
+On the wire a column of tensors is one ``PackedColumn``: every row's bytes back to back in one
+numpy ``uint8`` array, plus dtype and shapes (ragged rows stay unpadded). Ray moves numpy
+arrays through its shared-memory object store and hands the receiver a view: within a node the
+bytes are written once by the sender and read in place (no pickling of tensor data, which is
+~20x slower for torch tensors in Ray 2.60). A unit copies what it receives into its own heap
+once per put, so the object store stays a transit area and a unit's memory is freed when its
+rows are reclaimed. Reads come back as read-only views of the returned object (treat
+``layout="list"`` tensors as read-only, as with the in-process store).
+
+Trust: every message is a Ray call between members of one cluster (Ray's own serialization);
+AsyncFlow opens no port and unpickles nothing from outside the cluster. Use Ray's token
+authentication (on by default in Ray 2.60) and keep the cluster's ports private.
+
+Failures: a dead storage unit makes every call that touches its rows raise
+``StorageUnitLostError`` naming the unit, its node and those rows; the other units' rows stay
+readable. A dead controller raises ``StoreLostError``. A consumer that dies holding a lease
+loses it at the lease's deadline and its rows go to the next consumer (``lease_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import warnings
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import numpy as np
+import torch
+
+from asyncflow_core.controller import (
+    Controller,
+    PutTicket,
+    check_get_args,
+    members_of,
+    validate_selection,
+)
+from asyncflow_core.errors import (
+    AsyncFlowError,
+    BadRequestError,
+    ConfigError,
+    SamplerError,
+    StorageUnitError,
+    StorageUnitLostError,
+    StoreLostError,
+    StoreTimeoutError,
+    UnknownRowError,
+)
+from asyncflow_core.protocols import (
+    DEFAULT_GET_TIMEOUT_S,
+    DEFAULT_LEASE_S,
+    Batch,
+    BatchMeta,
+    Candidates,
+    Capacity,
+    CellValue,
+    FieldSchema,
+    Layout,
+    PartitionStats,
+    PlainValue,
+    SampleRequest,
+    Scheduler,
+    Selection,
+    Tags,
+    Version,
+)
+from asyncflow_core.scheduling import SequentialSampler
+from asyncflow_core.store import (
+    ControlPlane,
+    StorageUnit,
+    assemble_batch,
+    check_get_data,
+    check_get_meta,
+    loop_clock,
+    merge_by_unit,
+    prepare_put,
+    rows_by_unit,
+    split_by_unit,
+)
+from asyncflow_ray.runtime import import_ray
+
+T = TypeVar("T")
+
+UNIT_CONCURRENCY = 8
+"""Calls a storage-unit actor serves at once (threads; a unit's state has its own lock)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Wire format
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PackedColumn:
+    """The tensors of one field for some rows: ``data`` holds their bytes back to back."""
+
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    data: np.ndarray[Any, np.dtype[np.uint8]]
+
+
+Column = PackedColumn | list[PlainValue]
+Share = dict[str, tuple[list[int], Column]]
+"""A unit's part of a put: ``field -> (rows, values)``."""
+
+
+def pack(values: Sequence[CellValue]) -> Column:
+    """One column for the wire: tensors packed into one byte array, plain values as a list."""
+    if not values or not isinstance(values[0], torch.Tensor):
+        return list(values)  # type: ignore[arg-type]  # a plain field holds plain values
+    tensors: list[torch.Tensor] = list(values)  # type: ignore[arg-type]
+    dtype = tensors[0].dtype
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+    raw = flat.contiguous().view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    return PackedColumn(
+        str(dtype).removeprefix("torch."), tuple(tuple(t.shape) for t in tensors), raw.numpy()
+    )
+
+
+def unpack(column: Column, *, copy: bool) -> list[CellValue]:
+    """The per-row values of a column: views of one buffer (``copy``: of a private copy of
+    it, else of the received, read-only bytes)."""
+    if not isinstance(column, PackedColumn):
+        return list(column)
+    dtype = getattr(torch, column.dtype)
+    with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(column.data)
+    if copy:
+        raw = raw.clone()
+    flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
+    out: list[CellValue] = []
+    offset = 0
+    for shape in column.shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
+    return out
+
+
+def pack_share(part: Mapping[str, Mapping[int, CellValue]]) -> Share:
+    return {f: (list(cells), pack(list(cells.values()))) for f, cells in part.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# The actors
+# --------------------------------------------------------------------------------------------
+class StorageUnitServer:
+    """The body of a storage-unit actor: a ``StorageUnit`` plus the undo log of the puts
+    whose writes may still be rolled back (until the client's ``release``)."""
+
+    def __init__(self, unit_id: int) -> None:
+        self.unit = StorageUnit(unit_id)
+        self.unit_id = unit_id
+        self._undo: dict[tuple[str, int], tuple[dict[str, dict[int, CellValue]], Any]] = {}
+
+    def info(self) -> dict[str, Any]:
+        ray = import_ray()
+        import os
+
+        ctx = ray.get_runtime_context()
+        return {"unit": self.unit_id, "node_id": ctx.get_node_id(), "pid": os.getpid()}
+
+    def write(self, key: str, share: Share, ticket_id: int) -> None:
+        cells = {
+            f: dict(zip(rows, unpack(col, copy=True), strict=True))
+            for f, (rows, col) in share.items()
+        }
+        replaced = self.unit.write(key, cells)
+        self._undo[(key, ticket_id)] = (cells, replaced)
+
+    def undo(self, key: str, ticket_id: int) -> None:
+        entry = self._undo.pop((key, ticket_id), None)
+        if entry is not None:
+            self.unit.undo(key, entry[0], entry[1])
+
+    def release(self, key: str, ticket_id: int) -> None:
+        self._undo.pop((key, ticket_id), None)
+
+    def read(self, key: str, rows: list[int], fields: list[str]) -> dict[str, Column]:
+        got = self.unit.read(key, rows, fields)
+        return {f: pack(values) for f, values in got.items()}
+
+    def delete_rows(self, key: str, rows: list[int]) -> None:
+        self.unit.delete_rows(key, rows)
+
+    def drop_partition(self, key: str) -> None:
+        self.unit.drop_partition(key)
+        for k in [k for k in self._undo if k[0] == key]:
+            del self._undo[k]
+
+    def num_cells(self, key: str) -> int:
+        return self.unit.num_cells(key)
+
+    def reset(self) -> None:
+        self.unit = StorageUnit(self.unit_id)
+        self._undo.clear()
+
+
+class ControllerServer:
+    """The body of the controller actor: a ``ControlPlane`` (``Controller`` plus waiting)
+    that tells the units to delete reclaimed rows."""
+
+    def __init__(self, units: Sequence[Any]) -> None:
+        self.units = list(units)
+        self.controller = Controller(loop_clock)
+        self.plane = ControlPlane(self.controller, self._delete_rows)
+
+    def _delete_rows(self, freed: dict[str, list[int]]) -> None:
+        for key, rows in freed.items():
+            for unit, mine in zip(self.units, rows_by_unit(rows, len(self.units)), strict=True):
+                if mine:  # fire and forget: a dead unit's rows are lost anyway
+                    unit.delete_rows.remote(key, mine)
+
+    def get_units(self) -> list[Any]:
+        return self.units
+
+    async def reset(self) -> None:
+        """Forget every partition (new metadata; the units are cleared by the client)."""
+        self.controller = Controller(loop_clock)
+        self.plane = ControlPlane(self.controller, self._delete_rows)
+
+    async def create_partition(
+        self, name: str, fields: Sequence[str], capacity: Capacity | None, tasks: Sequence[str]
+    ) -> None:
+        self.controller.create_partition(name, fields, capacity, tasks)
+
+    async def register_task(self, partition: str, task: str) -> None:
+        self.controller.register_task(partition, task)
+
+    async def close(self, partition: str) -> None:
+        self.controller.close(partition)
+
+    async def delete_partition(self, partition: str) -> None:
+        key = self.controller.begin_delete(partition)
+        try:
+            await asyncio.gather(
+                *(u.drop_partition.remote(key) for u in self.units), return_exceptions=True
+            )
+        finally:
+            self.controller.finish_delete(partition)
+
+    async def storage_key(self, partition: str) -> str:
+        return self.controller.storage_key(partition)
+
+    async def stats(self, partition: str) -> PartitionStats:
+        return self.controller.stats(partition)
+
+    async def partitions(self) -> list[str]:
+        return self.controller.partitions()
+
+    async def reserve_put(
+        self,
+        partition: str,
+        schemas: Mapping[str, FieldSchema],
+        row_bytes: Mapping[str, Sequence[int]],
+        n: int,
+        rows: Sequence[int] | None,
+        tags: Sequence[Tags] | None,
+        overwrite: bool,
+        timeout: float | None,
+    ) -> PutTicket:
+        return await self.plane.reserve_put(
+            partition, schemas, row_bytes, n, rows, tags, overwrite, timeout
+        )
+
+    async def commit_put(self, ticket: PutTicket) -> None:
+        try:
+            self.controller.commit_put(ticket)
+        finally:
+            self.plane.free_reclaimed()
+
+    async def abort_put(self, ticket: PutTicket) -> None:
+        try:
+            self.controller.abort_put(ticket)
+        finally:
+            self.plane.free_reclaimed()
+
+    async def peek(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        members: int,
+        lease_s: float,
+        current_version: Version | None,
+        dp_rank: int,
+        dp_size: int,
+        member: int,
+    ) -> tuple[BatchMeta | None, tuple[Candidates, SampleRequest] | None, int]:
+        """Step 1 of a lease whose sampler runs in the caller: a meta that needs no sampler
+        (end of stream, a peer's batch to replay), else the candidates and request to choose
+        from; and the generation they were seen at (for ``wait_change``)."""
+        generation = self.controller.generation
+        capture = _Capture(members)
+        meta = self.controller.try_get_meta(
+            partition, task, fields, batch_size, capture, lease_s=lease_s,
+            current_version=current_version, dp_rank=dp_rank, dp_size=dp_size, member=member,
+        )  # fmt: skip
+        self.plane.free_reclaimed()
+        return meta, capture.seen, generation
+
+    async def lease_selected(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        selection: Selection,
+        members: int,
+        lease_s: float,
+        current_version: Version | None,
+        dp_rank: int,
+        dp_size: int,
+        member: int,
+    ) -> BatchMeta | None:
+        """Step 2: lease (and drop) what the caller's sampler chose, if those rows are still
+        candidates; ``SamplerError`` if another consumer took one meanwhile (choose again)."""
+        meta = self.controller.try_get_meta(
+            partition, task, fields, batch_size, _Given(selection, members), lease_s=lease_s,
+            current_version=current_version, dp_rank=dp_rank, dp_size=dp_size, member=member,
+        )  # fmt: skip
+        self.plane.free_reclaimed()
+        return meta
+
+    async def wait_change(self, partition: str, generation: int, timeout: float | None) -> None:
+        """Return once the metadata changed after ``generation``, a lease of ``partition``
+        is due, or ``timeout`` seconds passed."""
+        until = None if timeout is None else loop_clock() + timeout
+        await self.plane.wait_for_change(generation, self.plane.lease_wake(partition, until))
+
+    async def explain_wait(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        timeout: float | None,
+    ) -> str:
+        return self.plane.explain_wait(partition, task, fields, batch_size, timeout)
+
+    async def check_readable(
+        self, partition: str, rows: Sequence[int], fields: Sequence[str]
+    ) -> tuple[str, dict[str, FieldSchema]]:
+        return self.controller.check_readable(partition, rows, fields)
+
+    async def ack(self, meta: BatchMeta) -> None:
+        self.controller.ack(meta)
+        self.plane.free_reclaimed()
+
+    async def nack(self, meta: BatchMeta) -> None:
+        self.controller.nack(meta)
+
+    async def ping(self) -> bool:
+        return True
+
+
+class _Capture:
+    """Records what a sampler would be shown, and chooses nothing."""
+
+    def __init__(self, members: int) -> None:
+        self.members_per_rank = members
+        self.seen: tuple[Candidates, SampleRequest] | None = None
+
+    def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
+        self.seen = (candidates, request)
+        return Selection()
+
+
+class _Given:
+    """Answers with a selection made elsewhere (by the caller's sampler)."""
+
+    def __init__(self, selection: Selection, members: int) -> None:
+        self.selection = selection
+        self.members_per_rank = members
+
+    def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
+        return self.selection
+
+
+# --------------------------------------------------------------------------------------------
+# The client
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class UnitPlacement:
+    """Where a storage unit runs."""
+
+    unit: int
+    node_id: str
+    pid: int
+
+
+class RayDataStore:
+    """The ``DataStore`` contract over a controller actor and storage-unit actors (see the
+    module docstring). Build one with ``create``; pass it to any actor or task of the cluster
+    (it pickles as its actor handles) or attach by name with ``connect``. Every call is a
+    coroutine of the caller's event loop; values never pass through the controller.
+
+    Unlike the in-process store, a put always copies its tensors (they cross processes), so
+    the caller may reuse its buffers at once.
+    """
+
+    def __init__(self, controller: Any, units: Sequence[Any], name: str | None = None) -> None:
+        if not units:
+            raise BadRequestError("a RayDataStore needs at least one storage unit")
+        self.controller = controller
+        self.units = list(units)
+        self.name = name
+        self._keys: dict[str, str] = {}
+        self._nodes: list[str] | None = None
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (RayDataStore, (self.controller, self.units, self.name))
+
+    def __repr__(self) -> str:
+        label = f"{self.name!r}, " if self.name else ""
+        return f"RayDataStore({label}{len(self.units)} storage units)"
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        num_storage_units: int = 2,
+        *,
+        nodes: Sequence[str] | None = None,
+        name: str | None = None,
+        unit_cpus: float = 0.0,
+        detached: bool = False,
+        start_timeout_s: float = 120.0,
+    ) -> RayDataStore:
+        """Start a store's actors on the connected cluster (``RayRuntime.start()`` first) and
+        wait until they answer.
+
+        ``nodes``: node ids to place storage units on, unit ``u`` on ``nodes[u % len]``
+        (default: every alive node, in the order Ray lists them: units spread across the
+        cluster). ``name``: register the controller under this name in the runtime's
+        namespace, for ``connect``. ``unit_cpus``: CPUs each unit reserves (default 0: units
+        move bytes, they do not compute). ``detached``: the actors outlive this driver (then
+        ``shutdown`` them explicitly).
+        """
+        ray = import_ray()
+        if not ray.is_initialized():
+            raise ConfigError(
+                "RayDataStore.create needs a connected Ray cluster: start one with "
+                "asyncflow_ray.RayRuntime().start() (or ray.init) first"
+            )
+        if isinstance(num_storage_units, bool) or not isinstance(num_storage_units, int):
+            raise BadRequestError(
+                f"num_storage_units must be an int >= 1, got {num_storage_units!r}"
+            )
+        if num_storage_units < 1:
+            raise BadRequestError(f"num_storage_units must be an int >= 1, got {num_storage_units}")
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        targets = list(nodes) if nodes is not None else alive
+        unknown = [n for n in targets if n not in alive]
+        if not targets or unknown:
+            raise ConfigError(
+                f"cannot place storage units on nodes {unknown or targets}: the cluster's alive "
+                f"nodes are {alive}"
+            )
+        lifetime = "detached" if detached else None
+        unit_cls = ray.remote(StorageUnitServer)
+        units = [
+            unit_cls.options(
+                num_cpus=unit_cpus,
+                max_concurrency=UNIT_CONCURRENCY,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    targets[u % len(targets)], soft=False
+                ),
+                name=f"{name}.unit{u}" if name else None,
+                lifetime=lifetime,
+            ).remote(u)
+            for u in range(num_storage_units)
+        ]
+        controller = (
+            ray.remote(ControllerServer)
+            .options(num_cpus=0, max_concurrency=10_000, name=name, lifetime=lifetime)
+            .remote(units)
+        )
+        store = cls(controller, units, name)
+        try:
+            ray.get(
+                [controller.ping.remote(), *(u.info.remote() for u in units)],
+                timeout=start_timeout_s,
+            )
+        except Exception as e:
+            store.shutdown()
+            raise StoreLostError(
+                f"the store's actors did not start within {start_timeout_s} s ({type(e).__name__}: "
+                f"{e}); check the cluster's resources (ray status) and the actors' logs"
+            ) from e
+        return store
+
+    @classmethod
+    def connect(cls, name: str, *, namespace: str | None = None) -> RayDataStore:
+        """The store whose controller was created with ``name`` (in ``namespace``, default:
+        the current one)."""
+        ray = import_ray()
+        try:
+            controller = ray.get_actor(name, namespace=namespace)
+        except ValueError as e:
+            raise ConfigError(
+                f"no RayDataStore named {name!r} in namespace {namespace or 'current'!r} ({e}); "
+                "create it with RayDataStore.create(name=...)"
+            ) from e
+        units = ray.get(controller.get_units.remote())
+        return cls(controller, units, name)
+
+    def shutdown(self) -> None:
+        """Kill the store's actors (its data is gone). Idempotent."""
+        ray = import_ray()
+        for handle in (self.controller, *self.units):
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+
+    async def reset(self) -> None:
+        """Delete every partition with its data, as if the store were new; the actors stay
+        (a fresh store without starting processes: tests, benchmarks, a new experiment)."""
+        await self._ctl(self.controller.reset.remote())
+        await asyncio.gather(*(self._unit_call(u, (), "reset") for u in range(len(self.units))))
+        self._keys.clear()
+
+    async def placement(self) -> list[UnitPlacement]:
+        """Where each storage unit runs (node id, process id)."""
+        infos = await asyncio.gather(
+            *(self._unit_call(u, (), "info") for u in range(len(self.units)))
+        )
+        return [UnitPlacement(i["unit"], i["node_id"], i["pid"]) for i in infos]
+
+    # -- calls -------------------------------------------------------------------------------
+    async def _ctl(self, ref: Any) -> Any:
+        """Await a controller call; its ``AsyncFlowError`` is raised as itself."""
+        ray = import_ray()
+        try:
+            return await ref
+        except ray.exceptions.RayTaskError as e:
+            raise _cause(e) from None
+        except ray.exceptions.RayActorError as e:
+            raise StoreLostError(
+                f"the store's controller actor is gone ({type(e).__name__}: {_first_line(e)}); "
+                "its metadata is lost with it: create a new store and rerun the producers"
+            ) from None
+
+    async def _unit_call(self, u: int, rows: Sequence[int], method: str, *args: Any) -> Any:
+        """Await ``unit u.method(*args)`` touching ``rows``; a dead unit raises
+        ``StorageUnitLostError`` naming it and those rows."""
+        ray = import_ray()
+        try:
+            return await getattr(self.units[u], method).remote(*args)
+        except ray.exceptions.RayTaskError as e:
+            raise _cause(e) from None
+        except ray.exceptions.RayActorError as e:
+            raise StorageUnitLostError(
+                f"storage unit {u} of {len(self.units)} is gone ({type(e).__name__}: "
+                f"{_first_line(e)}); rows {_fmt_rows(rows)} held there are lost (row r lives "
+                f"on unit r % {len(self.units)}); the other units' rows are intact",
+                u,
+                tuple(rows),
+            ) from None
+
+    async def _cancellable(self, ref: Any, undo: Callable[[Any], Awaitable[None]]) -> Any:
+        """Await a controller call that may wait long (a lease, a capacity wait). If the
+        caller is cancelled the call is cancelled in the actor too, and if it had already
+        succeeded its result is undone (``undo``), so no lease or ticket is orphaned."""
+        try:
+            return await self._ctl(ref)
+        except asyncio.CancelledError:
+            ray = import_ray()
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+
+            async def settle() -> None:
+                with contextlib.suppress(Exception):
+                    await undo(await ref)
+
+            _background(settle())
+            raise
+
+    # -- partitions ----------------------------------------------------------------------------
+    async def create_partition(
+        self,
+        name: str,
+        fields: Sequence[str],
+        *,
+        capacity: Capacity | None = None,
+        tasks: Sequence[str] = (),
+    ) -> None:
+        await self._ctl(
+            self.controller.create_partition.remote(name, list(fields), capacity, list(tasks))
+        )
+
+    async def register_task(self, partition: str, task: str) -> None:
+        await self._ctl(self.controller.register_task.remote(partition, task))
+
+    async def close(self, partition: str) -> None:
+        await self._ctl(self.controller.close.remote(partition))
+
+    async def delete_partition(self, partition: str) -> None:
+        self._keys.pop(partition, None)
+        await self._ctl(self.controller.delete_partition.remote(partition))
+
+    async def stats(self, partition: str) -> PartitionStats:
+        result: PartitionStats = await self._ctl(self.controller.stats.remote(partition))
+        return result
+
+    async def storage_key(self, partition: str) -> str:
+        key: str = await self._ctl(self.controller.storage_key.remote(partition))
+        return key
+
+    # -- writes --------------------------------------------------------------------------------
+    async def put(
+        self,
+        partition: str,
+        data: Mapping[str, Sequence[CellValue] | torch.Tensor],
+        *,
+        rows: Sequence[int] | None = None,
+        tags: Sequence[Tags] | None = None,
+        overwrite: bool = False,
+        timeout: float | None = DEFAULT_GET_TIMEOUT_S,
+    ) -> tuple[int, ...]:
+        prep, row_ids, tag_list = prepare_put(partition, data, rows, tags, timeout, copy=False)
+        ticket: PutTicket = await self._cancellable(
+            self.controller.reserve_put.remote(
+                partition, prep.schemas, prep.row_bytes, prep.n, row_ids, tag_list, overwrite,
+                timeout,
+            ),
+            self._abort,
+        )  # fmt: skip
+        # from here the put runs to its end (or rolls back) even if the caller is cancelled
+        await asyncio.shield(self._write_and_commit(ticket, prep.cells))
+        return ticket.rows
+
+    async def _abort(self, ticket: PutTicket) -> None:
+        await self._ctl(self.controller.abort_put.remote(ticket))
+
+    async def _write_and_commit(
+        self, ticket: PutTicket, cells: Mapping[str, list[CellValue]]
+    ) -> None:
+        n = len(self.units)
+        per_unit = split_by_unit(ticket.rows, cells, n, ticket.new_rows)
+        key, tid = ticket.storage_key, ticket.ticket_id
+        used = [u for u in range(n) if per_unit[u]]
+        results = await asyncio.gather(
+            *(
+                self._unit_call(
+                    u,
+                    sorted({r for c in per_unit[u].values() for r in c}),
+                    "write",
+                    key,
+                    pack_share(per_unit[u]),
+                    tid,
+                )
+                for u in used
+            ),
+            return_exceptions=True,
+        )
+        failed = [
+            (u, r) for u, r in zip(used, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if failed:
+            await self._roll_back(ticket, [u for u in used if u not in dict(failed)])
+            u, err = failed[0]
+            if isinstance(err, AsyncFlowError):
+                raise err
+            raise StorageUnitError(
+                f"put into {ticket.partition!r} failed in storage unit {u} "
+                f"({type(err).__name__}: {err}); nothing was written"
+            ) from err
+        try:
+            await self._ctl(self.controller.commit_put.remote(ticket))
+        except BaseException:  # e.g. the partition was deleted meanwhile: leave no cells
+            await self._roll_back(ticket, used, abort=False)
+            raise
+        for u in used:
+            self.units[u].release.remote(key, tid)
+
+    async def _roll_back(self, ticket: PutTicket, units: Sequence[int], abort: bool = True) -> None:
+        key, tid = ticket.storage_key, ticket.ticket_id
+        await asyncio.gather(
+            *(self.units[u].undo.remote(key, tid) for u in units), return_exceptions=True
+        )
+        if abort:
+            await self._abort(ticket)
+
+    # -- reads ---------------------------------------------------------------------------------
+    async def get_meta(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: Scheduler | None = None,
+        timeout: float | None = DEFAULT_GET_TIMEOUT_S,
+        lease_s: float = DEFAULT_LEASE_S,
+        current_version: Version | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        member: int = 0,
+    ) -> BatchMeta:
+        check_get_meta(fields, timeout)
+        sampler = sampler if sampler is not None else SequentialSampler()
+        check_get_args(batch_size, lease_s, dp_rank, dp_size, member, sampler)
+        members = members_of(sampler)
+        names = list(fields)
+        common = (lease_s, current_version, dp_rank, dp_size, member)
+        until = None if timeout is None else loop_clock() + timeout
+        while True:
+            meta, seen, generation = await self._ctl(
+                self.controller.peek.remote(partition, task, names, batch_size, members, *common)
+            )
+            if meta is not None:
+                return cast(BatchMeta, meta)
+            if seen is not None:
+                candidates, request = seen
+                sel = sampler.select(candidates, request)
+                validate_selection(sel, candidates, batch_size, sampler)
+                try:
+                    meta = await self._cancellable(
+                        self.controller.lease_selected.remote(
+                            partition, task, names, batch_size, sel, members, *common
+                        ),
+                        self._give_back,
+                    )
+                except SamplerError:
+                    continue  # another consumer took a chosen row meanwhile: choose again
+                if meta is not None:
+                    return cast(BatchMeta, meta)
+            left = None if until is None else until - loop_clock()
+            if left is not None and left <= 0:
+                raise StoreTimeoutError(
+                    await self._ctl(
+                        self.controller.explain_wait.remote(
+                            partition, task, names, batch_size, timeout
+                        )
+                    )
+                )
+            await self._ctl(self.controller.wait_change.remote(partition, generation, left))
+
+    async def _give_back(self, meta: BatchMeta) -> None:
+        if meta.rows and meta.lease_id is not None:
+            await self._ctl(self.controller.nack.remote(meta))
+
+    async def get_data(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        layout: Layout = "padded",
+        pad_value: float = 0,
+    ) -> Batch:
+        names = check_get_data(meta, fields, layout)
+        if not meta.rows:
+            return Batch((), {}, {}, ())
+        check = self._ctl(self.controller.check_readable.remote(meta.partition, meta.rows, names))
+        cached = self._keys.get(meta.partition)
+        if cached is None:  # first read of this partition: learn its storage key first
+            key, schemas = await check
+            values = await self._read(key, meta.rows, names)
+        else:  # the check and the reads in parallel; a stale key or early read is retried
+            outcome: tuple[Any, Any] = await asyncio.gather(
+                check, self._read(cached, meta.rows, names), return_exceptions=True
+            )
+            checked, read = outcome
+            if isinstance(checked, BaseException):
+                raise checked
+            key, schemas = checked
+            if key != cached or isinstance(read, BaseException):
+                if isinstance(read, StorageUnitLostError):
+                    raise read
+                values = await self._read(key, meta.rows, names)
+            else:
+                values = read
+        self._keys[meta.partition] = key
+        return assemble_batch(meta, names, schemas, values, layout, pad_value)
+
+    async def _read(
+        self, key: str, rows: Sequence[int], fields: Sequence[str]
+    ) -> dict[str, list[CellValue]]:
+        n = len(self.units)
+        by_unit = rows_by_unit(rows, n)
+        try:
+            got = await asyncio.gather(
+                *(
+                    self._unit_call(u, rs, "read", key, rs, list(fields)) if rs else _empty()
+                    for u, rs in enumerate(by_unit)
+                )
+            )
+        except StorageUnitLostError:
+            raise
+        except StorageUnitError as e:
+            raise UnknownRowError(str(e)) from None
+        columns = [{f: unpack(c, copy=False) for f, c in g.items()} for g in got]
+        return merge_by_unit(rows, columns, fields, n)
+
+    # -- consumption ---------------------------------------------------------------------------
+    async def ack(self, meta: BatchMeta) -> None:
+        await self._ctl(self.controller.ack.remote(meta))
+
+    async def nack(self, meta: BatchMeta) -> None:
+        await self._ctl(self.controller.nack.remote(meta))
+
+
+async def _empty() -> dict[str, Column]:
+    return {}
+
+
+_TASKS: set[asyncio.Task[None]] = set()
+
+
+def _background(coro: Any) -> None:
+    task = asyncio.get_running_loop().create_task(coro)
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
+
+
+def _cause(err: Exception) -> BaseException:
+    """The exception an actor method raised, as itself when it is one of ours."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, AsyncFlowError):
+        return cause
+    return err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _fmt_rows(rows: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(str(r) for r in list(rows)[:limit])
+    return f"[{shown}{', ...' if len(rows) > limit else ''}] ({len(rows)} rows)"
