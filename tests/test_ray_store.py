@@ -14,7 +14,7 @@ import pytest
 import torch
 from asyncflow_conformance import DataStoreConformance, StoreFactory
 
-from asyncflow_core.protocols import CellValue, DataStore
+from asyncflow_core.protocols import BatchMeta, CellValue, DataStore
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
 
@@ -72,3 +72,137 @@ class TestRayDataStore(DataStoreConformance):
         unit = store.units[row % len(store.units)]
         column = ray.get(unit.read.remote(key, [row], [field]))[field]
         return unpack(column, copy=True)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# What only a distributed store has to show
+# --------------------------------------------------------------------------------------------
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_put_copies_so_the_caller_may_reuse_its_buffer(shared_store: RayDataStore) -> None:
+    _reset(shared_store)
+
+    async def go() -> None:
+        await shared_store.create_partition("p", ["x"], tasks=["t"])
+        buf = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+        await shared_store.put("p", {"x": buf})
+        buf.zero_()  # the in-process store keeps references; this one cannot
+        meta = await shared_store.get_meta("p", "t", ["x"], 3, timeout=5)
+        got = await shared_store.get_data(meta)
+        assert torch.equal(got["x"], torch.arange(6, dtype=torch.float32).reshape(3, 2))
+
+    run(go())
+
+
+def test_a_dead_storage_unit_is_named_with_its_rows_and_the_rest_survive(
+    ray_runtime: Any,
+) -> None:
+    from asyncflow_core.errors import StorageUnitLostError
+
+    store = RayDataStore.create(2)
+    try:
+
+        async def go() -> None:
+            await store.create_partition("p", ["x", "y"], tasks=["t"])
+            await store.put("p", {"x": [torch.full((3,), float(i)) for i in range(6)]})
+            ray.kill(store.units[1], no_restart=True)
+            with pytest.raises(StorageUnitLostError) as lost:
+                await store.get_data(BatchMeta("p", "t", tuple(range(6)), ("x",)))
+            err = lost.value
+            assert err.unit == 1 and err.rows == (1, 3, 5), (err.unit, err.rows)
+            assert "storage unit 1 of 2" in str(err) and "[1, 3, 5]" in str(err)
+            # the rows of the live unit are intact
+            got = await store.get_data(BatchMeta("p", "t", (0, 2, 4), ("x",)))
+            assert got["x"][:, 0].tolist() == [0.0, 2.0, 4.0]
+            # a put that needs the dead unit is rejected and leaves the store as it was
+            before = await store.stats("p")
+            with pytest.raises(StorageUnitLostError) as put_lost:
+                await store.put("p", {"x": [torch.zeros(3)] * 2})
+            assert put_lost.value.unit == 1
+            assert await store.stats("p") == before
+            with pytest.raises(StorageUnitLostError):  # writing into its rows, too
+                await store.put("p", {"y": [1, 2]}, rows=[0, 1])
+            assert await store.stats("p") == before
+
+        run(go())
+    finally:
+        store.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    """A consumer of one task: lease a batch, read it, "train" on it (record its rows), ack.
+    With ``stall`` it leases one batch and then hangs, holding the lease (to be killed)."""
+
+    def __init__(self, store: RayDataStore) -> None:
+        self.store = store
+
+    async def consume(self, batch: int, lease_s: float, stall: bool = False) -> list[int]:
+        trained: list[int] = []
+        while True:
+            meta = await self.store.get_meta("p", "train", ["x"], batch, lease_s=lease_s)
+            if meta.end_of_stream:
+                return trained
+            data = await self.store.get_data(meta)
+            if stall:
+                await asyncio.Event().wait()  # mid-batch, forever
+            assert data["x"].shape[0] == len(meta.rows)
+            trained.extend(meta.rows)  # the step's effect is committed with the ack
+            await self.store.ack(meta)
+
+
+def test_a_killed_consumer_s_rows_go_to_another_none_lost_none_twice(ray_runtime: Any) -> None:
+    store = RayDataStore.create(2)
+    try:
+
+        async def produce() -> None:
+            await store.create_partition("p", ["x"], tasks=["train"])
+            await store.put("p", {"x": torch.arange(40, dtype=torch.float32).reshape(20, 2)})
+            await store.close("p")
+
+        async def leased() -> int:
+            return (await store.stats("p")).leased.get("train", 0)
+
+        run(produce())
+        victim = Consumer.remote(store)
+        victim_ref = victim.consume.remote(4, 1.0, stall=True)
+        deadline = 50
+        while run(leased()) == 0 and deadline:  # the victim holds a batch, mid-step
+            ray.wait([victim_ref], timeout=0.1)
+            deadline -= 1
+        assert run(leased()) == 4, "the victim never leased its batch"
+        ray.kill(victim, no_restart=True)
+        healthy = [Consumer.remote(store) for _ in range(2)]
+        trained = ray.get([c.consume.remote(3, 30.0) for c in healthy], timeout=60)
+        everything = sorted(r for rows in trained for r in rows)
+        assert everything == list(range(20)), "every row trained exactly once"
+        s = run(store.stats("p"))
+        assert s.consumed["train"] == 20 and s.leased["train"] == 0
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(victim_ref, timeout=10)
+    finally:
+        store.shutdown()
+
+
+def test_the_store_works_from_inside_actors_and_by_name(ray_runtime: Any) -> None:
+    store = RayDataStore.create(2, name="shared-store-test")
+    try:
+        again = RayDataStore.connect("shared-store-test")
+        assert again.units and len(again.units) == 2
+
+        async def go() -> None:
+            await again.create_partition("p", ["x"], tasks=["train"])
+            await again.put("p", {"x": [torch.ones(2)] * 5})
+            await again.close("p")
+
+        run(go())
+        got = ray.get(Consumer.remote(store).consume.remote(2, 30.0), timeout=60)
+        assert sorted(got) == [0, 1, 2, 3, 4]
+    finally:
+        store.shutdown()
+    from asyncflow_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no RayDataStore named 'nope'"):
+        RayDataStore.connect("nope")

@@ -100,6 +100,7 @@ class RayRuntime:
     owns_cluster: bool = field(default=False, init=False)
     _connected: bool = field(default=False, init=False, repr=False)
     _made_temp: str | None = field(default=None, init=False, repr=False)
+    _did_init: bool = field(default=False, init=False, repr=False)
 
     @property
     def ray(self) -> ModuleType:
@@ -118,6 +119,7 @@ class RayRuntime:
                     "call ray.shutdown() first or drop the address"
                 )
             self._connected = True
+            self._did_init = False
             return self
         kwargs: dict[str, Any] = {
             "namespace": self.namespace,
@@ -153,16 +155,20 @@ class RayRuntime:
                 "'HEAD_IP:6379' elsewhere), or leave address unset to start a local cluster"
             ) from e
         self._connected = True
+        self._did_init = True
         return self
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Disconnect; a cluster this runtime started is stopped and its processes waited
-        for (at most ``timeout_s``)."""
+        """Disconnect (if ``start`` connected; a Ray it found initialised is left as is); a
+        cluster this runtime started is stopped and its processes waited for (at most
+        ``timeout_s``)."""
         if not self._connected:
             return
         ray = import_ray()
         self._connected = False
         if not self.owns_cluster:
+            if self._did_init:  # disconnect from a cluster we joined; it keeps running
+                ray.shutdown()
             return
         pids = _cluster_pids(ray)
         ray.shutdown()
