@@ -101,6 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--out", default=None, metavar="DIR", help="run folder (runs/<timestamp>)")
     run.add_argument("--keys", action="store_true", help="list every config key and exit")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--runtime",
+        choices=("local", "ray"),
+        default=None,
+        help="where the job runs (= --set runtime.kind=...): local (one process, default) or "
+        "ray (store and engines as Ray actors; a local cluster unless runtime.address is set)",
+    )
     p = sub.add_parser("selfcheck", help="store self-check: stream rows through three tasks")
     p.add_argument("--prompts", type=int, default=500)
     p.add_argument("--group", type=int, default=8)

@@ -7,7 +7,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -66,6 +66,10 @@ class SequentialSampler:
     trips, a thread hand-off) is paid per batch rather than per row.
     """
 
+    stateless: ClassVar[bool] = True
+    """``select`` keeps no state: a store may run a copy of this sampler in another process
+    (``asyncflow_ray``'s controller does, in one round trip)."""
+
     def __init__(self, *, greedy: bool = False) -> None:
         self.greedy = _check_flag("SequentialSampler", "greedy", greedy)
 
@@ -109,6 +113,10 @@ class GroupSampler:
     ``greedy=True``: never wait for a full batch; hand out the complete chunks there are (at
     least one, at most ``batch_size // n``), as ``SequentialSampler(greedy=True)`` does rows.
     """
+
+    stateless: ClassVar[bool] = True
+    """``select`` keeps no state: a store may run a copy of this sampler in another process
+    (``asyncflow_ray``'s controller does, in one round trip)."""
 
     def __init__(self, n: int, *, greedy: bool = False) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -245,6 +253,10 @@ class TokenBalancedSampler:
     replaced. Only the chosen batch is partitioned, so the cost is independent of the number of
     candidates.
     """
+
+    stateless: ClassVar[bool] = True
+    """``select`` keeps no state: a store may run a copy of this sampler in another process
+    (``asyncflow_ray``'s controller does, in one round trip)."""
 
     def __init__(self, inner: Scheduler | None = None, parts: int | None = None) -> None:
         if parts is not None and (

@@ -4,10 +4,13 @@ every process it started."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network from tests
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ Ray is imported when one of these is used, never at import: without the ``[ray]`
 error names it.
 """
 
+from asyncflow_ray.engines import RayInferenceEngine, RayTrainEngine, WorkerLostError
 from asyncflow_ray.runtime import INSTALL, TESTED, NodeInfo, RayRuntime, ray_runtime, resources_for
 from asyncflow_ray.store import PackedColumn, RayDataStore, UnitPlacement
 
@@ -21,8 +22,11 @@ __all__ = [
     "NodeInfo",
     "PackedColumn",
     "RayDataStore",
+    "RayInferenceEngine",
     "RayRuntime",
+    "RayTrainEngine",
     "UnitPlacement",
+    "WorkerLostError",
     "ray_runtime",
     "resources_for",
 ]

@@ -128,6 +128,8 @@ class RayRuntime:
             "configure_logging": False,
         }
         if self.address is None:
+            # a local cluster reports no usage statistics unless the user asked for them
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             temp = self.temp_dir or tempfile.mkdtemp(prefix="afray-")
             self._made_temp = None if self.temp_dir else temp
             kwargs.update(

@@ -293,6 +293,26 @@ class ControllerServer:
         finally:
             self.plane.free_reclaimed()
 
+    async def get_meta(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        sampler: Scheduler,
+        timeout: float | None,
+        lease_s: float,
+        current_version: Version | None,
+        dp_rank: int,
+        dp_size: int,
+        member: int,
+    ) -> BatchMeta:
+        """A whole lease in one call, the (stateless) sampler run here, waiting here."""
+        return await self.plane.lease(
+            partition, task, fields, batch_size, sampler, timeout=timeout, lease_s=lease_s,
+            current_version=current_version, dp_rank=dp_rank, dp_size=dp_size, member=member,
+        )  # fmt: skip
+
     async def peek(
         self,
         partition: str,
@@ -724,19 +744,27 @@ class RayDataStore:
         members = members_of(sampler)
         names = list(fields)
         common = (lease_s, current_version, dp_rank, dp_size, member)
+        if getattr(sampler, "stateless", False) is True:  # run it in the controller: 1 call
+            whole: BatchMeta = await self._cancellable(
+                self.controller.get_meta.remote(
+                    partition, task, names, batch_size, sampler, timeout, *common
+                ),
+                self._give_back,
+            )
+            return whole
         until = None if timeout is None else loop_clock() + timeout
         while True:
-            meta, seen, generation = await self._ctl(
+            found, seen, generation = await self._ctl(
                 self.controller.peek.remote(partition, task, names, batch_size, members, *common)
             )
-            if meta is not None:
-                return cast(BatchMeta, meta)
+            if found is not None:
+                return cast(BatchMeta, found)
             if seen is not None:
                 candidates, request = seen
                 sel = sampler.select(candidates, request)
                 validate_selection(sel, candidates, batch_size, sampler)
                 try:
-                    meta = await self._cancellable(
+                    leased = await self._cancellable(
                         self.controller.lease_selected.remote(
                             partition, task, names, batch_size, sel, members, *common
                         ),
@@ -744,8 +772,8 @@ class RayDataStore:
                     )
                 except SamplerError:
                     continue  # another consumer took a chosen row meanwhile: choose again
-                if meta is not None:
-                    return cast(BatchMeta, meta)
+                if leased is not None:
+                    return cast(BatchMeta, leased)
             left = None if until is None else until - loop_clock()
             if left is not None and left <= 0:
                 raise StoreTimeoutError(

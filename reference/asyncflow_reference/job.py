@@ -27,6 +27,7 @@ start from those weights at version 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import math
@@ -34,8 +35,8 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,7 +48,9 @@ from asyncflow_core.platform import Platform, get_platform, select_platform
 from asyncflow_core.process import ProcessTrainEngine
 from asyncflow_core.protocols import (
     Batch,
+    DataStore,
     GenerationRequest,
+    InferenceEngine,
     LossFn,
     SamplingParams,
     TrainEngine,
@@ -167,6 +170,38 @@ class RLSection:
 
 
 @dataclass(frozen=True)
+class RuntimeSection:
+    """Where the job runs. ``local``: one process (the store in memory, each engine on a
+    thread of its own; ``breakpoint()`` works anywhere). ``ray`` (the ``[ray]`` extra): the
+    same job with the store as a controller actor plus ``storage_units`` unit actors and every
+    engine in an actor of its own (``asyncflow_ray``), on the cluster at ``address`` (empty:
+    start a local cluster for the run and stop it after; ``auto``: the cluster started on this
+    node with ``ray start``; ``HOST:PORT``: that cluster's head)."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str = ""
+    storage_units: int = 2
+
+    def validate(self) -> None:
+        if self.kind not in ("local", "ray"):
+            raise ConfigError(f"runtime.kind must be 'local' or 'ray', got {self.kind!r}")
+        if self.kind == "local" and (self.address or self.storage_units != 2):
+            raise ConfigError(
+                "runtime.address and runtime.storage_units apply to runtime.kind = 'ray'"
+            )
+        if self.storage_units < 1:
+            raise ConfigError(f"runtime.storage_units must be >= 1, got {self.storage_units}")
+        if self.kind == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError(
+                    "runtime.kind = 'ray' needs Ray: pip install 'asyncflow[ray]' (tested with "
+                    "ray 2.60)"
+                )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything ``asyncflow run`` does. ``threads``: torch threads per engine (0 = auto:
     async gives rollout and training one core each; colocated gives each phase every core)."""
@@ -185,9 +220,17 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)
     rl: RLSection = field(default_factory=RLSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
 
     def validate(self) -> None:
         t = self.train
+        self.runtime.validate()
+        if self.runtime.kind == "ray" and (t.engine != "torch" or t.process):
+            raise ConfigError(
+                "runtime.kind = 'ray' runs the reference trainer in an actor of its own; "
+                "train.engine = 'deepspeed' and train.process = true are for runtime.kind = "
+                "'local'"
+            )
         if t.engine not in ("torch", "deepspeed"):
             raise ConfigError(f"train.engine must be 'torch' or 'deepspeed', got {t.engine!r}")
         if t.engine == "torch" and (t.zero_stage, t.dtype, t.ranks) != (0, "fp32", 1):
@@ -302,6 +345,8 @@ class RunSummary:
     for ``train.engine = "deepspeed"``, the stage, precision and ranks as well."""
     platform: str = "cpu"
     """The trainer's platform (``RunConfig.trainer_platform()``)."""
+    runtime: str = "local"
+    """``local``, or ``ray`` with the cluster's nodes and the store's units."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -352,7 +397,7 @@ async def _warm_up(cfg: RunConfig, model: TransformerLM) -> TransformerLM:
         await trainer.close()
 
 
-async def _evaluate(cfg: RunConfig, engine: TorchInferenceEngine) -> tuple[float, float]:
+async def _evaluate(cfg: RunConfig, engine: InferenceEngine) -> tuple[float, float]:
     """Greedy decoding on fresh prompts (a seed the training stream never used)."""
     task = cfg.task_spec()
     params = SamplingParams(
@@ -395,37 +440,91 @@ async def run(
         model = await _warm_up(cfg, TransformerLM(cfg.model_config(), seed=cfg.seed))
         warmup_s = time.perf_counter() - t0
         platform = cfg.trainer_platform().name  # validated above; resolved once per run
-        trainer = _make_trainer(cfg, model, threads, platform)
-        engines = [
-            TorchInferenceEngine(
-                model,
-                max_batch=cfg.rollout.max_batch,
-                seed=cfg.seed * 1000 + i,
-                name=f"rollout-{i}",
-            )
-            for i in range(cfg.rollout.engines)
-        ]
-        tracer = Tracer()
-        job = RLJob(
-            cfg.rl_config(), RLEngines(engines, trainer), task.prompts(cfg.seed), task.reward,
-            loss_fn=cfg.loss_fn(), tracer=tracer, on_step=on_step,
-        )  # fmt: skip
-        try:
+        async with _placed(cfg, model, threads, platform) as (engines, trainer, store, where):
+            tracer = Tracer()
+            job = RLJob(
+                cfg.rl_config(), RLEngines(engines, trainer), task.prompts(cfg.seed),
+                task.reward, loss_fn=cfg.loss_fn(), tracer=tracer, on_step=on_step, store=store,
+            )  # fmt: skip
             result = await job.run()
             eval_reward = eval_exact = None
             if cfg.eval_prompts:
                 eval_reward, eval_exact = await _evaluate(cfg, engines[0])
-        finally:
-            for e in engines:
-                await e.close()
-            await trainer.close()  # type: ignore[attr-defined]  # every trainer here has one
     finally:
         torch.set_num_threads(previous_threads)
     summary = _summarize(cfg, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform)
+    summary = replace(summary, runtime=where)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
     return RunOutput(summary, result, out)
+
+
+@contextlib.asynccontextmanager
+async def _placed(
+    cfg: RunConfig, model: TransformerLM, threads: int, platform: str
+) -> AsyncIterator[tuple[list[InferenceEngine], TrainEngine, DataStore | None, str]]:
+    """The rollout engines, the trainer and the store of the run's runtime, closed (and a
+    Ray cluster started for the run stopped) on the way out. Local: engines in this process,
+    the default in-process store (``None``)."""
+    rollout = [
+        functools.partial(
+            TorchInferenceEngine, model, max_batch=cfg.rollout.max_batch,
+            seed=cfg.seed * 1000 + i, name=f"rollout-{i}",
+        )
+        for i in range(cfg.rollout.engines)
+    ]  # fmt: skip
+    if cfg.runtime.kind == "local":
+        trainer = _make_trainer(cfg, model, threads, platform)
+        engines: list[InferenceEngine] = [make() for make in rollout]
+        try:
+            yield engines, trainer, None, "local"
+        finally:
+            for e in engines:
+                await e.close()  # type: ignore[attr-defined]  # every engine here has one
+            await trainer.close()  # type: ignore[attr-defined]  # every trainer here has one
+        return
+    from asyncflow_ray import RayDataStore, RayInferenceEngine, RayRuntime, RayTrainEngine
+
+    needed = cfg.rollout.engines + 1  # one CPU per engine actor
+    rt = RayRuntime(
+        cfg.runtime.address or None,
+        num_cpus=None if cfg.runtime.address else max(os.cpu_count() or 1, needed),
+    )
+    rt.start()
+    made: list[Any] = []
+    store = None
+    try:
+        store = RayDataStore.create(cfg.runtime.storage_units)
+        t = cfg.train
+        trainer_ray = await RayTrainEngine.create_async(
+            functools.partial(
+                TorchTrainEngine, model, lr=t.lr, weight_decay=t.weight_decay,
+                max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size,
+                seed=cfg.seed, temperature=cfg.rollout.temperature, threads=threads,
+            ),
+            platform=platform, name="trainer",
+        )  # fmt: skip
+        made.append(trainer_ray)
+        engines = []
+        for i, make in enumerate(rollout):
+            engines.append(
+                await RayInferenceEngine.create_async(make, platform="cpu", name=f"rollout-{i}")
+            )
+            made.append(engines[-1])
+        nodes = len(rt.nodes())
+        where = (
+            f"ray ({nodes} node{'s' if nodes != 1 else ''}, "
+            f"{cfg.runtime.storage_units} storage units)"
+        )
+        yield engines, trainer_ray, store, where
+    finally:
+        for proxy in made:
+            with contextlib.suppress(Exception):
+                await proxy.close()
+        if store is not None:
+            store.shutdown()
+        rt.shutdown()
 
 
 def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int, platform: str) -> TrainEngine:
@@ -452,7 +551,10 @@ def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int, platform: 
     return make()
 
 
-def _trainer_label(t: TrainSection) -> str:
+def _trainer_label(cfg: RunConfig) -> str:
+    t = cfg.train
+    if cfg.runtime.kind == "ray":
+        return "ray actor"
     if t.engine == "deepspeed":
         where = f"{t.ranks} rank process(es)" if t.ranks > 1 or t.process else "thread"
         return f"deepspeed ZeRO-{t.zero_stage} {t.dtype}, {where}"
@@ -494,7 +596,7 @@ def _summarize(
         sync_exposed_s=trace["sync"]["exposed_s"],
         sync_hidden_s=trace["sync"]["hidden_s"],
         threads=threads,
-        trainer=_trainer_label(cfg.train),
+        trainer=_trainer_label(cfg),
         platform=platform,
     )
 
@@ -544,13 +646,18 @@ def plot_rewards(result: RLResult, path: str | Path, *, title: str = "") -> Path
 # --------------------------------------------------------------------------------------------
 # The command
 # --------------------------------------------------------------------------------------------
-_TRAINER_WORDS = {"process": "its own process", "thread": "a thread of this process"}
+_TRAINER_WORDS = {
+    "process": "its own process",
+    "thread": "a thread of this process",
+    "ray actor": "a Ray actor of its own",
+}
 
 
 def format_summary(s: RunSummary) -> str:
     rows = [
         ("task / mode", f"{s.task}, {s.mode} (η={s.staleness}), loss {s.loss}"),
         ("trainer", f"{_TRAINER_WORDS.get(s.trainer, s.trainer)}, on {s.platform}"),
+        ("runtime", s.runtime),
         ("steps / samples", f"{s.steps} / {s.samples} ({s.dropped} dropped as stale)"),
         ("wall (RL) / warm-up", f"{s.wall_s:.1f} s / {s.warmup_s:.1f} s"),
         ("samples/s, tokens/s", f"{s.samples_per_s:.1f}, {s.tokens_per_s:.0f}"),
@@ -582,7 +689,10 @@ def main_job(args: Any) -> int:
             print(f"{key} = {value!r}")
         return 0
     try:
-        cfg = load_config(RunConfig, args.config, args.set or ())
+        sets = list(args.set or ())
+        if getattr(args, "runtime", None):
+            sets.append(f"runtime.kind={args.runtime}")
+        cfg = load_config(RunConfig, args.config, sets)
         cfg.validate()
     except ConfigError as e:
         print(f"asyncflow run: {e}", file=sys.stderr)
@@ -623,6 +733,7 @@ __all__ = [
     "RunConfig",
     "RunOutput",
     "RunSummary",
+    "RuntimeSection",
     "TaskSection",
     "TrainSection",
     "format_summary",
