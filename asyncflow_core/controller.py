@@ -52,7 +52,8 @@ _NO_TAGS = Tags()
 _ENDED_LEASES_KEPT = 100_000  # how many ended lease ids we remember to explain a late ack
 
 
-def _fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
+def fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
+    """``rows`` for a message: the first ``limit`` of them and how many there are."""
     rows = list(rows)
     shown = ", ".join(str(r) for r in rows[:limit])
     return f"[{shown}{', ...' if len(rows) > limit else ''}] ({len(rows)} rows)"
@@ -215,7 +216,7 @@ class _Partition:
         if not ok.all():
             bad = arr[~ok].tolist()
             raise UnknownRowError(
-                f"partition {self.name!r} has no live rows {_fmt_rows(bad)}: rows are numbered "
+                f"partition {self.name!r} has no live rows {fmt_rows(bad)}: rows are numbered "
                 f"from 0 in creation order ({self.end} allocated so far; a row exists once the "
                 "put creating it returned) and disappear once every registered task consumed "
                 "them; write to rows returned by put()"
@@ -800,13 +801,13 @@ class Controller:
             if how == "expired":
                 raise LeaseExpiredError(
                     f"cannot {verb} lease {meta.lease_id!r} (task {meta.task!r}, rows "
-                    f"{_fmt_rows(meta.rows)}): it expired and its rows went back for "
+                    f"{fmt_rows(meta.rows)}): it expired and its rows went back for "
                     "redelivery; use a longer lease_s or ack sooner"
                 )
             detail = f"it was already {how}" if how else "no such lease is held"
             raise LeaseError(
                 f"cannot {verb} lease {meta.lease_id!r} (task {meta.task!r}, rows "
-                f"{_fmt_rows(meta.rows)}): {detail}; {verb} only a meta from get_meta, once"
+                f"{fmt_rows(meta.rows)}): {detail}; {verb} only a meta from get_meta, once"
             )
         if meta.member not in lease.served or meta.member in lease.acked:
             raise LeaseError(
@@ -967,7 +968,7 @@ def validate_selection(
         bad = arr if n == 0 else arr[cand.rows[pos] != arr]
         if bad.size:
             raise SamplerError(
-                f"sampler {name} returned rows {_fmt_rows(bad.tolist())} that were not "
+                f"sampler {name} returned rows {fmt_rows(bad.tolist())} that were not "
                 "candidates (not ready, already consumed or leased); a sampler may only "
                 "choose among the candidates it was given"
             )

@@ -110,7 +110,14 @@ from asyncflow_core.protocols import (
     Version,
     WeightBucket,
 )
-from asyncflow_ray.runtime import import_ray, resources_for
+from asyncflow_ray.runtime import (
+    alive_nodes,
+    bytes_tensor,
+    first_line,
+    import_ray,
+    resources_for,
+    tensor_bytes,
+)
 
 __all__ = [
     "DEFAULT_EXPORT_PREFETCH",
@@ -205,18 +212,13 @@ class _WireTensor:
 
     @staticmethod
     def of(t: torch.Tensor) -> _WireTensor:
-        flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-        data = flat.view(torch.uint8).numpy()
+        data = tensor_bytes(t.detach().resolve_conj().resolve_neg().cpu())
         name = str(t.dtype).removeprefix("torch.")
         return _WireTensor(data, name, tuple(t.shape), bool(t.requires_grad))
 
     def tensor(self) -> torch.Tensor:
-        dtype = getattr(torch, self.dtype)
-        if self.data.size == 0:
-            t = torch.empty(self.shape, dtype=dtype)
-        else:
-            own = np.array(self.data, dtype=np.uint8, copy=True)  # writable, aligned, ours
-            t = torch.from_numpy(own).view(dtype).reshape(self.shape)
+        # a private copy: writable, aligned, ours
+        t = bytes_tensor(self.data, self.dtype, copy=True).reshape(self.shape)
         return t.requires_grad_(True) if self.requires_grad else t
 
 
@@ -406,7 +408,7 @@ def _check_resources(
     ray: Any, who: str, need: Mapping[str, float], node_id: str | None, platform: str
 ) -> None:
     """``ConfigError`` unless some alive node (``node_id``, if given) has ``need`` in total."""
-    nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+    nodes = {n.node_id: n for n in alive_nodes()}
     if node_id is not None:
         if node_id not in nodes:
             alive = ", ".join(sorted(nodes)) or "none"
@@ -418,8 +420,7 @@ def _check_resources(
     else:
         candidates = list(nodes.values())
     for node in candidates:
-        have = node.get("Resources", {})
-        if all(float(have.get(k, 0.0)) >= v for k, v in need.items()):
+        if all(node.resources.get(k, 0.0) >= v for k, v in need.items()):
             return
     where = f"node {node_id}" if node_id is not None else "any node of the Ray cluster"
     totals = {k: float(v) for k, v in ray.cluster_resources().items()}
@@ -596,7 +597,7 @@ class _RayEngine:
             try:
                 options["scheduling_strategy"] = strategy(node_id=node_id, soft=False)
             except ValueError as e:
-                raise ConfigError(f"{who}: node_id={node_id!r}: {_first_line(e)}") from e
+                raise ConfigError(f"{who}: node_id={node_id!r}: {first_line(e)}") from e
         try:
             handle = _host_class().options(**options).remote()
         except ValueError as e:  # a taken name, a bad option
@@ -651,7 +652,7 @@ class _RayEngine:
                 ray.kill(handle, no_restart=True)
             raise EngineError(
                 f"{who}: building the engine in its Ray actor failed: "
-                f"{type(payload).__name__}: {_first_line(payload)}"
+                f"{type(payload).__name__}: {first_line(payload)}"
             ) from payload
         started: _Started = payload
         if cls._role not in started.roles:
@@ -742,7 +743,7 @@ class _RayEngine:
             what = ", ".join(type(a).__name__ for a in args)
             raise EngineError(
                 f"{self.name}: the arguments of {method} ({what}) cannot be pickled to reach "
-                f"the engine's actor: {_first_line(e)}"
+                f"the engine's actor: {first_line(e)}"
             ) from e
 
     async def _call(self, method: str, *args: Any) -> Any:
@@ -802,7 +803,7 @@ class _RayEngine:
             cause = getattr(error, "cause", None)
             if isinstance(cause, AsyncFlowError):
                 return cause
-            detail = f"{type(cause).__name__}: {_first_line(cause)}" if cause else _summary(error)
+            detail = f"{type(cause).__name__}: {first_line(cause)}" if cause else _summary(error)
             return EngineError(
                 f"{self.name}: {method} failed in the engine's Ray actor before reaching the "
                 f"engine ({detail}). If a class or function could not be imported there, "
@@ -819,11 +820,6 @@ def _rebuild(
     base: type[_RayEngine], handle: Any, name: str, started: _Started, version: Version
 ) -> _RayEngine:
     return _compose(base, started.abilities)(handle, name, started, version, 0)
-
-
-def _first_line(exc: object) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _summary(error: BaseException, limit: int = 400) -> str:

@@ -24,10 +24,14 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+import numpy as np
+import torch
 
 from asyncflow_core.errors import ConfigError, MissingExtraError
 from asyncflow_core.platform import Platform, get_platform
@@ -188,21 +192,55 @@ class RayRuntime:
 
     def nodes(self) -> list[NodeInfo]:
         """The cluster's alive nodes."""
-        ray = import_ray()
-        out = []
-        for n in ray.nodes():
-            if not n.get("Alive"):
-                continue
-            res = {k: float(v) for k, v in n.get("Resources", {}).items()}
-            out.append(
-                NodeInfo(
-                    n["NodeID"],
-                    n.get("NodeManagerAddress", ""),
-                    res,
-                    "node:__internal_head__" in res,
-                )
+        return alive_nodes()
+
+
+def alive_nodes() -> list[NodeInfo]:
+    """The alive nodes of the cluster this process is connected to."""
+    out = []
+    for n in import_ray().nodes():
+        if not n.get("Alive"):
+            continue
+        res = {k: float(v) for k, v in n.get("Resources", {}).items()}
+        out.append(
+            NodeInfo(
+                n["NodeID"], n.get("NodeManagerAddress", ""), res, "node:__internal_head__" in res
             )
-        return out
+        )
+    return out
+
+
+def first_line(exc: object) -> str:
+    """An error's message on one line (Ray's are multi-line), or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A contiguous CPU tensor's bytes as a flat ``uint8`` numpy view (no copy): what Ray
+    moves through its object store out of band and hands the receiver as a view."""
+    flat = t.detach().reshape(-1)
+    if not flat.numel():
+        return np.zeros(0, dtype=np.uint8)
+    return flat.contiguous().view(torch.uint8).numpy()
+
+
+def bytes_tensor(
+    data: np.ndarray[Any, np.dtype[np.uint8]], dtype: str, *, copy: bool
+) -> torch.Tensor:
+    """The inverse of ``tensor_bytes``: a flat tensor of ``dtype`` (a torch dtype's name)
+    over ``data``, or over a private, writable copy of it (``copy``); without ``copy`` the
+    tensor views the received (read-only) bytes."""
+    torch_dtype = getattr(torch, dtype)
+    if data.size == 0:
+        return torch.empty(0, dtype=torch_dtype)
+    if copy:
+        raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+    else:
+        with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(data)
+    return raw.view(torch_dtype)
 
 
 @contextlib.contextmanager

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import warnings
+import math
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from asyncflow_core.controller import (
     Controller,
     PutTicket,
     check_get_args,
+    fmt_rows,
     members_of,
     validate_selection,
 )
@@ -94,9 +96,7 @@ from asyncflow_core.store import (
     rows_by_unit,
     split_by_unit,
 )
-from asyncflow_ray.runtime import import_ray
-
-T = TypeVar("T")
+from asyncflow_ray.runtime import alive_nodes, bytes_tensor, first_line, import_ray, tensor_bytes
 
 UNIT_CONCURRENCY = 8
 """Calls a storage-unit actor serves at once (threads; a unit's state has its own lock)."""
@@ -124,11 +124,11 @@ def pack(values: Sequence[CellValue]) -> Column:
     if not values or not isinstance(values[0], torch.Tensor):
         return list(values)  # type: ignore[arg-type]  # a plain field holds plain values
     tensors: list[torch.Tensor] = list(values)  # type: ignore[arg-type]
-    dtype = tensors[0].dtype
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-    raw = flat.contiguous().view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     return PackedColumn(
-        str(dtype).removeprefix("torch."), tuple(tuple(t.shape) for t in tensors), raw.numpy()
+        str(tensors[0].dtype).removeprefix("torch."),
+        tuple(tuple(t.shape) for t in tensors),
+        tensor_bytes(flat),
     )
 
 
@@ -137,19 +137,11 @@ def unpack(column: Column, *, copy: bool) -> list[CellValue]:
     it, else of the received, read-only bytes)."""
     if not isinstance(column, PackedColumn):
         return list(column)
-    dtype = getattr(torch, column.dtype)
-    with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(column.data)
-    if copy:
-        raw = raw.clone()
-    flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
+    flat = bytes_tensor(column.data, column.dtype, copy=copy)
     out: list[CellValue] = []
     offset = 0
     for shape in column.shapes:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         out.append(flat[offset : offset + n].view(shape))
         offset += n
     return out
@@ -172,10 +164,7 @@ class StorageUnitServer:
         self._undo: dict[tuple[str, int], tuple[dict[str, dict[int, CellValue]], Any]] = {}
 
     def info(self) -> dict[str, Any]:
-        ray = import_ray()
-        import os
-
-        ctx = ray.get_runtime_context()
+        ctx = import_ray().get_runtime_context()
         return {"unit": self.unit_id, "node_id": ctx.get_node_id(), "pid": os.getpid()}
 
     def write(self, key: str, share: Share, ticket_id: int) -> None:
@@ -445,7 +434,6 @@ class RayDataStore:
         self.units = list(units)
         self.name = name
         self._keys: dict[str, str] = {}
-        self._nodes: list[str] | None = None
 
     def __reduce__(self) -> tuple[object, ...]:
         return (RayDataStore, (self.controller, self.units, self.name))
@@ -482,15 +470,17 @@ class RayDataStore:
                 "RayDataStore.create needs a connected Ray cluster: start one with "
                 "asyncflow_ray.RayRuntime().start() (or ray.init) first"
             )
-        if isinstance(num_storage_units, bool) or not isinstance(num_storage_units, int):
+        if (
+            isinstance(num_storage_units, bool)
+            or not isinstance(num_storage_units, int)
+            or num_storage_units < 1
+        ):
             raise BadRequestError(
                 f"num_storage_units must be an int >= 1, got {num_storage_units!r}"
             )
-        if num_storage_units < 1:
-            raise BadRequestError(f"num_storage_units must be an int >= 1, got {num_storage_units}")
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        alive = [n.node_id for n in alive_nodes()]
         targets = list(nodes) if nodes is not None else alive
         unknown = [n for n in targets if n not in alive]
         if not targets or unknown:
@@ -577,7 +567,7 @@ class RayDataStore:
             raise _cause(e) from None
         except ray.exceptions.RayActorError as e:
             raise StoreLostError(
-                f"the store's controller actor is gone ({type(e).__name__}: {_first_line(e)}); "
+                f"the store's controller actor is gone ({type(e).__name__}: {first_line(e)}); "
                 "its metadata is lost with it: create a new store and rerun the producers"
             ) from None
 
@@ -592,7 +582,7 @@ class RayDataStore:
         except ray.exceptions.RayActorError as e:
             raise StorageUnitLostError(
                 f"storage unit {u} of {len(self.units)} is gone ({type(e).__name__}: "
-                f"{_first_line(e)}); rows {_fmt_rows(rows)} held there are lost (row r lives "
+                f"{first_line(e)}); rows {fmt_rows(rows)} held there are lost (row r lives "
                 f"on unit r % {len(self.units)}); the other units' rows are intact",
                 u,
                 tuple(rows),
@@ -684,7 +674,7 @@ class RayDataStore:
             *(
                 self._unit_call(
                     u,
-                    sorted({r for c in per_unit[u].values() for r in c}),
+                    list(next(iter(per_unit[u].values()))),  # every field: the same rows
                     "write",
                     key,
                     pack_share(per_unit[u]),
@@ -868,13 +858,3 @@ def _cause(err: Exception) -> BaseException:
     if isinstance(cause, AsyncFlowError):
         return cause
     return err
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
-def _fmt_rows(rows: Sequence[int], limit: int = 8) -> str:
-    shown = ", ".join(str(r) for r in list(rows)[:limit])
-    return f"[{shown}{', ...' if len(rows) > limit else ''}] ({len(rows)} rows)"

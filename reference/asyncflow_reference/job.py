@@ -496,15 +496,11 @@ async def _placed(
     store = None
     try:
         store = RayDataStore.create(cfg.runtime.storage_units)
-        t = cfg.train
         trainer_ray = await RayTrainEngine.create_async(
-            functools.partial(
-                TorchTrainEngine, model, lr=t.lr, weight_decay=t.weight_decay,
-                max_grad_norm=t.max_grad_norm, micro_batch_size=t.micro_batch_size,
-                seed=cfg.seed, temperature=cfg.rollout.temperature, threads=threads,
-            ),
-            platform=platform, name="trainer",
-        )  # fmt: skip
+            functools.partial(TorchTrainEngine, model, **_trainer_options(cfg), threads=threads),
+            platform=platform,
+            name="trainer",
+        )
         made.append(trainer_ray)
         engines = []
         for i, make in enumerate(rollout):
@@ -527,14 +523,20 @@ async def _placed(
         rt.shutdown()
 
 
-def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int, platform: str) -> TrainEngine:
-    """The trainer ``train`` asks for: the reference or DeepSpeed, here or in processes."""
+def _trainer_options(cfg: RunConfig) -> dict[str, Any]:
+    """What every trainer of the job is built with (optimizer, micro-batching, sampling)."""
     t = cfg.train
-    common: dict[str, Any] = {
+    return {
         "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
         "micro_batch_size": t.micro_batch_size, "seed": cfg.seed,
         "temperature": cfg.rollout.temperature,
     }  # fmt: skip
+
+
+def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int, platform: str) -> TrainEngine:
+    """The trainer ``train`` asks for: the reference or DeepSpeed, here or in processes."""
+    t = cfg.train
+    common = _trainer_options(cfg)
     if t.engine == "deepspeed":
         import asyncflow_deepspeed
 
