@@ -6,8 +6,11 @@ micro-batches the same way.
   ``response`` token fields of a batch in any store layout ("padded" with lengths, "list",
   "nested") into right-padded tensors plus lengths (``TokenRows``), checking every row.
 * ``TokenRows.inputs()`` packs each row's prompt and response into one sequence and names the
-  position whose logits predict each response token; ``TokenRows.logprobs(logits, T)`` turns
-  the logits taken at those positions into per-token log-probs ``[B, R]``.
+  position whose logits predict each response token; ``TokenRows.logprobs(logits)`` turns the
+  logits taken at those positions into per-token log-probs ``[B, R]`` under each row's
+  sampling distribution (its ``temperature``/``top_k``/``top_p`` fields:
+  ``asyncflow_core.sampling``), and counts the tokens it found off that distribution's
+  support.
 * ``check_loss`` validates what a ``LossFn`` returned; ``MetricMeans`` averages its metrics
   over micro-batches with the weights the gradients used.
 * ``worker_thread`` is the single-thread executor a trainer runs its torch work on.
@@ -32,6 +35,7 @@ from torch import Tensor
 
 from asyncflow_core.errors import ConfigError, EngineError
 from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, WeightBucket
+from asyncflow_core.sampling import row_sampling, sampled_logprobs
 
 _T = TypeVar("_T")
 
@@ -123,12 +127,16 @@ class ThreadedTrainer(abc.ABC):
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class TokenRows:
-    """A batch's prompt and response tokens, right-padded, with their lengths."""
+    """A batch's prompt and response tokens, right-padded, with their lengths, and each row's
+    sampling settings (``asyncflow_core.sampling``)."""
 
     prompt: Tensor  # [B, P] long
     plen: Tensor  # [B]
     response: Tensor  # [B, R] long
     rlen: Tensor  # [B]
+    temperature: Tensor  # [B] float32
+    top_k: Tensor  # [B] int64
+    top_p: Tensor  # [B] float32
 
     def __len__(self) -> int:
         return int(self.prompt.shape[0])
@@ -139,6 +147,9 @@ class TokenRows:
             self.plen[start:stop],
             self.response[start:stop],
             self.rlen[start:stop],
+            self.temperature[start:stop],
+            self.top_k[start:stop],
+            self.top_p[start:stop],
         )
 
     @property
@@ -167,15 +178,23 @@ class TokenRows:
         source = (self.plen.unsqueeze(1) - 1 + k).clamp(max=max(t - 1, 0))
         return seq, source
 
-    def logprobs(self, logits: Tensor, temperature: float = 1.0) -> Tensor:
-        """``[B, R]`` fp32 log-probs of the response tokens from ``logits [B, R, V]`` taken at
-        ``inputs()``'s source positions: ``log_softmax(logits / temperature)`` at each token,
-        0 beyond the row's length."""
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        tokens = self.response.clamp(0, logits.shape[-1] - 1)
-        out = logp.gather(2, tokens.unsqueeze(2)).squeeze(2)
-        k = torch.arange(self.response.shape[1]).unsqueeze(0)
-        return torch.where(k < self.rlen.unsqueeze(1), out, torch.zeros_like(out))
+    def logprobs(self, logits: Tensor) -> tuple[Tensor, int]:
+        """``([B, R] fp32 log-probs, off-support count)`` of the response tokens, from
+        ``logits [B, R, V]`` taken at ``inputs()``'s source positions: each token's log-prob
+        under its row's sampling distribution (``asyncflow_core.sampling.sampled_logprobs``:
+        temperature, top-k, top-p, renormalised; a token off the support gets the documented
+        floor and is counted), 0 beyond the row's length."""
+        device = logits.device
+        out, off = sampled_logprobs(
+            logits,
+            self.response.to(device),
+            self.temperature.to(device).unsqueeze(1),
+            self.top_k.to(device).unsqueeze(1),
+            self.top_p.to(device).unsqueeze(1),
+        )
+        k = torch.arange(self.response.shape[1], device=device).unsqueeze(0)
+        real = k < self.rlen.to(device).unsqueeze(1)
+        return torch.where(real, out, torch.zeros_like(out)), int((off & real).sum())
 
 
 def token_field(batch: Batch, name: str, who: str) -> tuple[Tensor, Tensor]:
@@ -223,11 +242,18 @@ def token_field(batch: Batch, name: str, who: str) -> tuple[Tensor, Tensor]:
 
 
 def token_rows(
-    batch: Batch, *, who: str, vocab_size: int | None, max_seq_len: int | None
+    batch: Batch,
+    *,
+    who: str,
+    vocab_size: int | None,
+    max_seq_len: int | None,
+    temperature: float = 1.0,
 ) -> TokenRows:
     """The batch's ``prompt`` and ``response`` tokens, checked: one of each per row, every
     prompt at least one token, prompt + response at most ``max_seq_len`` and every real token
-    in ``[0, vocab_size)`` (``None`` skips that check)."""
+    in ``[0, vocab_size)`` (``None`` skips that check); and each row's sampling settings
+    (``asyncflow_core.sampling.row_sampling``; ``temperature`` for a batch without the
+    field)."""
     if not isinstance(batch, Batch):
         raise EngineError(f"{who}: expected a Batch, got {type(batch).__name__}")
     prompt, plen = token_field(batch, "prompt", who)
@@ -263,7 +289,8 @@ def token_rows(
                 f"{who}: {name}[{row}, {col}]={int(tokens[row, col])} is not a token id; use "
                 f"ints in [0, {upper})"
             )
-    return TokenRows(prompt, plen, response, rlen)
+    temp, top_k, top_p = row_sampling(batch, b, who=who, temperature=temperature)
+    return TokenRows(prompt, plen, response, rlen, temp, top_k, top_p)
 
 
 def slice_batch(who: str, batch: Batch, start: int, stop: int) -> Batch:

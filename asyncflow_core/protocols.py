@@ -444,7 +444,11 @@ class DataStore(Protocol):
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling knobs shared by every engine (names as in vLLM). ``top_k=0`` and ``top_p=1``
-    disable those filters; ``seed=None`` draws from the engine's generator."""
+    disable those filters; ``temperature=0`` is greedy; ``seed=None`` draws from the engine's
+    generator. The distribution they define (temperature, then top-k, then top-p on the
+    renormalised top-k distribution) is spelled out, in code, by
+    ``asyncflow_core.sampling.filter_logits``. An engine honours every knob or rejects the
+    request; it never ignores one."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -472,9 +476,12 @@ class GenerationRequest:
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
     """``tokens``: generated ids (prompt excluded); ``logprobs[i]``: log-prob of ``tokens[i]``
-    under the weights that sampled it; ``versions[i]``: that weight version. All three have
-    equal length. ``finish_reason`` is ``stop`` (a stop token, included), ``length``
-    (``max_tokens`` reached) or ``abort`` (partial)."""
+    under the distribution it was sampled from — the weights that sampled it, after the
+    request's temperature and top-k/top-p, renormalised (greedy: temperature 1, no filters;
+    ``asyncflow_core.sampling``), the quantity ``TrainEngine.compute_logprobs`` recomputes;
+    ``versions[i]``: that weight version. All three have equal length. ``finish_reason`` is
+    ``stop`` (a stop token, included), ``length`` (``max_tokens`` reached) or ``abort``
+    (partial)."""
 
     request_id: str
     prompt_tokens: tuple[int, ...]
@@ -488,7 +495,9 @@ class GenerationResult:
 class InferenceEngine(Protocol):
     """Generates tokens. After weights of version v are loaded, every token it samples reports
     version >= v. ``abort`` ends the named requests; their ``generate`` calls return what was
-    generated so far with ``finish_reason="abort"``."""
+    generated so far with ``finish_reason="abort"``. A request is in flight from the moment
+    its ``generate`` coroutine first yields (register its id before the first ``await``), so
+    an ``abort`` issued right after the call is never lost."""
 
     @property
     def weight_version(self) -> Version: ...
@@ -506,6 +515,19 @@ class SupportsPause(Protocol):
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None: ...
 
     async def resume(self) -> None: ...
+
+
+@runtime_checkable
+class SupportsProgress(Protocol):
+    """Evidence that a request is generating, instead of a guess from the clock.
+    ``wait_for_tokens(request_id, count)`` returns once the request has at least ``count``
+    response tokens (resumed ones included) or has ended, with its count then; an
+    ``EngineError`` if the id is not in flight. An engine that can holds the request's next
+    step until the waiter has run, so an ``abort``/``pause``/``load_weights`` called at once
+    applies at exactly that count (``TorchInferenceEngine`` does); otherwise the request may
+    run on a little. The conformance laws use it to act on requests known to be in flight."""
+
+    async def wait_for_tokens(self, request_id: str, count: int) -> int: ...
 
 
 @runtime_checkable
@@ -567,10 +589,17 @@ class LossFn(Protocol):
 
 @runtime_checkable
 class TrainEngine(Protocol):
-    """Trains the policy. ``train_step`` is one optimizer step over ``batch`` (split into
-    micro-batches, gradients accumulated) and adds 1 to ``weight_version``. ``export_weights``
-    yields every parameter once, full, in buckets of at most ``bucket_bytes`` (a tensor bigger
-    than that is a bucket of its own)."""
+    """Trains the policy. ``compute_logprobs(batch)`` returns ``[B, T]``: the log-prob of each
+    response token under its row's sampling distribution (the batch's ``temperature``,
+    ``top_k``, ``top_p`` fields, ``asyncflow_core.sampling``; without them the trainer's
+    default temperature and no filters), i.e. what the inference engine reported for it under
+    the same weights; ``train_step`` hands the loss the same quantity, with gradients.
+    ``train_step`` is one optimizer step over ``batch`` (split into micro-batches, gradients
+    accumulated) and adds 1 to ``weight_version``. ``export_weights`` yields every parameter
+    once, full, in buckets of at most ``bucket_bytes`` (a tensor bigger than that is a bucket
+    of its own); tied parameters are one parameter, exported once under the name the
+    inference side loads. ``load_checkpoint`` restores weights, optimizer state and version:
+    a step after it is the step that would have followed ``save_checkpoint``."""
 
     @property
     def weight_version(self) -> Version: ...

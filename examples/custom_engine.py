@@ -47,6 +47,7 @@ from asyncflow_core import (
 )
 from asyncflow_core.protocols import FinishReason, LossFn
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, StepRecord
+from asyncflow_core.sampling import filter_logits, row_sampling, sampled_logprobs
 
 VOCAB = 16
 STOP = 0  # the task's end-of-sequence token
@@ -84,11 +85,12 @@ class BigramInferenceEngine:
     """Generates token by token, each token in the worker thread. ``seed`` sets the initial
     weights (as ``BigramTrainEngine(seed=...)``) and the generator of unseeded requests.
 
-    Log-probs are ``log_softmax(logits / T)`` of the sampled token (T = 1 when greedy), which
-    is what ``BigramTrainEngine.compute_logprobs`` computes. A seeded request draws token i
-    from ``rng(seed, i)``: the same whatever runs beside it, and a resumed request continues
-    exactly as an uninterrupted one would under the same weights. top-k/top-p are rejected,
-    not ignored: silently sampling from another distribution would corrupt the RL ratios."""
+    Log-probs are those of the distribution each token is drawn from: ``logits / T``, then
+    top-k, then top-p, renormalised (``asyncflow_core.sampling.filter_logits``; greedy: the
+    unscaled, unfiltered log-prob), which is what ``BigramTrainEngine.compute_logprobs``
+    computes from the rows' sampling fields. A seeded request draws token i from
+    ``rng(seed, i)``: the same whatever runs beside it, and a resumed request continues
+    exactly as an uninterrupted one would under the same weights."""
 
     def __init__(self, vocab_size: int = VOCAB, *, seed: int = 0, name: str = "bigram") -> None:
         self.name, self.vocab_size = name, vocab_size
@@ -185,8 +187,8 @@ class BigramInferenceEngine:
             problem = "is already in flight; wait for it or abort it before reusing the id"
         elif p.max_tokens < 0 or p.temperature < 0:
             problem = f"max_tokens={p.max_tokens}, temperature={p.temperature}; use >= 0"
-        elif p.top_k != 0 or p.top_p != 1.0:
-            problem = f"top_k={p.top_k}, top_p={p.top_p}: this engine supports neither filter"
+        elif p.top_k < 0 or not 0 < p.top_p <= 1:
+            problem = f"top_k={p.top_k}, top_p={p.top_p}; use top_k >= 0, 0 < top_p <= 1"
         elif p.seed is not None and p.seed < 0:
             problem = f"seed={p.seed}; use None or an int >= 0"
         elif len(request.resume_logprobs) != k or len(request.resume_versions) != k:
@@ -218,9 +220,12 @@ class BigramInferenceEngine:
                 self._changed.notify_all()
 
     def _sample(self, prev: int, params: SamplingParams, i: int) -> tuple[int, float, Version]:
-        """Worker thread: one token, its log-prob, and the version of the weights used."""
-        temperature = params.temperature if params.temperature > 0 else 1.0
-        logp = torch.log_softmax(self.model(torch.tensor(prev)) / temperature, -1).double()
+        """Worker thread: one token, its log-prob under the distribution it is drawn from
+        (temperature, top-k, top-p, renormalised: ``filter_logits``), and the version of the
+        weights used."""
+        knobs = (torch.tensor(x) for x in (params.temperature, params.top_k, params.top_p))
+        logits = filter_logits(self.model(torch.tensor(prev)), *knobs)  # -inf off the support
+        logp = torch.log_softmax(logits, -1).double()
         if params.temperature == 0:
             token = int(logp.argmax())
         else:
@@ -282,8 +287,9 @@ class BigramTrainEngine:
 
     # -- internals (worker thread) -------------------------------------------------------------
     def _logprobs(self, batch: Batch) -> torch.Tensor:
-        """``[B, R]``: log-prob of ``response[i, j]`` given the token before it; 0 past the
-        row's length."""
+        """``[B, R]``: log-prob of ``response[i, j]`` given the token before it, under row
+        ``i``'s sampling distribution (its ``temperature``/``top_k``/``top_p`` fields, the
+        engine's semantics); 0 past the row's length."""
         for name in ("prompt", "response"):
             if not isinstance(batch.data.get(name), torch.Tensor) or name not in batch.lengths:
                 raise EngineError(
@@ -296,8 +302,8 @@ class BigramTrainEngine:
             raise EngineError(f"{self.name}: every prompt needs at least one token")
         last = prompt.gather(1, (plen - 1).unsqueeze(1))
         prev = torch.cat([last, response[:, :-1]], dim=1)[:, : response.shape[1]]
-        logp = torch.log_softmax(self.model(prev) / self.temperature, dim=-1)
-        picked = logp.gather(2, response.unsqueeze(2)).squeeze(2)
+        knobs = row_sampling(batch, len(batch), who=self.name, temperature=self.temperature)
+        picked, _ = sampled_logprobs(self.model(prev), response, *(k.unsqueeze(1) for k in knobs))
         inside = torch.arange(response.shape[1]).unsqueeze(0) < rlen.unsqueeze(1)
         return torch.where(inside, picked, torch.zeros_like(picked))
 

@@ -45,6 +45,7 @@ from asyncflow_core.protocols import (
     TrainEngine,
 )
 from asyncflow_core.rl import group_advantages, policy_gradient_loss
+from asyncflow_core.sampling import sampling_columns
 from asyncflow_core.store import InProcessDataStore
 
 T = TypeVar("T")
@@ -106,9 +107,14 @@ async def padded_batch(
     return await store.get_data(meta, layout=layout)  # type: ignore[arg-type]
 
 
-async def agree(trainer: TorchTrainEngine, results: Sequence[GenerationResult]) -> float:
-    """Max |engine log-prob - trainer log-prob| over every generated token."""
-    batch = await padded_batch(results)
+async def agree(
+    trainer: TorchTrainEngine,
+    results: Sequence[GenerationResult],
+    params: Sequence[SamplingParams] = (),
+) -> float:
+    """Max |engine log-prob - trainer log-prob| over every generated token (each row sampled
+    with ``params[i]``, given to the trainer as the batch's sampling fields)."""
+    batch = await padded_batch(results, **(sampling_columns(params) if params else {}))
     lp = await trainer.compute_logprobs(batch)
     assert lp.shape == (len(results), max(len(r.tokens) for r in results))
     worst = 0.0
@@ -220,11 +226,15 @@ def test_logprobs_agree_with_the_trainer_for_batched_and_joining_requests() -> N
             check_shape(r)
             assert r.finish_reason == "length" and set(r.versions) == {0}
         assert [len(r.tokens) for r in results] == [14, 14, 9, 14, 9]
-        assert await agree(trainer, results) <= TOL
+        params = [sampled, sampled, filtered, sampled, filtered]
+        assert await agree(trainer, results, params) <= TOL
         # the "list" and "nested" layouts give the same log-probs as "padded"
-        padded = await trainer.compute_logprobs(await padded_batch(results))
+        columns = sampling_columns(params)
+        padded = await trainer.compute_logprobs(await padded_batch(results, **columns))
         for layout in ("list", "nested"):
-            other = await trainer.compute_logprobs(await padded_batch(results, layout=layout))
+            other = await trainer.compute_logprobs(
+                await padded_batch(results, layout=layout, **columns)
+            )
             assert torch.equal(padded, other), layout
         await engine.close()
 

@@ -677,9 +677,21 @@ def test_raw_logprobs_are_refused_unless_allowed() -> None:
     ref = TorchInferenceEngine(MODEL, max_batch=2, seed=0)
     with pytest.raises(ConfigError, match="processed_logprobs"):
         VLLMEngine(FakeAsyncLLM(ref, logprobs_mode="raw_logprobs"), types=fake_types())
-    VLLMEngine(
+    raw = VLLMEngine(
         FakeAsyncLLM(ref, logprobs_mode="raw_logprobs"), types=fake_types(), allow_raw_logprobs=True
     )
+
+    async def refused() -> None:
+        for params in (
+            SamplingParams(max_tokens=2, temperature=0.7),
+            SamplingParams(max_tokens=2, top_k=3),
+            SamplingParams(max_tokens=2, top_p=0.9),
+        ):
+            with pytest.raises(EngineError, match="reports raw log-probs"):
+                await raw.generate(GenerationRequest("raw", (1, 2), params))
+        assert not raw._inflight  # nothing registered
+
+    asyncio.run(refused())
     with pytest.raises(ConfigError, match="no generate"):
         VLLMEngine(object(), types=fake_types())
     asyncio.run(ref.close())

@@ -40,6 +40,7 @@ from asyncflow_core.lmtrain import (
 from asyncflow_core.platform import Platform, current_platform, select_platform
 from asyncflow_core.process import free_port
 from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
+from asyncflow_core.sampling import OFF_SUPPORT_METRIC
 from asyncflow_core.weightsync import bucketize
 from asyncflow_deepspeed.compat import require_deepspeed
 
@@ -99,7 +100,10 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
     **Batches and steps** follow ``asyncflow_reference.engines.TorchTrainEngine``: fields
     ``prompt`` and ``response`` in any store layout; ``compute_logprobs`` returns ``[B, R]``
-    fp32 log-probs of the response tokens under ``log_softmax(logits / temperature)``.
+    fp32 log-probs of the response tokens under each row's sampling distribution (its
+    ``temperature``/``top_k``/``top_p`` fields, ``asyncflow_core.sampling``; the constructor's
+    ``temperature`` for a batch without them), the quantity the loss gets too;
+    ``extra["logprobs_off_support"]`` counts the tokens found off their support.
     ``train_step(batch, loss_fn)`` splits this rank's rows into micro-batches of
     ``micro_batch_size`` and runs DeepSpeed's own accumulation: ``engine(x)``,
     ``engine.backward(loss)`` per micro-batch with the accumulation boundary set on the last
@@ -370,7 +374,11 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
     def _prepare(self, batch: Batch) -> TokenRows:
         return token_rows(
-            batch, who=self.name, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len
+            batch,
+            who=self.name,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            temperature=self.temperature,
         )
 
     def _logits(self, seq: Tensor) -> Tensor:
@@ -384,22 +392,23 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
             )
         return logits
 
-    def _response_logprobs(self, rows: TokenRows) -> Tensor:
-        """``[b, R]`` log-probs of ``rows``' response tokens (with gradients when enabled)."""
+    def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
+        """``[b, R]`` log-probs of ``rows``' response tokens under each row's sampling
+        distribution (with gradients when enabled), and how many were off its support."""
         b, r = rows.response.shape
         if r == 0 or b == 0:
             if self.world_size > 1:  # every rank must run as many forwards (ZeRO-3 gathers)
                 self._response_logprobs(_DUMMY)
-            return torch.zeros(b, r)
+            return torch.zeros(b, r), 0
         seq, source = rows.inputs()
         logits = self._logits(seq)
         index = source.to(logits.device).unsqueeze(2).expand(b, r, logits.shape[2])
-        return rows.logprobs(logits.gather(1, index).cpu(), self.temperature)
+        return rows.logprobs(logits.gather(1, index).cpu())
 
     def _dummy_loss(self) -> Tensor:
         """A zero loss through the whole model: a rank with fewer micro-batches runs it so
         that every rank does as many forwards and backwards."""
-        return self._response_logprobs(_DUMMY).sum() * 0.0
+        return self._response_logprobs(_DUMMY)[0].sum() * 0.0
 
     # -- agreement between ranks -----------------------------------------------------------
     def _gather_floats(self, values: Sequence[float]) -> Tensor:
@@ -466,7 +475,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         with torch.no_grad():
             for i in range(n_micro):
                 if i < len(spans):
-                    parts.append(self._response_logprobs(rows.part(*spans[i])))
+                    parts.append(self._response_logprobs(rows.part(*spans[i]))[0])
                 else:
                     self._response_logprobs(_DUMMY)
         return torch.cat(parts) if parts else torch.zeros(0, rows.response.shape[1])
@@ -498,6 +507,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         n_micro = int(agreed[:, 4].max())
         engine = self._engine
         loss_sum = 0.0
+        off_support = 0
         means = MetricMeans(self.name)
         failure: BaseException | None = None
         done = 0  # micro-batches whose backward ran
@@ -513,7 +523,8 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
                     sub = rows.part(start, stop)
                     weight = sub.response_tokens / total if total else (stop - start) / total_rows
                 if weight > 0:
-                    logprobs = self._response_logprobs(sub)
+                    logprobs, off = self._response_logprobs(sub)
+                    off_support += off
                     loss, metrics = check_loss(self.name, loss_fn(logprobs, part))
                     step_means.add(weight, metrics)
                 else:
@@ -550,12 +561,15 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
             norm = engine.get_global_grad_norm()
             grad_norm = float(norm) if norm is not None else float("nan")
         self._version += 1
-        summed = self._gather_json({"loss": loss_sum, "sums": means.sums, "shares": means.shares})
+        summed = self._gather_json(
+            {"loss": loss_sum, "sums": means.sums, "shares": means.shares, "off": off_support}
+        )
         total_means = MetricMeans(self.name)
         for item in summed:
             total_means.merge(item["sums"], item["shares"])
         extra = total_means.means()
         extra["micro_batches"] = float(len(parts))
+        extra[OFF_SUPPORT_METRIC] = float(sum(int(item["off"]) for item in summed))
         return TrainMetrics(
             version=self._version,
             loss=sum(float(item["loss"]) for item in summed),
@@ -598,10 +612,21 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
     # -- weights -------------------------------------------------------------------------------
     def _named(self) -> list[tuple[str, Tensor]]:
+        """Every parameter and buffer once, in ``state_dict`` order: a tied tensor (an LM head
+        sharing the embedding) under its first name only (``model.embed_tokens.weight`` for
+        Qwen2/Llama, the name vLLM and SGLang load it under; their loaders skip
+        ``lm_head.weight`` when ``tie_word_embeddings`` is set)."""
         module = self._engine.module
         by_name: dict[str, Tensor] = dict(module.named_parameters(remove_duplicate=False))
         by_name.update(module.named_buffers(remove_duplicate=False))
-        return [(n, by_name[n]) for n in module.state_dict(keep_vars=True) if n in by_name]
+        named: list[tuple[str, Tensor]] = []
+        seen: set[int] = set()
+        for n in module.state_dict(keep_vars=True):
+            tensor = by_name.get(n)
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                named.append((n, tensor))
+        return named
 
     def _plan(self, bucket_bytes: int) -> list[list[tuple[str, Tensor]]]:
         """Buckets of (name, parameter) by full size (ZeRO-3 parameters hold only a shard)."""
@@ -839,7 +864,8 @@ def _rows(prompt: list[list[int]], response: list[list[int]]) -> TokenRows:
 
     p, pl = pad(prompt)
     r, rl = pad(response)
-    return TokenRows(p, pl, r, rl)
+    n = len(prompt)
+    return TokenRows(p, pl, r, rl, torch.ones(n), torch.zeros(n, dtype=torch.long), torch.ones(n))
 
 
 _EMPTY = _rows([], [])

@@ -109,9 +109,14 @@ class VLLMEngine:
     ``AsyncEngineArgs(model=model, logprobs_mode="processed_logprobs", **engine_args)``; the
     engine is shut down by ``close()``), or wrap an ``AsyncLLM`` you made:
     ``VLLMEngine(async_llm)``. Log-probs must be the sampling distribution's, so the engine
-    must run with ``logprobs_mode="processed_logprobs"`` (after temperature, top-k, top-p);
-    a wrapped engine with another mode is refused unless ``allow_raw_logprobs=True`` (raw
-    log-probs equal them only at temperature 1 without top-k/top-p).
+    must run with ``logprobs_mode="processed_logprobs"`` (after temperature, top-k, top-p:
+    ``vllm/v1/sample/ops/topk_topp_sampler.py``, ``TopKTopPSampler.forward_native``; the
+    semantics of ``asyncflow_core.sampling``); a wrapped engine with another mode is refused
+    unless ``allow_raw_logprobs=True``, and then every request its raw log-probs cannot
+    describe (a temperature other than 0 or 1, top-k, top-p) is refused with ``EngineError``:
+    raw log-probs equal the sampling distribution's only at temperature 1 without filters (and
+    for greedy requests, which vLLM reports at temperature 1 unfiltered:
+    ``vllm/sampling_params.py``, ``SamplingParams.__post_init__``).
 
     ``weight_group_ranks``: the engine's workers in a weight-sync group (default: its
     parallel config's world size times its data-parallel size).
@@ -151,6 +156,7 @@ class VLLMEngine:
                 f"{name}: weight_group_ranks must be an int >= 1, got {weight_group_ranks!r}"
             )
         self.engine = engine
+        self._raw_logprobs = mode is not None and str(mode) != "processed_logprobs"
         self._ranks = weight_group_ranks
         self._owns = owns_engine
         self._version: Version = 0
@@ -213,6 +219,15 @@ class VLLMEngine:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self._usable()
         check_request(self.name, request, in_flight=self._inflight)
+        p = request.params
+        if self._raw_logprobs and (p.temperature not in (0, 1) or p.top_k > 0 or p.top_p < 1):
+            raise EngineError(
+                f"{self.name}: request {request.request_id!r} samples at temperature="
+                f"{p.temperature}, top_k={p.top_k}, top_p={p.top_p}, but this vLLM engine reports "
+                "raw log-probs (before temperature and filters), which describe only "
+                "temperature 0 or 1 without top-k/top-p; build it with "
+                "logprobs_mode='processed_logprobs', or sample at temperature 1 unfiltered"
+            )
         rid = request.request_id
         self._inflight.add(rid)
         try:

@@ -6,13 +6,14 @@ and ``SupportsLoadWeights``; ``TorchTrainEngine`` implements ``TrainEngine``. We
 under the model's ``state_dict`` names, so ``TorchTrainEngine.export_weights`` buckets feed
 ``TorchInferenceEngine.load_weights`` directly.
 
-Log-probs (both engines agree to ~1e-6 in fp32 for the same weights and tokens):
-``logprobs[i] = log_softmax(logits / T)[tokens[i]]`` where ``logits`` are the model's
-next-token logits given the prompt and ``tokens[:i]``, and ``T`` is the request's
-temperature (1 when the temperature is 0, i.e. greedy). It is taken *before* top-k/top-p
-filtering: the log-prob of the token under the temperature-scaled model distribution, not
-under the truncated sampling distribution. ``TorchTrainEngine.compute_logprobs`` computes the
-same quantity with its ``temperature`` (set it to the rollout's).
+Log-probs (both engines agree to ~1e-6 in fp32 for the same weights, tokens and settings):
+the protocol's semantics (``asyncflow_core.sampling``): ``logprobs[i]`` is the log-prob of
+``tokens[i]`` under the distribution it was sampled from — the model's next-token logits
+given the prompt and ``tokens[:i]``, divided by the request's temperature (1 when greedy),
+cut by top-k and then top-p, renormalised. ``TorchTrainEngine.compute_logprobs`` computes
+the same quantity from each row's ``temperature``/``top_k``/``top_p`` fields (which
+``RLJob`` writes next to the tokens; its constructor's ``temperature`` is only the default
+for a batch without them).
 
 Threads: each engine computes in its own worker thread. ``threads=None`` (the default) lets
 that thread use torch's process setting (``torch.set_num_threads``, as set when the engine
@@ -78,6 +79,7 @@ from asyncflow_core.protocols import (
     Version,
     WeightBucket,
 )
+from asyncflow_core.sampling import OFF_SUPPORT_METRIC, filter_logits
 from asyncflow_core.weightsync import bucketize
 from asyncflow_reference.model import KVCache, ModelConfig, TransformerLM
 
@@ -160,13 +162,14 @@ class TorchInferenceEngine:
     driven by one asyncio task per engine, so the event loop stays responsive.
 
     **Sampling** (per ``SamplingParams``): temperature, then top-k (``0`` = off) and top-p
-    (``1`` = off) filters, then one uniform draw inverted through the filtered distribution;
-    ``temperature == 0`` is greedy (argmax). A request with ``seed`` draws from its own
-    ``torch.Generator`` seeded with it, so same seed + same prompt + same weights gives the
-    same tokens whatever else is batched alongside (a resumed request re-seeds: its
-    continuation is deterministic but differs from an uninterrupted run); requests without a
-    seed draw from the engine's generator. Log-probs: see the module docstring (before
-    filtering; temperature 1 for greedy).
+    (``1`` = off) filters (``asyncflow_core.sampling.filter_logits``), then one uniform draw
+    inverted through the filtered distribution; ``temperature == 0`` is greedy (argmax). A
+    request with ``seed`` draws from its own ``torch.Generator`` seeded with it, so same seed +
+    same prompt + same weights gives the same tokens whatever else is batched alongside (a
+    resumed request re-seeds: its continuation is deterministic but differs from an
+    uninterrupted run); requests without a seed draw from the engine's generator. Log-probs:
+    see the module docstring (those of the filtered, renormalised distribution; temperature 1
+    for greedy).
 
     **Ending.** A token in ``stop_token_ids`` ends the request with ``"stop"`` (the token is
     included). ``max_tokens`` caps the whole response, resumed tokens included (a longer
@@ -503,6 +506,11 @@ class TorchInferenceEngine:
                 )
             name, tensor = item
             param = self._params.get(name)
+            if param is None and name in self.model.tied:
+                raise EngineError(
+                    f"{self.name}: {name!r} is tied to {self.model.tied[name]!r} (one tensor); "
+                    f"send it once, as {self.model.tied[name]!r}; nothing was loaded"
+                )
             if param is None:
                 known = ", ".join(list(self._params)[:4])
                 raise EngineError(
@@ -761,21 +769,13 @@ class TorchInferenceEngine:
         temp = self._temp[idx]
         greedy = temp == 0
         n_greedy = int(greedy.sum())
-        scale = torch.where(greedy, torch.ones_like(temp), temp)
-        logp_all = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
+        logp_all = torch.log_softmax(
+            filter_logits(logits, temp, self._top_k[idx], self._top_p[idx]), dim=-1
+        )  # -inf off the support: the filtered, renormalised distribution
         if n_greedy == idx.shape[0]:
             choice = logits.argmax(dim=-1)
         else:
             probs = logp_all.exp()
-            vocab = probs.shape[1]
-            top_k, top_p = self._top_k[idx], self._top_p[idx]
-            if bool((((top_k > 0) & (top_k < vocab)) | (top_p < 1)).any()):
-                sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-                ranks = torch.arange(vocab).unsqueeze(0)
-                keep = (top_k.unsqueeze(1) <= 0) | (ranks < top_k.unsqueeze(1))
-                keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < top_p.unsqueeze(1)
-                mask = torch.zeros_like(keep).scatter(1, order, keep)
-                probs = probs * mask
             u = torch.rand(idx.shape[0], generator=self._gen)
             if self._gens:
                 for i, slot in enumerate(idx.tolist()):
@@ -906,9 +906,12 @@ class TorchTrainEngine(ThreadedTrainer):
     without lengths counts as full width), "list" layout (one 1-D tensor per row) or "nested".
     ``compute_logprobs(batch)`` returns ``[B, R]`` fp32 (``R``: the response tensor's padded
     width, or its longest row in the other layouts): position ``j`` of row ``i`` is the
-    log-prob of ``response[i, j]`` given ``prompt[i]`` and ``response[i, :j]`` under
-    ``log_softmax(logits / temperature)``, 0 beyond the row's length. Every prompt needs at
-    least one token and prompt + response at most ``max_seq_len``.
+    log-prob of ``response[i, j]`` given ``prompt[i]`` and ``response[i, :j]`` under row
+    ``i``'s sampling distribution (its ``temperature``/``top_k``/``top_p`` fields, see
+    ``asyncflow_core.sampling``; the constructor's ``temperature`` and no filters for a batch
+    without them), 0 beyond the row's length; the loss gets the same quantity, with
+    gradients. Every prompt needs at least one token and prompt + response at most
+    ``max_seq_len``.
 
     **Steps.** ``train_step(batch, loss_fn)`` splits the rows into consecutive micro-batches
     of ``micro_batch_size`` and calls ``loss_fn(logprobs, part)`` on each, ``part`` being the
@@ -921,13 +924,16 @@ class TorchTrainEngine(ThreadedTrainer):
     norm is clipped to ``max_grad_norm``, AdamW steps and ``weight_version`` adds 1.
     ``TrainMetrics``: ``loss`` and ``extra`` (the loss function's metrics) are the same
     token-weighted means; ``grad_norm`` is the norm before clipping; ``tokens`` counts prompt
-    and response tokens. A non-finite loss or gradient, or a bad loss value, raises
-    ``EngineError`` and changes nothing (no step, no version).
+    and response tokens; ``extra["logprobs_off_support"]`` counts the response tokens found
+    off their row's top-k/top-p support (given the documented floor). A non-finite loss or
+    gradient, or a bad loss value, raises ``EngineError`` and changes nothing (no step, no
+    version).
 
     **Weights.** ``export_weights(bucket_bytes)`` snapshots every ``state_dict`` tensor
-    (cloned, fp32) and yields them in order in buckets of at most ``bucket_bytes`` (a bigger
-    tensor alone). **Checkpoints**: ``save_checkpoint(path)`` writes the directory ``path``
-    with ``model.safetensors`` (the ``state_dict``), ``optimizer.pt`` (``torch.save`` of the
+    (cloned, fp32; a tied LM head once, as ``tok_emb.weight``) and yields them in order in
+    buckets of at most ``bucket_bytes`` (a bigger tensor alone). **Checkpoints**:
+    ``save_checkpoint(path)`` writes the directory ``path`` with ``model.safetensors`` (the
+    ``state_dict``, a tied tensor once), ``optimizer.pt`` (``torch.save`` of the
     AdamW ``state_dict``, read back with ``weights_only=True``) and ``trainer.json``
     (format tag, weight version, model config, optimizer settings), each written to a
     temporary name and renamed, ``trainer.json`` last. ``load_checkpoint(path)`` restores the
@@ -1026,7 +1032,8 @@ class TorchTrainEngine(ThreadedTrainer):
             yield bucket
 
     def _snapshot(self) -> list[tuple[str, Tensor]]:
-        return [(n, t.detach().clone()) for n, t in self.model.state_dict().items()]
+        # tied weights travel once, under the embedding's name (model.TIED)
+        return [(n, t.detach().clone()) for n, t in self.model.unique_state().items()]
 
     def _prepare(self, batch: Batch) -> TokenRows:
         return token_rows(
@@ -1034,24 +1041,26 @@ class TorchTrainEngine(ThreadedTrainer):
             who=self.name,
             vocab_size=self.config.vocab_size,
             max_seq_len=self.config.max_seq_len,
+            temperature=self.temperature,
         )
 
-    def _response_logprobs(self, rows: TokenRows) -> Tensor:
-        """``[b, R]`` log-probs of the response tokens (0 beyond each row's length)."""
+    def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
+        """``[b, R]`` log-probs of the response tokens under each row's sampling distribution
+        (0 beyond each row's length), and how many tokens were off its support."""
         b, r = rows.response.shape
         if r == 0 or b == 0:
-            return torch.zeros(b, r)
+            return torch.zeros(b, r), 0
         seq, source = rows.inputs()
         hidden = self.model.hidden(seq)  # [b, t, D]; only the source positions get logits
         picked = hidden.gather(1, source.unsqueeze(2).expand(b, r, hidden.shape[2]))
-        return rows.logprobs(self.model.head(picked), self.temperature)
+        return rows.logprobs(self.model.head(picked))
 
     def _compute_logprobs(self, batch: Batch) -> Tensor:
         rows = self._prepare(batch)
         b = rows.prompt.shape[0]
         mbs = self.micro_batch_size
         with torch.no_grad():
-            parts = [self._response_logprobs(rows.part(s, s + mbs)) for s in range(0, b, mbs)]
+            parts = [self._response_logprobs(rows.part(s, s + mbs))[0] for s in range(0, b, mbs)]
         return torch.cat(parts) if parts else torch.zeros(0, rows.response.shape[1])
 
     def _split(self, batch: Batch, b: int) -> list[tuple[int, int, Batch]]:
@@ -1070,6 +1079,7 @@ class TorchTrainEngine(ThreadedTrainer):
         total = int(rows.rlen.sum())
         params = [p for p in self.model.parameters() if p.requires_grad]
         loss_sum = 0.0
+        off_support = 0
         means = MetricMeans(self.name)
         self._optimizer.zero_grad(set_to_none=True)
         try:
@@ -1078,7 +1088,8 @@ class TorchTrainEngine(ThreadedTrainer):
                 weight = tokens / total if total else (stop - start) / b
                 if weight == 0:
                     continue
-                logprobs = self._response_logprobs(rows.part(start, stop))
+                logprobs, off = self._response_logprobs(rows.part(start, stop))
+                off_support += off
                 loss, metrics = check_loss(self.name, loss_fn(logprobs, part))
                 (loss * weight).backward()  # type: ignore[no-untyped-call]
                 loss_sum += weight * float(loss.detach())
@@ -1096,6 +1107,7 @@ class TorchTrainEngine(ThreadedTrainer):
         self._version += 1
         extra = means.means()
         extra["micro_batches"] = float(len(parts))
+        extra[OFF_SUPPORT_METRIC] = float(off_support)
         return TrainMetrics(
             version=self._version,
             loss=loss_sum,
@@ -1107,7 +1119,7 @@ class TorchTrainEngine(ThreadedTrainer):
 
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        state = {n: t.detach().contiguous() for n, t in self.model.state_dict().items()}
+        state = {n: t.detach().contiguous() for n, t in self.model.unique_state().items()}
         meta = {
             "format": _CHECKPOINT_FORMAT,
             "version": self._version,
@@ -1147,13 +1159,14 @@ class TorchTrainEngine(ThreadedTrainer):
             ) from exc
         if config != self.config:
             raise EngineError(f"{where} is for {config}, this engine's model is {self.config}")
-        own = self.model.state_dict()
+        own = self.model.unique_state()
         if set(weights) != set(own) or any(weights[n].shape != own[n].shape for n in own):
             raise EngineError(f"{where}: its tensors do not match the model's parameters")
         try:
             self._optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, TypeError) as exc:
             raise EngineError(f"{where}: optimizer state does not fit ({exc})") from exc
+        weights.update({alias: weights[name] for alias, name in self.model.tied.items()})
         self.model.load_state_dict(weights, strict=True)
         self._version = version
 

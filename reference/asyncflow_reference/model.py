@@ -2,7 +2,10 @@
 
 ``TransformerLM(config, seed=...)``: token + learned position embeddings, ``n_layers``
 pre-norm blocks (LayerNorm -> causal multi-head self-attention -> residual, LayerNorm -> GELU
-MLP -> residual), a final LayerNorm and an untied LM head. ``model(tokens)`` maps ``[B, T]``
+MLP -> residual), a final LayerNorm and an LM head, untied unless ``config.tie_embeddings``
+(then ``lm_head.weight`` *is* ``tok_emb.weight``, as in GPT-2 and many Llama/Qwen2 configs:
+``state_dict`` lists the one tensor under both names, ``TIED`` maps the alias to the name
+weights travel under). ``model(tokens)`` maps ``[B, T]``
 token ids to logits ``[B, T, V]``.
 
 Two incremental paths serve the inference engine, over a slot-based ``KVCache`` (``max_batch``
@@ -57,7 +60,8 @@ class ModelConfig:
     ``d_ff`` ``None`` means ``4 * d_model``. ``init_std`` is the standard deviation of the
     normal initialisation of embeddings and linear weights (output projections of each block
     are scaled down by ``sqrt(2 * n_layers)``); larger values give peakier initial
-    distributions, handy for tests.
+    distributions, handy for tests. ``tie_embeddings``: the LM head shares the token
+    embedding's weight.
     """
 
     vocab_size: int = 32
@@ -68,6 +72,7 @@ class ModelConfig:
     d_ff: int | None = None
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         _check_int("vocab_size", self.vocab_size, 2, 2**31 - 1)
@@ -84,6 +89,10 @@ class ModelConfig:
             _check_int("d_ff", self.d_ff, 1, 2**20)
         _check_float("norm_eps", self.norm_eps, 0.0, 1.0)
         _check_float("init_std", self.init_std, 0.0, 10.0)
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(
+                f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}"
+            )
 
     @property
     def ff_dim(self) -> int:
@@ -177,6 +186,12 @@ class Block(nn.Module):
         return self._mlp(x + attn)
 
 
+TIED = {"lm_head.weight": "tok_emb.weight"}
+"""With ``tie_embeddings``: the alias in ``state_dict`` -> the name the tied tensor is
+exported, checkpointed and loaded under (the embedding's, as vLLM and SGLang load a tied
+Qwen2/Llama under ``model.embed_tokens.weight``)."""
+
+
 class TransformerLM(nn.Module):
     """The decoder-only transformer of ``config``, initialised deterministically from ``seed``
     (a private ``torch.Generator``: the global RNG is neither used nor advanced)."""
@@ -192,7 +207,21 @@ class TransformerLM(nn.Module):
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
             self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps)
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
         self.reset_parameters(seed)
+
+    @property
+    def tied(self) -> dict[str, str]:
+        """The ``state_dict`` aliases of tied tensors -> their canonical names (``TIED`` when
+        ``config.tie_embeddings``, else empty)."""
+        return dict(TIED) if self.config.tie_embeddings else {}
+
+    def unique_state(self) -> dict[str, Tensor]:
+        """``state_dict`` without tied aliases: every tensor once, under its canonical name
+        (what export and checkpoints carry; safetensors refuses tensors that share memory)."""
+        tied = self.tied
+        return {n: t for n, t in self.state_dict().items() if n not in tied}
 
     def reset_parameters(self, seed: int) -> None:
         """Normal(0, init_std) embeddings and linear weights (block output projections divided
@@ -264,4 +293,4 @@ class TransformerLM(nn.Module):
         return self.head(normed)
 
 
-__all__ = ["Block", "KVCache", "ModelConfig", "TransformerLM"]
+__all__ = ["TIED", "Block", "KVCache", "ModelConfig", "TransformerLM"]
