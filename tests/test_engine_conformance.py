@@ -24,7 +24,7 @@ from asyncflow_conformance import (
     TrainEngineConformance,
     WeightSyncConformance,
 )
-from asyncflow_conformance.engines import BAD_REQUESTS, PHASE_MISUSES
+from asyncflow_conformance.engines import BAD_REQUESTS, LOGPROB_SETTINGS, PHASE_MISUSES
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 from asyncflow_reference.sim import (
@@ -44,11 +44,13 @@ from asyncflow_core.protocols import (
     GenerationRequest,
     GenerationResult,
     LossFn,
+    SamplingParams,
     TrainMetrics,
     Version,
     WeightBucket,
     WeightSync,
 )
+from asyncflow_core.sampling import filter_logits, row_sampling, sampled_logprobs
 from asyncflow_core.weightsync import InProcessWeightSync, bucketize
 
 # A two-layer Qwen2-shaped model: small exported tensors (the simulator exports meta tensors
@@ -141,10 +143,13 @@ def _logits(weights: Mapping[str, torch.Tensor], prev: torch.Tensor) -> torch.Te
 
 
 class TinyInferenceEngine(RequestGate):
-    """Samples one token per ``token_s`` real seconds from the bigram policy (temperature
-    applied; top-k/top-p ignored). A seeded request draws token i with a generator seeded by
-    (seed, i), so it does not depend on its batch or on an abort/resume. Pause (keep/abort),
-    sleep, load_weights (names and shapes checked), abort; malformed requests raise."""
+    """Samples one token per ``token_s`` real seconds (0: instant, a bare yield to the event
+    loop per token) from the bigram policy under the request's temperature, top-k and top-p
+    (``asyncflow_core.sampling``; greedy at temperature 0), and reports that distribution's
+    log-probs. A seeded request draws token i with a generator seeded by (seed, i), so it does
+    not depend on its batch or on an abort/resume. Pause (keep/abort), sleep, load_weights
+    (names and shapes checked), abort, progress (``wait_for_tokens``); malformed requests
+    raise."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], token_s: float = 0.001) -> None:
         super().__init__()
@@ -152,8 +157,10 @@ class TinyInferenceEngine(RequestGate):
         self.weights = {n: t.detach().clone() for n, t in weights.items()}
         self._rng = torch.Generator().manual_seed(1)
 
-    def logprobs(self, prev: int, temperature: float) -> torch.Tensor:
-        return torch.log_softmax(_logits(self.weights, torch.tensor(prev)) / temperature, -1)
+    def logprobs(self, prev: int, params: SamplingParams) -> torch.Tensor:
+        logits = _logits(self.weights, torch.tensor(prev))
+        knobs = (params.temperature, params.top_k, params.top_p)
+        return torch.log_softmax(filter_logits(logits, *map(torch.tensor, knobs)), -1)
 
     def _validate(self, request: GenerationRequest) -> None:
         rid, k = request.request_id, len(request.resume_tokens)
@@ -190,21 +197,26 @@ class TinyInferenceEngine(RequestGate):
                 if rid in self._aborted:
                     return result("abort")
                 prev = tokens[-1] if tokens else request.prompt_tokens[-1]
-                lp = self.logprobs(prev, params.temperature)
+                lp = self.logprobs(prev, params)
                 if params.seed is not None:
                     gen = torch.Generator().manual_seed(params.seed * 1_000_003 + len(tokens))
                 else:
                     gen = self._rng
-                token = int(torch.multinomial(lp.exp(), 1, generator=gen))
+                if params.temperature == 0:
+                    token = int(lp.argmax())
+                else:
+                    token = int(torch.multinomial(lp.exp(), 1, generator=gen))
                 tokens.append(token)
                 logprobs.append(float(lp[token]))
                 versions.append(self._version)
+                self._made(rid, len(tokens))
                 if token == EOS or token in params.stop_token_ids:
                     return result("stop")
             return result("length")
         finally:
             self._inflight.discard(rid)
             self._aborted.discard(rid)
+            self._ended(rid)
 
     async def load_weights(
         self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
@@ -239,8 +251,11 @@ class TinyTrainEngine:
         prompt, response = batch["prompt"], batch["response"]
         last = prompt[torch.arange(len(batch)), batch.lengths["prompt"] - 1]
         prev = torch.cat([last.unsqueeze(1), response[:, :-1]], dim=1)
-        lp = torch.log_softmax(_logits(self.params, prev), -1)
-        return lp.gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        knobs = row_sampling(batch, len(batch), who="tiny-trainer")
+        lp, _ = sampled_logprobs(
+            _logits(self.params, prev), response, *(k.unsqueeze(1) for k in knobs)
+        )
+        return lp
 
     async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():
@@ -285,13 +300,52 @@ class TestTinyInferenceEngine(InferenceEngineConformance):
 
     vocab_size = VOCAB
     long_max_tokens = 128
-    progress_s = 0.03
     pause_hold_s = 0.05
     timeout_s = 20.0
     real_timeout_s = 60.0
 
     def make_engine(self) -> TinyInferenceEngine:
         return TinyInferenceEngine(tiny_weights(0))
+
+
+class TestInstantInferenceEngine(TestTinyInferenceEngine):
+    """No decode time at all (a token per bare yield to the event loop), with its progress
+    hook: the laws act once requests have tokens, never after a sleep that a fast engine
+    outruns."""
+
+    def make_engine(self) -> TinyInferenceEngine:
+        return TinyInferenceEngine(tiny_weights(0), token_s=0.0)
+
+
+class TestInstantInferenceEngineWithoutHook(TestInstantInferenceEngine):
+    """The same engine seen without its progress hook: the laws pace themselves."""
+
+    def progress(self, engine: Any) -> None:
+        return None
+
+
+class TestSlowInferenceEngine(TestTinyInferenceEngine):
+    """100 ms per token (a big model, a loaded machine) and no progress hook: the paced laws
+    measure the engine before acting. Long requests are 12 tokens so the laws stay short;
+    nothing else is tuned to the speed (short requests are 4 tokens for the same reason)."""
+
+    max_tokens = 4
+    long_max_tokens = 12
+    timeout_s = 60.0
+    real_timeout_s = 300.0
+
+    def make_engine(self) -> TinyInferenceEngine:
+        return TinyInferenceEngine(tiny_weights(0), token_s=0.1)
+
+    def progress(self, engine: Any) -> None:
+        return None
+
+
+class TestSlowInferenceEngineWithHook(TestSlowInferenceEngine):
+    """The slow engine with its progress hook."""
+
+    def progress(self, engine: Any) -> Any:
+        return engine.wait_for_tokens
 
 
 class TestTinyTrainEngine(TrainEngineConformance):
@@ -456,7 +510,7 @@ class _BrokenSimInference(InferenceEngineConformance):
     [
         (ShortLogprobsEngine, "test_results_are_well_formed", "log-probs and"),
         (StaleVersionEngine, "test_load_weights_sets_the_version", "yet new tokens report"),
-        (DeafAbortEngine, "test_abort_returns_the_prefix", "returned none of them"),
+        (DeafAbortEngine, "test_abort_returns_the_prefix", "returned neither"),
         (HangingEngine, "test_results_are_well_formed", r"did not return within 60\.0 s"),
     ],
     ids=["mismatched-lengths", "stale-versions", "deaf-abort", "hang"],
@@ -492,7 +546,7 @@ class _MadeUpLogprobs(TestTinyInferenceEngine):
 
 def test_made_up_logprobs_fail_the_logprob_law() -> None:
     with pytest.raises(AssertionError, match="summing to"):
-        _MadeUpLogprobs().test_logprobs_match_the_sampling_distribution()
+        _MadeUpLogprobs().test_logprobs_match_the_sampling_distribution(LOGPROB_SETTINGS[0])
 
 
 class NoBumpTrainer(SimTrainEngine):
@@ -648,7 +702,13 @@ def test_the_readme_engine_snippets_pass_from_outside(tmp_path: Path) -> None:
 
 
 LAW_COUNTS = {
-    "inference": 11 + 2 + len(BAD_REQUESTS),  # 11 laws, 2 pause modes, each bad request
-    "train": 8 + 2 + 1,  # 8 laws, 2 bad bucket sizes, the default required field "response"
+    # 11 laws, 2 pause modes, each bad request, the log-prob law under each sampling setting
+    "inference": 11 + 2 + len(BAD_REQUESTS) + len(LOGPROB_SETTINGS),
+    "train": 11 + 2 + 1,  # 11 laws, 2 bad bucket sizes, the default required field "response"
     "weight sync": 3 + len(PHASE_MISUSES),
 }
+
+
+def test_a_suite_still_setting_progress_s_is_told_to_delete_it() -> None:
+    with pytest.raises(TypeError, match="Delete progress_s"):
+        type("Old", (InferenceEngineConformance,), {"progress_s": 0.1})

@@ -119,9 +119,11 @@ class TinyEngine(RequestGate):
                 tokens.append((len(tokens) * 31 + len(rid)) % 1000)
                 logprobs.append(-1.0)
                 versions.append(self._version)
+                self._made(rid, len(tokens))
         finally:
             self._inflight.discard(rid)
             self._aborted.discard(rid)
+            self._ended(rid)
 
     async def load_weights(
         self, weights: Sequence[tuple[str, torch.Tensor]], version: Version

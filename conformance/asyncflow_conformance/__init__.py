@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         TrainEngineConformance,
         WeightSyncConformance,
     )
+    from asyncflow_conformance.pair import EnginePairConformance
     from asyncflow_conformance.scheduler import SchedulerConformance
     from asyncflow_conformance.stateful import (
         DataStoreStateMachine,
@@ -31,6 +32,7 @@ _EXPORTS = {
     "InferenceEngineConformance": "asyncflow_conformance.engines",
     "TrainEngineConformance": "asyncflow_conformance.engines",
     "WeightSyncConformance": "asyncflow_conformance.engines",
+    "EnginePairConformance": "asyncflow_conformance.pair",
     "DataStoreStateMachine": "asyncflow_conformance.stateful",
     "make_datastore_state_machine": "asyncflow_conformance.stateful",
     "SchedulerConformance": "asyncflow_conformance.scheduler",
@@ -41,6 +43,7 @@ _EXPORTS = {
 __all__ = [
     "DataStoreConformance",
     "DataStoreStateMachine",
+    "EnginePairConformance",
     "FakeClock",
     "InferenceEngineConformance",
     "SchedulerConformance",

@@ -75,6 +75,7 @@ from asyncflow_core.protocols import (
     SamplingParams,
     SupportsLoadWeights,
     SupportsPause,
+    SupportsProgress,
     SupportsSleep,
     TrainEngine,
     TrainMetrics,
@@ -83,11 +84,13 @@ from asyncflow_core.protocols import (
     WeightSync,
 )
 from asyncflow_core.rl import policy_gradient_loss
+from asyncflow_core.sampling import sampling_columns
 from asyncflow_core.vclock import SimulationDeadlockError
 
 __all__ = [
     "BAD_REQUESTS",
     "FINISH_REASONS",
+    "LOGPROB_SETTINGS",
     "PHASE_MISUSES",
     "InferenceEngineConformance",
     "TrainEngineConformance",
@@ -466,6 +469,33 @@ def without_field(batch: Batch, name: str) -> Batch:
     )
 
 
+def _negated_advantages(batch: Batch) -> Batch:
+    """``batch`` with its ``advantage`` field negated (unchanged if it has none)."""
+    value = batch.data.get("advantage")
+    if not isinstance(value, torch.Tensor):
+        return batch
+    return Batch(batch.rows, {**batch.data, "advantage": -value}, dict(batch.lengths), batch.tags)
+
+
+def _with_sampling(batch: Batch, params: SamplingParams) -> Batch:
+    """``batch`` with every row's sampling fields set to ``params``' ([B] tensors)."""
+    cells = sampling_columns([params] * len(batch))
+    columns = {name: torch.stack(values) for name, values in cells.items()}
+    return Batch(batch.rows, {**batch.data, **columns}, dict(batch.lengths), batch.tags)
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def _digest(t: torch.Tensor) -> int:
+    """A cheap fingerprint of a tensor's bytes (equal tensors, equal fingerprints)."""
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hash(flat[:4096].numpy().tobytes()) ^ int(flat.shape[0])
+
+
 def _outcome(task: asyncio.Future[GenerationResult]) -> str:
     """How a finished ``generate`` ended, for messages."""
     if task.cancelled():
@@ -515,21 +545,79 @@ class _Gen:
     version: Version
 
 
+ProgressHook = Callable[[str, int], Awaitable[int]]
+"""``hook(request_id, count)``: returns once the request has ``count`` tokens or has ended."""
+
+
+class _Pace:
+    """When to act on long requests for an engine that gives no evidence of progress (no
+    ``SupportsProgress``): a quarter of a measured full generation at first, then adjusted by
+    what each attempt saw — the requests finished first (too late: act sooner, down to right
+    after submission) or had no token yet (too early: act later)."""
+
+    def __init__(self) -> None:
+        self.full_s: float | None = None  # loop seconds of one whole long request, measured
+        self.early = 0.0  # the latest delay known to be too early
+        self.late = math.inf  # the earliest delay known to be too late
+        self.last = 0.0  # the delay the last attempt used
+
+    def measured(self, seconds: float) -> None:
+        if self.full_s is None:
+            self.full_s = max(seconds, 0.0)
+
+    def next(self) -> float:
+        if self.early > 0 and self.late < math.inf:
+            delay = math.sqrt(self.early * self.late)
+        elif self.late < math.inf:
+            delay = self.late / 8
+        elif self.early > 0:
+            delay = self.early * 4
+        else:
+            delay = (self.full_s or 0.0) / 4
+        self.last = delay if delay >= 1e-4 else 0.0  # below that: right after submission
+        return self.last
+
+    def too_late(self) -> None:
+        self.late = min(self.late, self.last)
+
+    def too_early(self) -> None:
+        self.early = max(self.early, self.last)
+
+
+LOGPROB_SETTINGS: tuple[tuple[str, SamplingParams], ...] = (
+    ("t1", SamplingParams(max_tokens=1, temperature=1.0)),
+    ("t0.6", SamplingParams(max_tokens=1, temperature=0.6)),
+    ("top_k=1", SamplingParams(max_tokens=1, temperature=1.0, top_k=1)),
+    ("t0.8-top_k=3-top_p=0.9", SamplingParams(max_tokens=1, temperature=0.8, top_k=3, top_p=0.9)),
+)
+"""The sampling settings the log-prob distribution law runs under (id, params)."""
+
+
 class InferenceEngineConformance(_Suite):
     """The ``InferenceEngine`` laws; subclass it (as ``Test...``) and implement
     ``make_engine``. Class attributes size the requests and declare what the engine cannot
-    do; ``prompt_tokens``, ``weights_for_load`` and ``close_engine`` are optional hooks."""
+    do; ``prompt_tokens``, ``weights_for_load``, ``progress`` and ``close_engine`` are
+    optional hooks.
+
+    No law races the clock. The laws that act on requests while they generate (abort,
+    pause, a load mid-generation) wait for the engine's own evidence that the requests have
+    tokens (``progress``: by default ``SupportsProgress.wait_for_tokens``) and act at once; for
+    an engine without it they pace themselves from a measured generation and, when an attempt
+    finds the requests already finished, try again sooner, down to acting one event-loop step
+    after submission (when the protocol says a request is already in flight). A correct engine
+    passes whatever its speed; a law fails only with evidence against the engine."""
 
     max_tokens: ClassVar[int] = 8
     """The cap of a short request."""
     long_max_tokens: ClassVar[int] = 256
-    """The cap of a long request: one that must still be generating ``progress_s`` after it
-    was submitted (the abort, pause and in-flight load laws act on such requests)."""
-    progress_s: ClassVar[float] = 0.1
-    """Loop seconds to let long requests generate a few tokens before acting on them (doubled
-    up to five times when an abort found no token yet)."""
+    """The cap of a long request: one still generating when a law acts on it right after its
+    first tokens (the abort, pause and in-flight load laws). Keep it well above one token; a
+    slow engine may lower it to keep the laws short."""
     pause_hold_s: ClassVar[float] = 0.2
-    """Loop seconds the pause laws wait while paused, to see that nothing finishes."""
+    """Loop seconds the pause laws wait while paused, to see that nothing finishes (a
+    negative check: a longer hold only makes it stricter, never flaky)."""
+    max_attempts: ClassVar[int] = 6
+    """Attempts at catching requests in flight before a law gives its verdict."""
     temperature: ClassVar[float] = 1.0
     vocab_size: ClassVar[int | None] = None
     """When set, every generated token id must lie in ``[0, vocab_size)``."""
@@ -541,10 +629,22 @@ class InferenceEngineConformance(_Suite):
     supports_real_logprobs: ClassVar[bool] = True
     """``logprobs`` are the real log-probabilities of the sampling distribution (False for a
     simulator that reports made-up numbers)."""
+    logprob_settings: ClassVar[tuple[tuple[str, SamplingParams], ...]] = LOGPROB_SETTINGS
+    """The sampling settings of the log-prob distribution law, one test each."""
     logprob_samples: ClassVar[int] = 64
-    """One-token requests drawn by the log-prob law."""
+    """One-token requests drawn by the log-prob law, per setting."""
     logprob_atol: ClassVar[float] = 1e-2
     """How far two reports of the same token's log-prob after the same context may differ."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "progress_s" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__}.progress_s is no longer used: the laws do not sleep a fixed "
+                "time before acting on a request (that fails fast engines); they wait for the "
+                "engine's evidence (SupportsProgress.wait_for_tokens, or the suite's progress() "
+                "hook) or pace themselves from a measured generation. Delete progress_s."
+            )
 
     # -- hooks for the backend author --------------------------------------------------------
     def make_engine(self) -> InferenceEngine | Awaitable[InferenceEngine]:
@@ -565,6 +665,14 @@ class InferenceEngineConformance(_Suite):
         only); an engine that needs real tensors returns its current weights here."""
         return ()
 
+    def progress(self, engine: Any) -> ProgressHook | None:
+        """How the laws see that a request is generating: ``hook(request_id, count)`` returns
+        once the request has ``count`` tokens or has ended (an ``AsyncFlowError`` if it is
+        not in flight). Default: the engine's ``wait_for_tokens`` (``SupportsProgress``), else
+        None, and the laws pace themselves instead. Override to observe your engine another
+        way (a metrics endpoint, a stream)."""
+        return engine.wait_for_tokens if isinstance(engine, SupportsProgress) else None
+
     # -- plumbing ----------------------------------------------------------------------------
     def _law(self, name: str, body: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
         self._engine_law(
@@ -577,6 +685,9 @@ class InferenceEngineConformance(_Suite):
     ) -> GenerationRequest:
         params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=seed)
         return GenerationRequest(rid, tuple(self.prompt_tokens(index)), params)
+
+    def _long(self, rid: str, index: int, seed: int) -> GenerationRequest:
+        return self._request(rid, index, self.long_max_tokens, seed=seed)
 
     def _submit(self, engine: InferenceEngine, request: GenerationRequest) -> _Gen:
         return _Gen(request, asyncio.ensure_future(engine.generate(request)), engine.weight_version)
@@ -592,6 +703,15 @@ class InferenceEngineConformance(_Suite):
         self, engine: InferenceEngine, request: GenerationRequest
     ) -> GenerationResult:
         return await self._finish(engine, self._submit(engine, request))
+
+    async def _timed(
+        self, engine: InferenceEngine, request: GenerationRequest, pace: _Pace
+    ) -> GenerationResult:
+        """``_generate``, recording its loop-clock duration as the pace's measurement."""
+        start = asyncio.get_running_loop().time()
+        result = await self._generate(engine, request)
+        pace.measured(asyncio.get_running_loop().time() - start)
+        return result
 
     def _check(
         self,
@@ -617,36 +737,47 @@ class InferenceEngineConformance(_Suite):
         )
         return result
 
-    async def _aborted_prefix(
-        self, engine: InferenceEngine, tag: str
-    ) -> tuple[GenerationRequest, GenerationResult]:
-        """A long request aborted after it generated at least one token."""
-        wait = self.progress_s
-        for attempt in range(6):
-            request = self._request(f"{tag}-partial-{attempt}", 2, self.long_max_tokens, seed=11)
-            gen = self._submit(engine, request)
-            await settle()
-            await asyncio.sleep(wait)
-            await self._wait(engine.abort([request.request_id]), "abort([...])")
-            result = await self._finish(engine, gen)
-            if result.finish_reason != "abort":
-                raise AssertionError(
-                    f"request {request.request_id!r} (max_tokens={self.long_max_tokens}) "
-                    f"finished with {result.finish_reason!r} ({len(result.tokens)} tokens) "
-                    f"before abort() {wait} s after it was submitted: abort() did not end it, "
-                    "or it was too short; raise long_max_tokens or lower progress_s"
-                )
-            if result.tokens:
-                return request, result
-            wait *= 2
-        raise AssertionError(
-            f"a long request aborted {wait / 2} s after submission had generated no token yet "
-            "(after 6 tries, doubling the wait); raise progress_s"
-        )
+    async def _when_generating(
+        self, engine: InferenceEngine, gens: Sequence[_Gen], tokens: int, pace: _Pace
+    ) -> str:
+        """Return when ``gens`` are generating: each has ``tokens`` tokens (or has ended), by
+        the ``progress`` hook; without one, after the pace's next delay (a long request is
+        measured first if the pace has no measurement). Every submitted ``generate`` has
+        reached its first await by then, so its request is in flight. Returns how it waited,
+        for messages."""
+        await asyncio.sleep(0)  # each submitted generate runs to its first await: in flight
+        hook = self.progress(engine)
+        if hook is not None:
+            for gen in gens:
+                await self._wait_for_tokens(hook, gen, tokens)
+            return f"once wait_for_tokens(..., {tokens}) returned"
+        if pace.full_s is None:
+            seed = 424_242 + len(gens)
+            await self._timed(
+                engine, self._request("pace", 0, self.long_max_tokens, seed=seed), pace
+            )
+        delay = pace.next()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return f"{delay:.4f} s after submission (no progress hook; paced)"
 
-    def _require(self, engine: Any, ability: type, name: str) -> None:
-        if not isinstance(engine, ability):
-            pytest.skip(f"{type(engine).__name__} does not implement {name} (optional ability)")
+    async def _wait_for_tokens(self, hook: ProgressHook, gen: _Gen, tokens: int) -> None:
+        rid = gen.request.request_id
+        if gen.task.done():
+            return
+        try:
+            await self._wait(hook(rid, tokens), f"wait_for_tokens({rid!r}, {tokens})")
+        except AsyncFlowError as exc:  # not in flight: it must have ended
+            try:
+                await self._wait(gen.task, f"generate({rid!r})")
+            except AssertionError:
+                raise AssertionError(
+                    f"wait_for_tokens({rid!r}, {tokens}) raised {type(exc).__name__} ({exc}) "
+                    "while the request's generate() had not returned; it must return once "
+                    "the request has the tokens (or ended)"
+                ) from exc
+            except Exception:
+                return  # generate() raised: its law reports that
 
     # -- the laws ----------------------------------------------------------------------------
     def test_results_are_well_formed(self) -> None:
@@ -708,53 +839,92 @@ class InferenceEngineConformance(_Suite):
         self._law("test_seeded_generation_is_deterministic", body)
 
     def test_abort_returns_the_prefix(self) -> None:
-        """``abort`` ends exactly the named in-flight requests: each returns at once what it
-        generated so far with ``finish_reason="abort"`` (with seeds: a prefix of the full
-        generation); a request not named keeps going to its natural end."""
+        """``abort`` ends exactly the named in-flight requests: each returns what it generated
+        so far with ``finish_reason="abort"`` (with seeds: a prefix of the full generation); a
+        request not named keeps going to its natural end. The abort is sent once the named
+        requests are generating (see the class docstring); an attempt in which both finished
+        first is repeated, acting sooner."""
 
         async def body(engine: InferenceEngine) -> None:
-            requests = [
-                self._request(f"abort-{i}", 3 + i, self.long_max_tokens, seed=50 + i)
-                for i in range(3)
-            ]
-            full: dict[str, GenerationResult] = {}
-            if self.supports_seed_determinism:
-                for r in requests[:2]:
-                    full[r.request_id] = await self._generate(engine, r)
-            gens = [self._submit(engine, r) for r in requests]
-            await settle()
-            await asyncio.sleep(self.progress_s)
-            pending = [g.request.request_id for g in gens[:2] if not g.task.done()]
-            await self._wait(engine.abort([r.request_id for r in requests[:2]]), "abort([...])")
-            results = [await self._finish(engine, g) for g in gens]
-            aborted = [r for r in results[:2] if r.finish_reason == "abort"]
-            assert aborted, (
-                f"abort() of in-flight requests {pending} returned none of them with "
-                f"finish_reason 'abort' (got {[r.finish_reason for r in results[:2]]}): abort() "
-                "does not end in-flight requests, or they finished first (raise "
-                "long_max_tokens or lower progress_s)"
-            )
-            for result in results[:2]:
-                reference = full.get(result.request_id)
-                if reference is None:
-                    continue
-                if result.finish_reason == "abort":
+            pace = _Pace()
+            seen: list[str] = []
+            for attempt in range(self.max_attempts):
+                seeds = [50 + i + 7919 * attempt for i in range(3)]
+                requests = [
+                    self._request(f"abort-{attempt}-{i}", 3 + i, self.long_max_tokens, seed=s)
+                    for i, s in enumerate(seeds)
+                ]
+                full: dict[str, GenerationResult] = {}
+                if self.supports_seed_determinism:
+                    for r in requests[:2]:
+                        full[r.request_id] = await self._timed(engine, r, pace)
+                gens = [self._submit(engine, r) for r in requests]
+                when = await self._when_generating(engine, gens[:2], 1, pace)
+                named = [r.request_id for r in requests[:2]]
+                await self._wait(engine.abort(named), f"abort({named})")
+                results = [await self._finish(engine, g) for g in gens]
+                for result in results[:2]:
+                    reference = full.get(result.request_id)
+                    if reference is None:
+                        continue
                     k = len(result.tokens)
-                    assert tuple(result.tokens) == tuple(reference.tokens[:k]), (
-                        f"request {result.request_id!r} was aborted with {k} tokens that are "
-                        "not a prefix of its seeded generation"
-                    )
-                else:
-                    assert tuple(result.tokens) == tuple(reference.tokens), (
-                        f"request {result.request_id!r} finished before the abort but differs "
-                        "from its seeded generation"
-                    )
-            assert results[2].finish_reason != "abort", (
-                f"abort({[r.request_id for r in requests[:2]]}) also aborted "
-                f"{requests[2].request_id!r}, which it did not name"
+                    if result.finish_reason == "abort":
+                        assert tuple(result.tokens) == tuple(reference.tokens[:k]), (
+                            f"request {result.request_id!r} was aborted with {k} tokens that "
+                            "are not a prefix of its seeded generation"
+                        )
+                    else:
+                        assert tuple(result.tokens) == tuple(reference.tokens), (
+                            f"request {result.request_id!r} finished before the abort but "
+                            "differs from its seeded generation"
+                        )
+                assert results[2].finish_reason != "abort", (
+                    f"abort({named}) also aborted {requests[2].request_id!r}, which it did not name"
+                )
+                if any(r.finish_reason == "abort" for r in results[:2]):
+                    return
+                pace.too_late()
+                seen.append(
+                    f"attempt {attempt}: aborted {when}, both came back "
+                    f"{[(r.finish_reason, len(r.tokens)) for r in results[:2]]}"
+                )
+            raise AssertionError(
+                "abort() of two in-flight long requests returned neither with finish_reason "
+                f"'abort' in {self.max_attempts} attempts ({'; '.join(seen)}): abort() does "
+                "not end in-flight requests (or long_max_tokens is too small for them to be "
+                "in flight)"
             )
 
         self._law("test_abort_returns_the_prefix", body)
+
+    def test_abort_right_after_submit_is_not_lost(self) -> None:
+        """An ``abort`` issued one event-loop step after ``generate`` was called ends the
+        request (``"abort"``, typically with no token): the protocol puts a request in flight
+        from its ``generate``'s first await, so an engine that registers the id later (after
+        an await of its own) loses the abort and generates to the end."""
+
+        async def body(engine: InferenceEngine) -> None:
+            outcomes: list[str] = []
+            for attempt in range(3):
+                request = self._request(
+                    f"early-abort-{attempt}", 4, self.long_max_tokens, seed=77 + attempt
+                )
+                gen = self._submit(engine, request)
+                await asyncio.sleep(0)  # generate ran to its first await: in flight
+                await self._wait(engine.abort([request.request_id]), "abort([...])")
+                result = await self._finish(engine, gen)
+                if result.finish_reason == "abort":
+                    return
+                outcomes.append(f"{result.finish_reason!r} with {len(result.tokens)} tokens")
+            raise AssertionError(
+                f"abort() issued one event-loop step after generate() was called did not end "
+                f"the request; it came back {', '.join(outcomes)}: the abort was lost. "
+                "Register the request id synchronously at the top of generate(), before its "
+                "first await, and honour an abort that arrives before the engine has started "
+                "the request (return its prefix with finish_reason 'abort')"
+            )
+
+        self._law("test_abort_right_after_submit_is_not_lost", body)
 
     def test_aborting_unknown_ids_is_a_no_op(self) -> None:
         """``abort`` of ids that are not in flight (never submitted, already finished, or the
@@ -777,6 +947,44 @@ class InferenceEngineConformance(_Suite):
             await self._still_works(engine, "later")
 
         self._law("test_aborting_unknown_ids_is_a_no_op", body)
+
+    async def _aborted_prefix(
+        self, engine: InferenceEngine, tag: str
+    ) -> tuple[GenerationRequest, GenerationResult]:
+        """A long request aborted after it generated at least one token (attempts paced as in
+        the class docstring)."""
+        pace = _Pace()
+        seen: list[str] = []
+        hook = self.progress(engine)
+        for attempt in range(self.max_attempts):
+            request = self._request(
+                f"{tag}-partial-{attempt}", 2, self.long_max_tokens, seed=11 + 7919 * attempt
+            )
+            gen = self._submit(engine, request)
+            when = await self._when_generating(engine, [gen], 1, pace)
+            await self._wait(engine.abort([request.request_id]), "abort([...])")
+            result = await self._finish(engine, gen)
+            if result.finish_reason == "abort" and result.tokens:
+                return request, result
+            if result.finish_reason == "abort":
+                assert hook is None, (
+                    f"request {request.request_id!r} came back from abort() with no token, "
+                    "though wait_for_tokens said it had one; abort returns every token "
+                    "generated so far"
+                )
+                pace.too_early()
+            else:
+                pace.too_late()
+            seen.append(
+                f"aborted {when}: {result.finish_reason!r} with {len(result.tokens)} tokens"
+            )
+        raise AssertionError(
+            f"could not abort a long request (max_tokens={self.long_max_tokens}) after it had "
+            f"generated a token and before it finished, in {self.max_attempts} attempts "
+            f"({'; '.join(seen)}): abort() does not return the tokens generated so far, or the "
+            "engine generates a whole request at once (implement SupportsProgress, or raise "
+            "long_max_tokens)"
+        )
 
     def test_resume_keeps_the_aborted_prefix(self) -> None:
         """A request resumed from an aborted attempt's tokens, log-probs and versions returns
@@ -817,87 +1025,114 @@ class InferenceEngineConformance(_Suite):
 
     def test_pause_keep_freezes_in_flight_requests(self) -> None:
         """``pause("keep")``: no in-flight request finishes (or is aborted) while paused, a
-        request submitted while paused waits; after ``resume`` all of them finish normally."""
+        request submitted while paused waits; after ``resume`` all of them finish normally.
+        The pause comes once the requests are generating; an attempt in which all had
+        finished first is repeated, pausing sooner."""
 
         async def body(engine: Any) -> None:
             self._require(engine, SupportsPause, "SupportsPause")
-            gens = [
-                self._submit(engine, self._request(f"keep-{i}", 5 + i, self.long_max_tokens))
-                for i in range(3)
-            ]
-            await settle()
-            await asyncio.sleep(self.progress_s)
-            await self._wait(engine.pause("keep"), "pause('keep')")
-            try:
-                await settle()
-                done = {g.request.request_id for g in gens if g.task.done()}
-                assert len(done) < len(gens), (
-                    f"all {len(gens)} long requests finished within progress_s={self.progress_s} "
-                    "s, before pause('keep'); raise long_max_tokens or lower progress_s"
-                )
-                for gen in gens:
-                    if gen.task.done() and not gen.task.cancelled():
-                        assert gen.task.result().finish_reason != "abort", (
-                            f"pause('keep') aborted request {gen.request.request_id!r}"
-                        )
-                waiting = self._submit(engine, self._request("keep-new", 9, self.max_tokens))
-                await asyncio.sleep(self.pause_hold_s)
-                await settle()
-                late = [
-                    g.request.request_id
-                    for g in gens
-                    if g.task.done() and g.request.request_id not in done
+            pace = _Pace()
+            seen: list[str] = []
+            for attempt in range(self.max_attempts):
+                gens = [
+                    self._submit(
+                        engine, self._long(f"keep-{attempt}-{i}", 5 + i, 900 + i + 7919 * attempt)
+                    )
+                    for i in range(3)
                 ]
-                assert not late, (
-                    f"request(s) {late} returned while the engine was paused with mode 'keep'"
-                )
-                assert not waiting.task.done(), (
-                    "a request submitted while the engine was paused returned before resume()"
-                )
-            finally:
-                await self._wait(engine.resume(), "resume()")
-            for gen in [*gens, waiting]:
-                result = await self._finish(engine, gen)
-                assert result.finish_reason != "abort", (
-                    f"request {gen.request.request_id!r} came back 'abort' after "
-                    "pause('keep') and resume()"
-                )
+                when = await self._when_generating(engine, gens, 1, pace)
+                await self._wait(engine.pause("keep"), "pause('keep')")
+                waiting: _Gen | None = None
+                try:
+                    await settle()
+                    done = {g.request.request_id for g in gens if g.task.done()}
+                    if len(done) < len(gens):
+                        for gen in gens:
+                            if gen.task.done() and not gen.task.cancelled():
+                                assert gen.task.result().finish_reason != "abort", (
+                                    f"pause('keep') aborted request {gen.request.request_id!r}"
+                                )
+                        waiting = self._submit(engine, self._request("keep-new", 9, 8))
+                        await asyncio.sleep(self.pause_hold_s)
+                        await settle()
+                        late = [
+                            g.request.request_id
+                            for g in gens
+                            if g.task.done() and g.request.request_id not in done
+                        ]
+                        assert not late, (
+                            f"request(s) {late} returned while the engine was paused with mode "
+                            "'keep'"
+                        )
+                        assert not waiting.task.done(), (
+                            "a request submitted while the engine was paused returned before "
+                            f"resume(): {_outcome(waiting.task)}"
+                        )
+                finally:
+                    await self._wait(engine.resume(), "resume()")
+                if waiting is None:  # every request had finished before the pause
+                    for gen in gens:
+                        await self._finish(engine, gen)
+                    pace.too_late()
+                    seen.append(f"paused {when}: all had finished")
+                    continue
+                for gen in [*gens, waiting]:
+                    result = await self._finish(engine, gen)
+                    assert result.finish_reason != "abort", (
+                        f"request {gen.request.request_id!r} came back 'abort' after "
+                        "pause('keep') and resume()"
+                    )
+                return
+            raise AssertionError(
+                f"all long requests (max_tokens={self.long_max_tokens}) had finished before "
+                f"pause('keep') in {self.max_attempts} attempts ({'; '.join(seen)}), even "
+                "when paused right after submission: pause() does not take effect at once"
+            )
 
         self._law("test_pause_keep_freezes_in_flight_requests", body)
 
     def test_pause_abort_aborts_in_flight_requests(self) -> None:
         """``pause("abort")``: every in-flight request returns while the engine stays paused,
         with ``finish_reason="abort"`` (one that had already finished may return normally);
-        after ``resume`` the engine generates again."""
+        after ``resume`` the engine generates again. The pause comes once the requests are
+        generating; an attempt in which all had finished first is repeated, pausing sooner."""
 
         async def body(engine: Any) -> None:
             self._require(engine, SupportsPause, "SupportsPause")
-            gens = [
-                self._submit(engine, self._request(f"pause-abort-{i}", 6 + i, self.long_max_tokens))
-                for i in range(3)
-            ]
-            await settle()
-            await asyncio.sleep(self.progress_s)
-            pending = [g.request.request_id for g in gens if not g.task.done()]
-            await self._wait(engine.pause("abort"), "pause('abort')")
-            try:
-                results = []
-                for gen in gens:
-                    rid = gen.request.request_id
-                    result = await self._wait(
-                        gen.task, f"generate({rid!r}), in flight at pause('abort'), while paused"
+            pace = _Pace()
+            seen: list[str] = []
+            for attempt in range(self.max_attempts):
+                gens = [
+                    self._submit(
+                        engine,
+                        self._long(f"pause-abort-{attempt}-{i}", 6 + i, 700 + i + 7919 * attempt),
                     )
-                    self._check(engine, gen.request, result, gen.version)
-                    results.append(result)
-            finally:
-                await self._wait(engine.resume(), "resume()")
-            aborted = [r.request_id for r in results if r.finish_reason == "abort"]
-            assert aborted, (
-                f"pause('abort') with requests {pending} in flight returned none of them "
-                f"with finish_reason 'abort' ({[r.finish_reason for r in results]}); raise "
-                "long_max_tokens or lower progress_s if they finished first"
+                    for i in range(3)
+                ]
+                when = await self._when_generating(engine, gens, 1, pace)
+                await self._wait(engine.pause("abort"), "pause('abort')")
+                try:
+                    results = []
+                    for gen in gens:
+                        rid = gen.request.request_id
+                        result = await self._wait(
+                            gen.task,
+                            f"generate({rid!r}), in flight at pause('abort'), while paused",
+                        )
+                        self._check(engine, gen.request, result, gen.version)
+                        results.append(result)
+                finally:
+                    await self._wait(engine.resume(), "resume()")
+                if any(r.finish_reason == "abort" for r in results):
+                    await self._still_works(engine, "after-pause-abort")
+                    return
+                pace.too_late()
+                seen.append(f"paused {when}: {[r.finish_reason for r in results]}")
+            raise AssertionError(
+                f"pause('abort') with long requests in flight returned none of them with "
+                f"finish_reason 'abort' in {self.max_attempts} attempts ({'; '.join(seen)}): "
+                "pause('abort') does not abort in-flight requests"
             )
-            await self._still_works(engine, "after-pause-abort")
 
         self._law("test_pause_abort_aborts_in_flight_requests", body)
 
@@ -954,20 +1189,21 @@ class InferenceEngineConformance(_Suite):
         self._law("test_load_weights_sets_the_version", body)
 
     def test_a_load_mid_generation_keeps_versions_ordered(self) -> None:
-        """Loads while requests generate: each sequence's versions never decrease and lie
-        between the version at submission and the last loaded one; requests submitted after
-        the last load report only it."""
+        """Loads while requests generate (the first once they have a token, the second once
+        they have two, or paced): each sequence's versions never decrease and lie between the
+        version at submission and the last loaded one; requests submitted after the last load
+        report only it."""
 
         async def body(engine: Any) -> None:
             self._require(engine, SupportsLoadWeights, "SupportsLoadWeights")
             base = engine.weight_version
+            pace = _Pace()
             gens = [
                 self._submit(engine, self._request(f"swap-{i}", 12 + i, self.long_max_tokens))
                 for i in range(2)
             ]
             for step in (1, 2):
-                await settle()
-                await asyncio.sleep(self.progress_s)
+                await self._when_generating(engine, gens, step, pace)
                 await self._wait(
                     engine.load_weights(self.weights_for_load(engine), base + step),
                     f"load_weights(..., {base + step}) while requests generate",
@@ -1025,10 +1261,11 @@ class InferenceEngineConformance(_Suite):
             else:
                 request = self._request("twice", 0, self.long_max_tokens)
                 original = self._submit(engine, request)
-                await settle()
+                await asyncio.sleep(0)  # its generate reached its first await: in flight
                 assert not original.task.done(), (
-                    "the first request 'twice' finished before its duplicate could be sent; "
-                    "raise long_max_tokens"
+                    f"the request 'twice' (max_tokens={self.long_max_tokens}) finished within one "
+                    f"event-loop step of its submission ({_outcome(original.task)}): generate() "
+                    "must not compute a whole request while blocking the event loop"
                 )
             await self._expect_error(engine.generate(request), f"generate() of a {bad} request")
             if original is not None:
@@ -1040,29 +1277,44 @@ class InferenceEngineConformance(_Suite):
 
         self._law(f"test_bad_requests_are_rejected[{bad}]", body)
 
-    def test_logprobs_match_the_sampling_distribution(self) -> None:
-        """Real log-probs: ``logprob_samples`` one-token requests on one prompt (temperature
-        1, no top-k/top-p, distinct seeds) report the same log-prob for the same token
-        (``logprob_atol``), the probabilities of the distinct tokens seen sum to at most 1,
-        and each token's frequency is consistent with its reported probability (exact binomial
-        test, p < 1e-6 fails)."""
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "logprob_setting" in metafunc.fixturenames:
+            settings = list(self.logprob_settings)
+            metafunc.parametrize("logprob_setting", settings, ids=[s[0] for s in settings])
+
+    def test_logprobs_match_the_sampling_distribution(
+        self, logprob_setting: tuple[str, SamplingParams]
+    ) -> None:
+        """Real log-probs, per sampling setting (``logprob_settings``: temperature 1 and
+        below, top-k, top-k with top-p): ``logprob_samples`` one-token requests on one prompt
+        (distinct seeds) report the same log-prob for the same token (``logprob_atol``), the
+        probabilities of the distinct tokens seen sum to at most 1, and each token's frequency
+        is consistent with its reported probability (exact binomial test, p < 1e-6 fails): the
+        log-probs are those of the distribution sampled from, after temperature and filters.
+        With ``top_k=1`` every reported probability is at least 1/2 (one token is left, or a
+        tie). An engine that refuses the setting (an ``AsyncFlowError`` naming it) is skipped
+        for it, with its message."""
         if not self.supports_real_logprobs:
             pytest.skip(
                 "the engine declares supports_real_logprobs = False (its log-probs are not "
                 "those of the sampling distribution)"
             )
+        name, setting = logprob_setting
 
         async def body(engine: InferenceEngine) -> None:
             prompt = tuple(self.prompt_tokens(0))
             n = self.logprob_samples
-            params = [
-                SamplingParams(max_tokens=1, temperature=1.0, seed=9000 + i) for i in range(n)
-            ]
+            params = [dataclasses.replace(setting, max_tokens=1, seed=9000 + i) for i in range(n)]
+            first = GenerationRequest(f"lp-{name}-0", prompt, params[0])
+            try:
+                results = [await self._generate(engine, first)]
+            except AsyncFlowError as exc:
+                pytest.skip(f"the engine refuses the sampling setting {name!r}: {exc}")
             gens = [
-                self._submit(engine, GenerationRequest(f"lp-{i}", prompt, params[i]))
-                for i in range(n)
+                self._submit(engine, GenerationRequest(f"lp-{name}-{i}", prompt, params[i]))
+                for i in range(1, n)
             ]
-            results = [await self._finish(engine, g) for g in gens]
+            results += [await self._finish(engine, g) for g in gens]
             seen: dict[int, list[float]] = {}
             for r in results:
                 assert len(r.tokens) == 1, f"{r.request_id!r}: {len(r.tokens)} tokens, not 1"
@@ -1070,26 +1322,40 @@ class InferenceEngineConformance(_Suite):
             for token, lps in seen.items():
                 spread = max(lps) - min(lps)
                 assert spread <= self.logprob_atol, (
-                    f"token {token}, sampled {len(lps)} times as the first token after the same "
-                    f"prompt, was reported with log-probs from {min(lps)} to {max(lps)}; the "
-                    "same token in the same context has one log-prob"
+                    f"[{name}] token {token}, sampled {len(lps)} times as the first token after "
+                    f"the same prompt, was reported with log-probs from {min(lps)} to "
+                    f"{max(lps)}; the same token in the same context has one log-prob"
                 )
             probs = {t: math.exp(sum(lps) / len(lps)) for t, lps in seen.items()}
             total = sum(probs.values())
             assert total <= 1.0 + self.logprob_atol, (
-                f"the {len(probs)} distinct first tokens have probabilities summing to {total:.3f} "
-                "> 1; the log-probs are not those of one distribution"
+                f"[{name}] the {len(probs)} distinct first tokens have probabilities summing to "
+                f"{total:.3f} > 1; the log-probs are not those of one distribution"
             )
+            if setting.top_k == 1 and setting.temperature > 0:
+                low = {t: round(p, 4) for t, p in probs.items() if p < 0.5 - self.logprob_atol}
+                assert not low, (
+                    f"[{name}] with top_k=1 the engine reported probabilities {low} (sampled "
+                    f"tokens {sorted(probs)}): top-k keeps one token, whose renormalised "
+                    "probability is 1 (1/2 for a tie). The engine ignores top_k, or reports "
+                    "log-probs from before the filters; report those of the distribution "
+                    "sampled from (asyncflow_core.sampling), or refuse top_k"
+                )
             counts = Counter(r.tokens[0] for r in results)
             for token, p in probs.items():
                 tail = _binomial_tail(n, counts[token], p)
                 assert tail >= 1e-6, (
-                    f"token {token} was sampled {counts[token]} times in {n} draws, but its "
-                    f"reported probability is {p:.4f} (two-sided binomial p-value {tail:.2e}); "
-                    "the log-probs do not describe the sampling distribution"
+                    f"[{name}] token {token} was sampled {counts[token]} times in {n} draws, "
+                    f"but its reported probability is {p:.4f} (two-sided binomial p-value "
+                    f"{tail:.2e}); the log-probs do not describe the sampling distribution "
+                    "(after temperature, top-k and top-p: asyncflow_core.sampling)"
                 )
 
-        self._law("test_logprobs_match_the_sampling_distribution", body)
+        self._law(f"test_logprobs_match_the_sampling_distribution[{name}]", body)
+
+    def _require(self, engine: Any, ability: type, name: str) -> None:
+        if not isinstance(engine, ability):
+            pytest.skip(f"{type(engine).__name__} does not implement {name} (optional ability)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1145,6 +1411,9 @@ class TrainEngineConformance(_Suite):
     """A bucket size to test beside the suite's own (1 byte, the median tensor, unbounded)."""
     logprob_atol: ClassVar[float] = 1e-4
     """How far two ``compute_logprobs`` of the same batch (no step between) may differ."""
+    checkpoint_rtol: ClassVar[float] = 1e-3
+    """How far (relative to the step's own size) a step after ``load_checkpoint`` may differ
+    from the step that followed ``save_checkpoint``."""
 
     # -- hooks -------------------------------------------------------------------------------
     def make_engine(self) -> TrainEngine | Awaitable[TrainEngine]:
@@ -1224,6 +1493,27 @@ class TrainEngineConformance(_Suite):
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+
+    async def _checkpoint(
+        self, engine: TrainEngine, call: Literal["save", "load"], path: str
+    ) -> None:
+        """``save_checkpoint``/``load_checkpoint`` (bounded); an error that is not an
+        ``AsyncFlowError`` fails the law with what to do."""
+        method = engine.save_checkpoint if call == "save" else engine.load_checkpoint
+        what = f"{call}_checkpoint({path!r})"
+        try:
+            await self._wait(method(path), what)
+        except (AssertionError, AsyncFlowError):
+            raise
+        except Exception as exc:
+            hint = ""
+            if "share memory" in str(exc) or "shared" in str(exc):
+                hint = (
+                    "; the model has tied (shared) tensors: save each once (safetensors "
+                    "refuses shared tensors; e.g. drop the tied alias, or "
+                    "safetensors.torch.save_model) and re-tie them on load"
+                )
+            raise AssertionError(f"{what} raised {type(exc).__name__}: {exc}{hint}") from exc
 
     async def _weights(self, engine: TrainEngine) -> dict[str, torch.Tensor]:
         named = check_export(await self._export(engine, HUGE_BUCKET), HUGE_BUCKET)
@@ -1323,6 +1613,118 @@ class TrainEngineConformance(_Suite):
 
         self._law("test_compute_logprobs_shape", body)
 
+    def test_checkpoint_resumes_the_optimizer(self) -> None:
+        """A step after ``load_checkpoint`` is the step that followed ``save_checkpoint``:
+        train a step (the optimizer now has state), save, train on a second batch (its
+        advantages negated, so the optimizer's state matters), load, train on the second batch
+        again: the weights equal those of the uninterrupted run (within ``checkpoint_rtol`` of
+        that step's size). Catches a checkpoint that drops or resets the optimizer state
+        (Adam's moments, its step count) or the learning-rate schedule."""
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            await self._step(engine, batch)
+            flipped = _negated_advantages(batch)
+            with tempfile.TemporaryDirectory(prefix="asyncflow-ckpt-") as tmp:
+                path = str(Path(tmp) / "checkpoint")
+                await self._checkpoint(engine, "save", path)
+                saved = await self._weights(engine)
+                self._require_data(saved, "the resumed step")
+                await self._step(engine, flipped)
+                uninterrupted = await self._weights(engine)
+                await self._checkpoint(engine, "load", path)
+                await self._step(engine, flipped)
+                resumed = await self._weights(engine)
+            size = max(_max_abs(uninterrupted[n], saved[n]) for n in saved)
+            assert size > 0, (
+                "train_step changed no exported weight, so the resumed step proves nothing; "
+                "make_batch must give a non-zero gradient"
+            )
+            gap = {n: _max_abs(resumed[n], uninterrupted[n]) for n in saved}
+            worst = max(gap, key=lambda n: gap[n])
+            assert gap[worst] <= self.checkpoint_rtol * size, (
+                f"the step after load_checkpoint differs from the step that followed "
+                f"save_checkpoint: {worst!r} differs by {gap[worst]:.3g} (the step itself moved "
+                f"the weights by up to {size:.3g}; tolerance {self.checkpoint_rtol} of it). The "
+                "checkpoint must restore the optimizer state (moments, step count, learning-"
+                "rate schedule), not only the weights"
+            )
+
+        self._law("test_checkpoint_resumes_the_optimizer", body)
+
+    def test_export_holds_no_parameter_twice(self) -> None:
+        """After a step, no two exported names hold the same tensor (same dtype, shape and
+        bytes, with at least two distinct values): tied parameters (an LM head sharing the
+        embedding) are one parameter, exported once under the name the inference side loads
+        (Qwen2/Llama in vLLM and SGLang: ``model.embed_tokens.weight``)."""
+
+        async def body(engine: TrainEngine) -> None:
+            await self._step(engine, self.make_batch())
+            weights = await self._weights(engine)
+            self._require_data(weights, "exported tensors")
+            first: dict[tuple[Any, ...], str] = {}
+            for name, tensor in weights.items():
+                flat = tensor.detach().reshape(-1)
+                if flat.numel() < 2 or bool((flat == flat[0]).all()):
+                    continue  # constants (zero biases, unit norms) coincide innocently
+                key = (tensor.dtype, tuple(tensor.shape), _digest(tensor))
+                other = first.setdefault(key, name)
+                if other != name and same_bytes(weights[other], tensor):
+                    raise AssertionError(
+                        f"export_weights yielded the same tensor as {other!r} and {name!r}: "
+                        "tied weights exported twice. Export a tied parameter once, under "
+                        "the name the inference engine loads (Qwen2/Llama: "
+                        "'model.embed_tokens.weight'), and let the engine's load_weights "
+                        "fill both ends of the tie"
+                    )
+
+        self._law("test_export_holds_no_parameter_twice", body)
+
+    def test_compute_logprobs_applies_the_sampling_fields(self) -> None:
+        """``compute_logprobs`` applies each row's ``temperature``/``top_k``/``top_p`` fields
+        (``asyncflow_core.sampling``): the same batch at temperature 0.5 gives other
+        log-probs than at 1, and with ``top_k=2`` every log-prob is at least its unfiltered
+        one (renormalising over a smaller support raises a kept token's probability) and some
+        are larger."""
+        if not self.computes_loss:
+            pytest.skip("the engine declares computes_loss = False (no real model)")
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            lengths = self.response_lengths(batch)
+
+            async def at(params: SamplingParams) -> torch.Tensor:
+                lp = await self._wait(
+                    engine.compute_logprobs(_with_sampling(batch, params)), "compute_logprobs()"
+                )
+                return torch.cat([lp[i, :n].detach().double() for i, n in enumerate(lengths)])
+
+            base = await at(SamplingParams(temperature=1.0))
+            cold = await at(SamplingParams(temperature=0.5))
+            top2 = await at(SamplingParams(temperature=1.0, top_k=2))
+            for name, lp in (("temperature 0.5", cold), ("top_k=2", top2)):
+                assert bool(torch.isfinite(lp).all()) and bool((lp <= 1e-4).all()), (
+                    f"compute_logprobs at {name} gave log-probs outside (-inf, 0]: {lp.tolist()}"
+                )
+            assert float((cold - base).abs().max()) > self.logprob_atol, (
+                "compute_logprobs gave the same log-probs with every row's temperature field "
+                "at 0.5 as at 1: it ignores the batch's sampling fields; apply each row's "
+                "temperature, top_k and top_p (asyncflow_core.sampling.row_sampling, or "
+                "lmtrain.token_rows)"
+            )
+            lower = float((base - top2).max())
+            assert lower <= self.logprob_atol, (
+                f"with top_k=2 some log-prob is {lower:.3g} below its unfiltered value; top-k "
+                "renormalises over fewer tokens, so a token's log-prob can only rise (a token "
+                "off the support gets the floor of asyncflow_core.sampling)"
+            )
+            assert float((top2 - base).max()) > self.logprob_atol, (
+                "compute_logprobs gave the same log-probs with every row's top_k field at 2 as "
+                "without: it ignores top_k; apply each row's top_k and top_p"
+            )
+
+        self._law("test_compute_logprobs_applies_the_sampling_fields", body)
+
     def _bucket_sizes(self, sizes: Sequence[int]) -> list[int]:
         ordered = sorted(sizes)
         median = ordered[len(ordered) // 2] if ordered else 1
@@ -1396,9 +1798,9 @@ class TrainEngineConformance(_Suite):
             saved = engine.weight_version
             with tempfile.TemporaryDirectory(prefix="asyncflow-ckpt-") as tmp:
                 path = str(Path(tmp) / "checkpoint")
-                await self._wait(engine.save_checkpoint(path), "save_checkpoint()")
+                await self._checkpoint(engine, "save", path)
                 await self._step(engine, batch)
-                await self._wait(engine.load_checkpoint(path), "load_checkpoint()")
+                await self._checkpoint(engine, "load", path)
             assert engine.weight_version == saved, (
                 f"load_checkpoint restored weight_version {engine.weight_version}; the "
                 f"checkpoint was saved at {saved}"
@@ -1417,14 +1819,14 @@ class TrainEngineConformance(_Suite):
             self._require_data(saved, "checkpointed weights")
             with tempfile.TemporaryDirectory(prefix="asyncflow-ckpt-") as tmp:
                 path = str(Path(tmp) / "checkpoint")
-                await self._wait(engine.save_checkpoint(path), "save_checkpoint()")
+                await self._checkpoint(engine, "save", path)
                 await self._step(engine, batch)
                 trained = await self._weights(engine)
                 assert any(not same_bytes(saved[n], trained[n]) for n in saved), (
                     "train_step changed no exported weight, so the round trip proves nothing; "
                     "make_batch must give a non-zero gradient"
                 )
-                await self._wait(engine.load_checkpoint(path), "load_checkpoint()")
+                await self._checkpoint(engine, "load", path)
             restored = await self._weights(engine)
             assert set(restored) == set(saved), "the parameters changed across the round trip"
             differ = [n for n in saved if not same_bytes(saved[n], restored[n])]

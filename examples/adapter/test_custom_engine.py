@@ -2,8 +2,9 @@
 
     pytest -p asyncflow_conformance examples/adapter
 
-One class per protocol, plus the RL workflow's laws. Skipped laws say why (this engine has no
-``sleep``/``wake_up``); nothing else may be skipped.
+One class per protocol, the engine pair's laws (the trainer's log-probs of the engine's tokens
+equal the engine's, under every sampling setting), and the RL workflow's laws. Skipped laws say
+why (this engine has no ``sleep``/``wake_up``); nothing else may be skipped.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 from asyncflow_conformance import (
+    EnginePairConformance,
     InferenceEngineConformance,
     TrainEngineConformance,
     WeightSyncConformance,
@@ -27,10 +29,6 @@ from asyncflow_core.rlflow import RLEngines
 
 class TestBigramInferenceEngine(InferenceEngineConformance):
     vocab_size = VOCAB
-    # A bigram token takes tens of microseconds, not a GPU's milliseconds: make the long
-    # requests long enough to still be running when the abort and pause laws act on them.
-    long_max_tokens = 2048
-    progress_s = 0.01
     real_timeout_s = 120.0
 
     def make_engine(self) -> BigramInferenceEngine:
@@ -63,6 +61,16 @@ class TestBigramWeightSync(WeightSyncConformance):
 
     def target_weights(self, engine: Any) -> Mapping[str, torch.Tensor]:
         return dict(engine.model.state_dict())
+
+
+class TestBigramPair(EnginePairConformance):
+    vocab_size = VOCAB
+
+    def make_inference(self) -> BigramInferenceEngine:
+        return BigramInferenceEngine(seed=0)
+
+    def make_trainer(self) -> BigramTrainEngine:
+        return BigramTrainEngine(seed=1)  # other weights: the laws sync them first
 
 
 class TestBigramEnginesWorkflow(WorkflowConformance):

@@ -1,0 +1,448 @@
+"""The oracle's power: deliberately broken versions of the reference engines (mutants), each
+carrying one bug adapter authors really make, and a test that the conformance suite fails
+each one on the law meant to catch it, with a message that says what to fix.
+
+The unbroken engines pass every one of these laws (tests/test_engine_conformance.py,
+tests/test_engine_pair.py), so a failure here is the bug, not the law. For the log-prob
+mutants (a)-(c) the test also checks the margin: the mutant misses the pair law's tolerance
+by at least 10x, so no tolerance tweak could let it through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from asyncflow_conformance import (
+    EnginePairConformance,
+    InferenceEngineConformance,
+    TrainEngineConformance,
+)
+from asyncflow_conformance.pair import PAIR_SETTINGS
+from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
+from asyncflow_reference.model import ModelConfig
+from torch import Tensor
+
+from asyncflow_core.lmtrain import TokenRows
+from asyncflow_core.protocols import Batch, GenerationRequest, GenerationResult, LossFn
+from asyncflow_core.sampling import SAMPLING_FIELDS, filter_logits
+
+MODEL = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=2, max_seq_len=96, init_std=0.5)
+TIED = dataclasses.replace(MODEL, n_layers=1, tie_embeddings=True)
+SETTING = dict(PAIR_SETTINGS)
+
+
+# --------------------------------------------------------------------------------------------
+# Inference-engine mutants
+# --------------------------------------------------------------------------------------------
+class TemperatureOneLogprobs(TorchInferenceEngine):
+    """(b) Samples at the request's temperature (and filters) but reports the log-probs of the
+    raw model distribution (temperature 1, no filters)."""
+
+    def _sample(self, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        choice, _ = super()._sample(idx, logits)
+        raw = torch.log_softmax(logits, dim=-1)
+        return choice, raw.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+class IgnoresTopKTopP(TorchInferenceEngine):
+    """(c) Silently ignores top_k / top_p: samples and reports the temperature-only
+    distribution."""
+
+    def _sample(self, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        self._top_k[idx] = 0
+        self._top_p[idx] = 1.0
+        return super()._sample(idx, logits)
+
+
+class LogprobsBeforeFilters(TorchInferenceEngine):
+    """Samples with top-k/top-p but reports log-probs after temperature, before the filters
+    (SGLang's default ``output_token_logprobs``)."""
+
+    def _sample(self, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        choice, _ = super()._sample(idx, logits)
+        temp = self._temp[idx]
+        off = torch.zeros_like(self._top_k[idx])
+        scaled = filter_logits(logits, temp, off, torch.ones_like(temp))
+        logp = torch.log_softmax(scaled, dim=-1)
+        return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+class GreedyReportsZero(TorchInferenceEngine):
+    """Reports log-prob 0 for greedy tokens ("the argmax had probability 1"), not the model's
+    log-prob at temperature 1."""
+
+    def _sample(self, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        choice, logp = super()._sample(idx, logits)
+        return choice, torch.where(self._temp[idx] == 0, torch.zeros_like(logp), logp)
+
+
+class LateAbortRegistration(TorchInferenceEngine):
+    """(d) ``generate`` awaits something (a tokenizer, a lock, a connection) before it
+    registers the request, so an abort sent right after the call finds nothing to abort."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        await asyncio.sleep(0)
+        return await self.submit(request)
+
+
+class StalePrefixCache(TorchInferenceEngine):
+    """(g) Caches each context's prefill (keys, values, next-token logits) and reuses it for
+    later requests with the same context, but never drops the cache on ``load_weights``: a
+    request after a sync starts from keys and values of the old weights."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._prefix: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], Tensor]] = {}
+
+    def _prefill_step(self, out: Any) -> None:
+        cache = self._cache
+        assert cache is not None
+        idx = self._refill[: self._n].nonzero().squeeze(1)
+        keys = {s: tuple(self._tok[s, : int(self._ctx[s])].tolist()) for s in idx.tolist()}
+        misses = [s for s in idx.tolist() if keys[s] not in self._prefix]
+        if misses:
+            rows = torch.tensor(misses)
+            lengths = self._ctx[rows]
+            logits = self.model.prefill(self._tok[rows, : int(lengths.max())], lengths, cache, rows)
+            for j, s in enumerate(misses):
+                n = int(lengths[j])
+                self._prefix[keys[s]] = (
+                    [k[s, :, :n].clone() for k in cache.k],
+                    [v[s, :, :n].clone() for v in cache.v],
+                    logits[j].clone(),
+                )
+        for s in idx.tolist():
+            ks, vs, _ = self._prefix[keys[s]]
+            n = ks[0].shape[1]
+            for layer in range(len(cache.k)):
+                cache.k[layer][s, :, :n] = ks[layer]
+                cache.v[layer][s, :, :n] = vs[layer]
+        self._refill[idx] = False
+        self.prefill_steps += 1
+        self._advance(idx, torch.stack([self._prefix[keys[s]][2] for s in idx.tolist()]), out)
+
+
+class ResumeDropsLastToken(TorchInferenceEngine):
+    """(h) Resumes a request by sending prompt + prefix as a new prompt, but with an
+    off-by-one that leaves the prefix's last token out of the context: the continuation's
+    log-probs jump away from the trainer's after every abort/resume."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        k = len(request.resume_tokens)
+        if not k or k >= request.params.max_tokens:
+            return await super().generate(request)
+        inner = dataclasses.replace(
+            request,
+            prompt_tokens=request.prompt_tokens + request.resume_tokens[:-1],
+            resume_tokens=(),
+            resume_logprobs=(),
+            resume_versions=(),
+            params=dataclasses.replace(request.params, max_tokens=request.params.max_tokens - k),
+        )
+        r = await super().generate(inner)
+        return GenerationResult(
+            request.request_id,
+            request.prompt_tokens,
+            request.resume_tokens + r.tokens,
+            request.resume_logprobs + r.logprobs,
+            request.resume_versions + r.versions,
+            r.finish_reason,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer mutants
+# --------------------------------------------------------------------------------------------
+class ShiftedLogprobs(TorchTrainEngine):
+    """(a) Scores each response token with the logits at its own position (the token given
+    itself) instead of the position before it."""
+
+    def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
+        b, r = rows.response.shape
+        if r == 0 or b == 0:
+            return torch.zeros(b, r), 0
+        seq, source = rows.inputs()
+        source = (source + 1).clamp(max=seq.shape[1] - 1)
+        hidden = self.model.hidden(seq)
+        picked = hidden.gather(1, source.unsqueeze(2).expand(b, r, hidden.shape[2]))
+        return rows.logprobs(self.model.head(picked))
+
+
+class PaddingBlind(TorchTrainEngine):
+    """Reads the padded prompt tensor as if every prompt filled its width: a shorter prompt's
+    padding becomes context."""
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        rows = super()._prepare(batch)
+        width = torch.full_like(rows.plen, rows.prompt.shape[1])
+        return dataclasses.replace(rows, plen=width)
+
+
+def _without_sampling(batch: Batch) -> Batch:
+    data = {k: v for k, v in batch.data.items() if k not in SAMPLING_FIELDS}
+    return Batch(batch.rows, data, dict(batch.lengths), batch.tags)
+
+
+class IgnoresSamplingFields(TorchTrainEngine):
+    """Computes every log-prob at its constructor's temperature, whatever the rows were
+    sampled with."""
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        return super()._prepare(_without_sampling(batch))
+
+
+class LossPathIgnoresSampling(TorchTrainEngine):
+    """``compute_logprobs`` applies the rows' sampling settings, but the training path (the
+    log-probs handed to the loss) does not."""
+
+    def _train_step(self, batch: Batch, loss_fn: LossFn) -> Any:
+        return super()._train_step(_without_sampling(batch), loss_fn)
+
+
+class CheckpointDropsOptimizer(TorchTrainEngine):
+    """(e) ``load_checkpoint`` restores weights and version but starts the optimizer afresh
+    (Adam's moments and step count lost)."""
+
+    def _load(self, path: Any) -> None:
+        super()._load(path)
+        self._optimizer.state.clear()
+
+
+class TiedExportedTwice(TorchTrainEngine):
+    """(f) Exports every ``state_dict`` name: a tied LM head travels twice, under the
+    embedding's name and its own."""
+
+    def _snapshot(self) -> list[tuple[str, Tensor]]:
+        return [(n, t.detach().clone()) for n, t in self.model.state_dict().items()]
+
+
+class TiedSharedCheckpoint(TorchTrainEngine):
+    """(f) Saves the full ``state_dict`` with safetensors, which refuses tensors that share
+    memory (a tied LM head)."""
+
+    def _save(self, path: Any) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        state = {n: t.detach() for n, t in self.model.state_dict().items()}
+        safetensors.torch.save_file(state, str(path / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------
+# Suites over the mutants
+# --------------------------------------------------------------------------------------------
+def _closing(self: Any, engine: Any) -> Any:
+    return engine.close()
+
+
+def inference_suite(engine_cls: type[TorchInferenceEngine]) -> InferenceEngineConformance:
+    class Suite(InferenceEngineConformance):
+        vocab_size = MODEL.vocab_size
+        context_window = MODEL.max_seq_len
+        long_max_tokens = 80
+        real_timeout_s = 120.0
+
+        def make_engine(self) -> TorchInferenceEngine:
+            return engine_cls(MODEL, max_batch=8, seed=0)
+
+        close_engine = _closing
+
+    return Suite()
+
+
+def train_suite(trainer_cls: type[TorchTrainEngine], config: ModelConfig) -> TrainEngineConformance:
+    class Suite(TrainEngineConformance):
+        vocab_size = config.vocab_size
+        required_fields = ("prompt", "response", "advantage")
+        real_timeout_s = 120.0
+
+        def make_engine(self) -> TorchTrainEngine:
+            return trainer_cls(config, micro_batch_size=2, seed=0)
+
+        close_engine = _closing
+
+    return Suite()
+
+
+def pair_suite(
+    engine_cls: type[TorchInferenceEngine] = TorchInferenceEngine,
+    trainer_cls: type[TorchTrainEngine] = TorchTrainEngine,
+) -> EnginePairConformance:
+    class Suite(EnginePairConformance):
+        vocab_size = MODEL.vocab_size
+        real_timeout_s = 120.0
+
+        def make_inference(self) -> TorchInferenceEngine:
+            return engine_cls(MODEL, max_batch=16, seed=0)
+
+        def make_trainer(self) -> TorchTrainEngine:
+            return trainer_cls(MODEL, seed=1, micro_batch_size=5, lr=1e-2)
+
+        close_engine = _closing
+
+    return Suite()
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A broken engine, the law that must fail on it, and what its message must say."""
+
+    id: str
+    make_suite: Callable[[], Any]
+    law: str
+    message: str
+    arg: Any = None
+    margin: bool = False
+    """Check that the pair law's mean difference misses its tolerance by >= 10x."""
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "a-shifted-logprobs",
+        lambda: pair_suite(trainer_cls=ShiftedLogprobs),
+        "test_logprobs_agree_after_a_sync",
+        "the trainer's log-probs of the tokens the engine sampled differ",
+        ("t1", SETTING["t1"]),
+        margin=True,
+    ),
+    Mutant(
+        "b-temperature-one-logprobs",
+        lambda: pair_suite(engine_cls=TemperatureOneLogprobs),
+        "test_logprobs_agree_after_a_sync",
+        "match the trainer's at temperature 1",
+        ("t0.7", SETTING["t0.7"]),
+        margin=True,
+    ),
+    Mutant(
+        "c-ignores-top-k-top-p",
+        lambda: pair_suite(engine_cls=IgnoresTopKTopP),
+        "test_logprobs_agree_after_a_sync",
+        "differ from the engine's",
+        ("t1.3-top_k=4", SETTING["t1.3-top_k=4"]),
+        margin=True,
+    ),
+    Mutant(
+        "c-ignores-top-k-top-p-alone",
+        lambda: inference_suite(IgnoresTopKTopP),
+        "test_logprobs_match_the_sampling_distribution",
+        "with top_k=1 the engine reported",
+        ("top_k=1", dict(InferenceEngineConformance.logprob_settings)["top_k=1"]),
+    ),
+    Mutant(
+        "logprobs-before-filters",
+        lambda: pair_suite(engine_cls=LogprobsBeforeFilters),
+        "test_logprobs_agree_after_a_sync",
+        "but before top-k/top-p",
+        ("t0.8-top_k=5-top_p=0.9", SETTING["t0.8-top_k=5-top_p=0.9"]),
+    ),
+    Mutant(
+        "greedy-reports-zero",
+        lambda: pair_suite(engine_cls=GreedyReportsZero),
+        "test_logprobs_agree_after_a_sync",
+        "differ from the engine's",
+        ("greedy", SETTING["greedy"]),
+    ),
+    Mutant(
+        "d-late-abort-registration",
+        lambda: inference_suite(LateAbortRegistration),
+        "test_abort_right_after_submit_is_not_lost",
+        "the abort was lost",
+    ),
+    Mutant(
+        "e-checkpoint-drops-optimizer",
+        lambda: train_suite(CheckpointDropsOptimizer, MODEL),
+        "test_checkpoint_resumes_the_optimizer",
+        "must restore the optimizer state",
+    ),
+    Mutant(
+        "f-tied-exported-twice",
+        lambda: train_suite(TiedExportedTwice, TIED),
+        "test_export_holds_no_parameter_twice",
+        "tied weights exported twice",
+    ),
+    Mutant(
+        "f-tied-shared-checkpoint",
+        lambda: train_suite(TiedSharedCheckpoint, TIED),
+        "test_checkpoint_restores_the_weights",
+        "tied \\(shared\\) tensors",
+    ),
+    Mutant(
+        "g-stale-prefix-cache",
+        lambda: pair_suite(engine_cls=StalePrefixCache),
+        "test_logprobs_agree_after_a_sync",
+        "after a sync to version 1",
+        ("t1", SETTING["t1"]),
+    ),
+    Mutant(
+        "h-resume-drops-last-token",
+        lambda: pair_suite(engine_cls=ResumeDropsLastToken),
+        "test_logprobs_agree_on_a_resumed_request",
+        "a resumed request sampled after its prefix",
+    ),
+    Mutant(
+        "padding-blind-trainer",
+        lambda: pair_suite(trainer_cls=PaddingBlind),
+        "test_logprobs_agree_after_a_sync",
+        "by prompt length",
+        ("t1", SETTING["t1"]),
+    ),
+    Mutant(
+        "trainer-ignores-sampling-fields",
+        lambda: train_suite(IgnoresSamplingFields, MODEL),
+        "test_compute_logprobs_applies_the_sampling_fields",
+        "ignores the batch's sampling",
+    ),
+    Mutant(
+        "loss-path-ignores-sampling",
+        lambda: pair_suite(trainer_cls=LossPathIgnoresSampling),
+        "test_the_loss_sees_the_engines_logprobs",
+        "the training path must compute the same",
+    ),
+)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.id for m in MUTANTS])
+def test_the_suite_fails_the_mutant_on_its_law(mutant: Mutant) -> None:
+    suite = mutant.make_suite()
+    law = getattr(suite, mutant.law)
+    with pytest.raises(AssertionError) as failure:
+        law() if mutant.arg is None else law(mutant.arg)
+    message = str(failure.value)
+    assert re.search(mutant.message, message), message
+    if mutant.margin:
+        found = re.search(r"mean \|difference\| ([0-9.e+-]+|inf)", message)
+        assert found, message
+        miss = float(found.group(1))
+        assert miss >= 10 * suite.logprob_atol, (
+            f"{mutant.id} misses the tolerance {suite.logprob_atol} by only "
+            f"{miss / suite.logprob_atol:.1f}x: {message}"
+        )
+
+
+def test_every_mutant_class_of_the_issue_is_covered() -> None:
+    """The classes the conformance issue names: (a)-(f), a stale prefix/KV cache (g) and a
+    resume whose log-probs jump (h)."""
+    covered = {m.id.split("-")[0] for m in MUTANTS if len(m.id.split("-")[0]) == 1}
+    assert covered >= set("abcdefgh"), sorted(covered)
+    assert len(MUTANTS) >= 12
+
+
+class InvalidatedPrefixCache(StalePrefixCache):
+    """The prefix cache done right: ``load_weights`` drops it."""
+
+    def _apply_weights(self, staged: Any, version: int) -> None:
+        super()._apply_weights(staged, version)
+        self._prefix.clear()
+
+
+def test_the_prefix_cache_mutant_is_only_wrong_about_invalidation() -> None:
+    """Control: the same cache, dropped at every load, passes the law that fails the mutant
+    (so the law catches the stale cache, not a broken cache)."""
+    suite = pair_suite(engine_cls=InvalidatedPrefixCache)
+    suite.test_logprobs_agree_after_a_sync(("t1", SETTING["t1"]))
