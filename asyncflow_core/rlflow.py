@@ -6,8 +6,9 @@ reference log-probs -> group advantage -> actor update, composed with the public
 Modes (``RLConfig``):
 
 * ``staleness`` η, AReaL-style admission control: the feeder admits a prompt's n samples only
-  while ``generated_or_in_flight + n <= (rollout_version + η + 1) × batch_size``, where
-  ``rollout_version`` is the newest version synced (or staged) to the rollout side. η = 0 is
+  while ``generated_or_in_flight + n <= (rollout_version − v0 + η + 1) × batch_size``, where
+  ``rollout_version`` is the newest version synced (or staged) to the rollout side and v0 the
+  version the job started at (see *Versions* below). η = 0 is
   on-policy, 1 one-step-off, larger fully async. The actor update's sampler also drops, whole
   groups at a time, any sample older than η versions (a long-tailed straggler), so *no trained
   sample is ever more than η versions stale*; dropped samples free their admission slots.
@@ -24,6 +25,19 @@ Modes (``RLConfig``):
 * ``mode="colocated"``: rollout and training alternate on the same devices (η = 0, blocking
   sync; rollout engines that support ``sleep``/``wake_up`` release their memory while the
   trainer runs). The baseline every benchmark compares against.
+
+Versions: everything counts from v0, the trainer's ``weight_version`` when ``run()`` starts
+(0 for a fresh trainer; more after a warm-up or a checkpoint load). ``run()`` trains
+``config.steps`` steps, to version v0 + steps; it syncs after every ``sync_every``-th of them;
+the admission bound counts steps from v0. Before the feeder admits anything, ``run()`` brings
+the rollout engines to v0: if any engine reports a ``weight_version`` other than v0, the
+trainer's weights are synced into every engine at version v0 with the job's own strategy
+(``staged``: staged and applied at once; ``blocking``/``inflight``: straight into the engines),
+traced as exposed "sync" spans; if every engine already reports v0, nothing is transferred.
+Without that sync the engines would tag tokens with their own older version and the update
+would drop every sample as stale. ``StepRecord.version`` and the metrics' ``step`` are the
+trainer's absolute versions (v0 + 1, v0 + 2, …). Running the same job again continues from
+where the trainer is: another ``config.steps`` steps, with fresh admission counts.
 
 verl's fully-async knobs map onto these (``RLConfig.from_verl``): ``trigger_parameter_sync_step``
 k is ``sync_every``; ``staleness_threshold`` s lets the rollouter produce ``(1 + s)·k`` batches
@@ -69,7 +83,14 @@ from asyncflow_core.protocols import (
     Version,
     WeightSync,
 )
-from asyncflow_core.rl import PROX_LOGPROBS, group_advantages, policy_gradient_loss
+from asyncflow_core.rl import (
+    PROX_LOGPROBS,
+    DecoupledPPOLoss,
+    PPOClipLoss,
+    group_advantages,
+    policy_gradient_loss,
+)
+from asyncflow_core.sampling import SAMPLING_FIELDS, sampling_columns
 from asyncflow_core.scheduling import GroupSampler, RequestRouter, StalenessSampler
 from asyncflow_core.staleness import AdmissionController
 from asyncflow_core.trace import Tracer
@@ -196,9 +217,10 @@ class RLEngines:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One optimizer step: the version it produced, when it ended (loop seconds since the job
-    started), samples and tokens trained, the staleness of its samples, the metrics, and the
-    mean reward of its samples."""
+    """One optimizer step: the version it produced (the trainer's absolute ``weight_version``:
+    a trainer that started the run at v0 reports v0 + 1, v0 + 2, …), when it ended (loop
+    seconds since the job started), samples and tokens trained, the staleness of its samples
+    (versions behind the trainer), the metrics, and the mean reward of its samples."""
 
     version: Version
     end_s: float
@@ -211,7 +233,8 @@ class StepRecord:
 
 @dataclass(frozen=True, slots=True)
 class RLResult:
-    """What a job did. Throughputs are per loop second (virtual seconds on a virtual clock).
+    """What one ``run()`` did. ``wall_s`` counts the initial sync (if one was needed) and the
+    pipeline. Throughputs are per loop second (virtual seconds on a virtual clock).
     ``steady_*`` exclude the first step (pipeline fill), as throughput is usually reported."""
 
     config: RLConfig
@@ -304,12 +327,39 @@ class _DropCounter:
         return sel
 
 
+def _check_loss_fields(loss_fn: LossFn, config: RLConfig) -> None:
+    """Refuse, before anything runs, a built-in loss that reads a field the job will not
+    compute: it would otherwise fail only at the first update, after a batch was generated."""
+    if not isinstance(loss_fn, PPOClipLoss | DecoupledPPOLoss):
+        return
+    name = type(loss_fn).__name__
+    reads_prox = (
+        isinstance(loss_fn, DecoupledPPOLoss) or loss_fn.old_logprobs_field == PROX_LOGPROBS
+    )
+    if reads_prox and not config.proximal_logprobs:
+        raise ConfigError(
+            f"loss_fn {name} reads the {PROX_LOGPROBS!r} field, which the job computes only "
+            "with RLConfig(proximal_logprobs=True); set it"
+        )
+    if loss_fn.kl_coef > 0 and not config.reference_logprobs:
+        raise ConfigError(
+            f"loss_fn {name} has kl_coef={loss_fn.kl_coef} and so reads the 'ref_logprobs' "
+            "field, which the job computes only with RLConfig(reference_logprobs=True) and "
+            "RLEngines.reference; set both, or kl_coef=0"
+        )
+
+
 class RLJob:
     """An RL job on the streaming store. ``prompts`` yields prompt token sequences (consumed
-    lazily, one per group); ``reward_fn(prompt, response) -> float``. ``run()`` trains
-    ``config.steps`` optimizer steps and returns an ``RLResult``. ``pipeline`` is the
-    ``Pipeline`` it runs (inspect or trace it; build your own variant from the same parts).
-    ``on_step(record)`` is called after every optimizer step (e.g. to drive a progress bar)."""
+    lazily, one per group); ``reward_fn(prompt, response) -> float``. ``run()`` syncs the
+    rollout engines to the trainer's version if they differ, trains ``config.steps`` optimizer
+    steps from there and returns an ``RLResult`` (see the module docstring's *Versions*; a
+    second ``run()`` trains ``config.steps`` more). ``loss_fn`` is the update's objective
+    (``asyncflow_core.rl``; a built-in one that reads ``prox_logprobs`` or ``ref_logprobs``
+    is refused here unless the config computes them). ``pipeline`` is the ``Pipeline`` it runs
+    (inspect or trace it; build your own variant from the same parts). ``on_step(record)`` is
+    called after every optimizer step (e.g. to drive a progress bar). Guide:
+    ``docs/rl-jobs.md``."""
 
     def __init__(
         self,
@@ -331,6 +381,7 @@ class RLJob:
                 "reference_logprobs=True needs RLEngines.reference (a TrainEngine holding the "
                 "reference policy)"
             )
+        _check_loss_fields(loss_fn, config)
         self.config = config
         self.engines = engines
         self.prompts = prompts
@@ -339,8 +390,9 @@ class RLJob:
         self.on_step = on_step
         self.tracer = tracer
         self.store = store
-        b = config.batch_size
-        self.admission = AdmissionController(b, config.staleness)
+        self._start: Version = 0  # the trainer's version when run() started
+        # replaced at each run() by one counting from that run's start version
+        self.admission = AdmissionController(config.batch_size, config.staleness)
         self.router = RequestRouter([str(i) for i in range(len(engines.rollout))])
         self.gate = _Gate()
         self.steps: list[StepRecord] = []
@@ -369,7 +421,10 @@ class RLJob:
         rollout_res = "devices" if coloc else "rollout"
         train_res = "devices" if coloc else "trainer"
         concurrency = cfg.rollout_concurrency or (cfg.staleness + 1) * cfg.prompts_per_step
+        # each row's sampling settings travel with its tokens: the trainer scores the tokens
+        # under the distribution they were sampled from (asyncflow_core.sampling)
         update_consumes = ["prompt", "response", "logprobs", "reward", "advantage"]
+        update_consumes += SAMPLING_FIELDS
         # reward and advantage take whole groups greedily, up to one step's worth: one group at
         # a time while they keep up, many per call (fewer store round trips) once behind
         per_call = cfg.batch_size
@@ -377,7 +432,8 @@ class RLJob:
         tasks = [
             Task(
                 "rollout", self._rollout, consumes=("prompt",),
-                produces=("response", "logprobs"), batch_size=cfg.n, workers=concurrency,
+                produces=("response", "logprobs", *SAMPLING_FIELDS), batch_size=cfg.n,
+                workers=concurrency,
                 layout="list", resource=rollout_res, lease_s=_LEASE_S,
             ),
             Task(
@@ -393,7 +449,8 @@ class RLJob:
             tasks.insert(
                 2,
                 Task(
-                    "reference", self._reference, consumes=("prompt", "response"),
+                    "reference", self._reference,
+                    consumes=("prompt", "response", *SAMPLING_FIELDS),
                     produces=("ref_logprobs",), batch_size=cfg.n, resource="reference",
                 ),
             )  # fmt: skip
@@ -448,6 +505,7 @@ class RLJob:
             {
                 "response": [torch.tensor(r.tokens, dtype=torch.long) for r in results],
                 "logprobs": [torch.tensor(r.logprobs, dtype=torch.float32) for r in results],
+                **sampling_columns([self.config.sampling] * len(results)),
             },
             tags=[
                 Tags(versions=tuple(sorted(set(r.versions))), tokens=len(r.tokens)) for r in results
@@ -510,8 +568,8 @@ class RLJob:
     async def _update(self, batch: Batch) -> None:
         cfg = self.config
         trainer = self.engines.trainer
-        v0 = trainer.weight_version
-        stale = [v0 - t.min_version for t in batch.tags if t.versions]
+        before = trainer.weight_version
+        stale = [before - t.min_version for t in batch.tags if t.versions]
         if cfg.mode == "colocated":
             await self._to_training()
         if cfg.proximal_logprobs:
@@ -524,8 +582,9 @@ class RLJob:
         lengths = batch.lengths
         tokens = sum(int(lengths[f].sum()) for f in ("prompt", "response") if f in lengths)
         version = metrics.version
+        done = version - self._start  # steps of this run: the cadence and the end count these
         # no sync after the last step: nothing would use it
-        if version % cfg.sync_every == 0 and version < cfg.steps:
+        if done % cfg.sync_every == 0 and done < cfg.steps:
             await self._sync(version)
         reward = float(torch.as_tensor(batch["reward"], dtype=torch.float32).mean())
         record = StepRecord(
@@ -542,19 +601,33 @@ class RLJob:
             self.tracer.metric(step=version, **values)
         if self.on_step is not None:
             self.on_step(record)
-        if version >= cfg.steps:
+        if done >= cfg.steps:
             self.pipeline.stop()
 
     # -- weight sync ---------------------------------------------------------------------------
-    def _load_targets(self) -> list[SupportsLoadWeights]:
+    def _load_targets(self, why: str = "") -> list[SupportsLoadWeights]:
         targets: list[SupportsLoadWeights] = [
             e for e in self.engines.rollout if isinstance(e, SupportsLoadWeights)
         ]
         if len(targets) != len(self.engines.rollout):
+            missing = [
+                f"{i} ({type(e).__name__})"
+                for i, e in enumerate(self.engines.rollout)
+                if not isinstance(e, SupportsLoadWeights)
+            ]
             raise ConfigError(
-                "every rollout engine must support load_weights(weights, version) for weight sync"
+                "every rollout engine must support load_weights(weights, version) for weight "
+                f"sync; rollout engine(s) {', '.join(missing)} do not{why}"
             )
         return targets
+
+    def _staged_update(self) -> StagedUpdate:
+        if self._staged is None:
+            mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
+            self._staged = StagedUpdate(
+                self._load_targets(), self.engines.make_transport, pause_mode=mode
+            )
+        return self._staged
 
     async def _ensure_transport(self) -> WeightSync:
         """The transport of a blocking or in-flight sync (straight into the engines)."""
@@ -582,13 +655,9 @@ class RLJob:
     async def _sync(self, version: Version) -> None:
         cfg = self.config
         if cfg.weight_sync == "staged":  # into the host buffer; swapped at a safe point
-            if self._staged is None:
-                mode: Literal["abort", "keep"] = "abort" if cfg.partial_rollout else "keep"
-                self._staged = StagedUpdate(
-                    self._load_targets(), self.engines.make_transport, pause_mode=mode
-                )
+            staged = self._staged_update()
             t0 = self._now()
-            await self._staged.sync(self.engines.trainer.export_weights(cfg.bucket_bytes), version)
+            await staged.sync(self.engines.trainer.export_weights(cfg.bucket_bytes), version)
             self._span("transfer", "trainer", t0, False, version)
             self.admission.set_version(version)
             return
@@ -614,6 +683,38 @@ class RLJob:
             finally:
                 self.gate.open()
         self.admission.set_version(version)
+
+    async def _initial_sync(self) -> None:
+        """Bring every rollout engine to the start version before anything is admitted. The
+        engines tag each token with their own version, so an engine left behind a trainer that
+        starts at v0 > 0 would make every sample look stale to the update (all dropped), and
+        its first groups would be generated by weights the trainer never had. Nothing is
+        generating yet, so the whole sync is exposed and needs no pause or drain; it goes
+        through the job's own strategy so a transport that can be set up only once (a
+        collective group) is the one the later syncs reuse."""
+        version = self._start
+        behind = [
+            f"{i} at {e.weight_version}"
+            for i, e in enumerate(self.engines.rollout)
+            if e.weight_version != version
+        ]
+        if not behind:
+            return
+        self._load_targets(
+            f" (the trainer starts at version {version} and rollout engine(s) "
+            f"{', '.join(behind)} must get its weights before they generate; or load the "
+            "trainer's weights into them yourself before run())"
+        )
+        cfg = self.config
+        if cfg.weight_sync == "staged":
+            staged = self._staged_update()
+            t0 = self._now()
+            await staged.sync(self.engines.trainer.export_weights(cfg.bucket_bytes), version)
+            self._span("transfer", "rollout", t0, True, version)
+            await self._safe_point()  # the swap, at once: no group is running to finish first
+        else:
+            transport = await self._ensure_transport()
+            await self._transfer(transport, version, send_exposed=True, load_exposed=True)
 
     async def _safe_point(self) -> None:
         """Before a rollout group starts: apply staged weights (the delayed update's swap)."""
@@ -646,11 +747,25 @@ class RLJob:
             self._span("onload", "devices", t0, True, None)
 
     # -- running -------------------------------------------------------------------------------
+    def _begin(self, start: Version) -> None:
+        """Per-run state: a run counts its steps, admissions and drops from ``start``."""
+        cfg = self.config
+        self._start = start
+        self.admission = AdmissionController(cfg.batch_size, cfg.staleness, start_version=start)
+        self._sampler.admission = self.admission
+        self._sampler.dropped = 0
+        self.gate = _Gate()
+        self.steps = []
+        self.generated = 0
+
     async def run(self) -> RLResult:
         loop = asyncio.get_running_loop()
         self._t0 = loop.time()
         self._closing = False
+        self._begin(self.engines.trainer.weight_version)
         try:
+            await self._initial_sync()
+            synced_s = loop.time() - self._t0
             result = await self.pipeline.run(self.store)
         finally:
             self._closing = True  # aborted generations are not re-submitted any more
@@ -658,7 +773,7 @@ class RLJob:
             if self._sleeping:  # colocated: hand the engines back awake (no sync after the end)
                 await self._wake()
         return RLResult(
-            self.config, tuple(self.steps), result.wall_s, self._sampler.dropped,
+            self.config, tuple(self.steps), synced_s + result.wall_s, self._sampler.dropped,
             self.generated, result, self.tracer,
         )  # fmt: skip
 

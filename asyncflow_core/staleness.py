@@ -1,16 +1,20 @@
 """Staleness-bounded admission control (AReaL-style): rollout may run ahead of training by at
 most η weight versions, enforced when work is admitted rather than by discarding samples.
 
-With ``batch_size`` samples per optimizer step and the trainer at version ``v`` (optimizer
-steps done), ``n`` more samples are admitted only while
+With ``batch_size`` samples per optimizer step, the trainer at version ``v`` and ``v0`` the
+version it was at when counting began (``start_version``: 0 for a fresh trainer, more after a
+warm-up or a checkpoint; ``v − v0`` optimizer steps done since), ``n`` more samples are
+admitted only while
 
-    accepted + running + n <= (v + η + 1) × batch_size      (and running + n <= max_running)
+    accepted + running + n <= (v − v0 + η + 1) × batch_size      (and running + n <= max_running)
 
-where ``accepted`` counts samples that finished generating and ``running`` those in flight.
+where ``accepted`` counts samples that finished generating and ``running`` those in flight,
+both since counting began: that is why the bound counts steps from ``v0`` rather than from
+version 0 (a trainer at version 100 would otherwise let rollout run 100 steps ahead).
 η = 0 is on-policy (generation waits for every step), η = 1 one-step-off, larger fully async.
 
 What this bounds, exactly: sample number ``i`` (0-based, in admission order) is admitted at a
-version ``>= i // batch_size - η``, so if samples are trained in admission order, no trained
+version ``>= v0 + i // batch_size - η``, so if samples are trained in admission order, no trained
 sample is more than η versions stale. A sample that finishes late (long-tailed lengths) can be
 trained in a later batch than its number says; to make "staleness <= η" hold for every trained
 sample, pair this with ``StalenessSampler(max_lag=η)`` at the trainer (hold or drop), or with
@@ -44,13 +48,29 @@ class AdmissionStats:
 class AdmissionController:
     """Counts samples through admission (``admit``), completion (``finish``) or cancellation
     (``cancel``, e.g. an aborted request that will not produce a sample), and the trainer's
-    progress (``set_version``). ``admit`` waits for capacity. Safe to call from several event
-    loops and threads."""
+    progress (``set_version``, absolute versions from ``start_version`` on). ``admit`` waits
+    for capacity. Safe to call from several event loops and threads."""
 
-    def __init__(self, batch_size: int, staleness: int, max_running: int | None = None) -> None:
-        for name, value in (("batch_size", batch_size), ("staleness", staleness)):
+    def __init__(
+        self,
+        batch_size: int,
+        staleness: int,
+        max_running: int | None = None,
+        *,
+        start_version: Version = 0,
+    ) -> None:
+        for name, value in (
+            ("batch_size", batch_size),
+            ("staleness", staleness),
+            ("start_version", start_version),
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise BadRequestError(f"{name} must be an int, got {value!r}")
+        if start_version < 0:
+            raise BadRequestError(
+                f"start_version must be >= 0 (the trainer's weight_version when counting "
+                f"begins), got {start_version}"
+            )
         if batch_size < 1:
             raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
         if staleness < 0:
@@ -63,7 +83,8 @@ class AdmissionController:
         self.staleness = staleness
         self.max_running = max_running
         self._lock = threading.Lock()
-        self._version = 0
+        self.start_version = start_version
+        self._version = start_version
         self._accepted = 0
         self._running = 0
         self._cancelled = 0
@@ -71,9 +92,8 @@ class AdmissionController:
 
     # -- the rule ------------------------------------------------------------------------------
     def _capacity(self) -> int:
-        cap = (self._version + self.staleness + 1) * self.batch_size - (
-            self._accepted + self._running
-        )
+        steps = self._version - self.start_version
+        cap = (steps + self.staleness + 1) * self.batch_size - (self._accepted + self._running)
         if self.max_running is not None:
             cap = min(cap, self.max_running - self._running)
         return cap
@@ -149,7 +169,8 @@ class AdmissionController:
         self._wake()
 
     def set_version(self, version: Version) -> None:
-        """The trainer reached ``version`` (optimizer steps done); never goes backwards."""
+        """The trainer reached ``version`` (its absolute ``weight_version``); never goes
+        backwards, nor below ``start_version``."""
         with self._lock:
             if version < self._version:
                 raise BadRequestError(

@@ -4,19 +4,23 @@ steps of the real reference engines."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from asyncflow_reference.job import RLSection, RunConfig, TaskSection, run
+from asyncflow_reference.job import RLSection, RunConfig, StepProgress, TaskSection, run
 
 from asyncflow_core.cli import main as cli_main
 from asyncflow_core.config import apply_override, load_config
 from asyncflow_core.errors import ConfigError, PlatformError, PlatformUnavailableError
 from asyncflow_core.platform import CpuPlatform, register_platform
+from asyncflow_core.protocols import TrainMetrics
+from asyncflow_core.rlflow import StepRecord
 
 QUICK = [
     "rl.steps=4", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=2", "eval_prompts=8",
@@ -203,3 +207,83 @@ def test_a_named_accelerator_needs_a_trainer_that_uses_it() -> None:
         assert RunConfig().trainer_platform().name == "cpu"
         with pytest.raises(PlatformError, match="unknown platform 'gpu'"):
             apply_override(RunConfig(), "platform=gpu").validate()
+
+
+# --- progress output --------------------------------------------------------------------------
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def step_record(step: int, end_s: float) -> StepRecord:
+    metrics = TrainMetrics(step, 0.5, 1.0, 16, 100)
+    return StepRecord(step, end_s, 16, 100, 0, metrics, reward_mean=0.25)
+
+
+PROGRESS_LINE = re.compile(
+    r"RL step (\d+)/(\d+)  reward (\d\.\d{3})  samples/s (\d+)  elapsed (\d+\.\d) s"
+)
+
+
+def test_progress_off_a_terminal_is_a_plain_line_every_10_s_and_the_last_step() -> None:
+    """Steps every 0.5 s of the run for 50 s: a line at 10, 20, 30, 40 and 50 s (the last step);
+    no carriage returns. Time is the records' ``end_s``, so no real clock is involved."""
+    out = io.StringIO()
+    progress = StepProgress(100, out)
+    for step in range(1, 101):
+        progress(step_record(step, end_s=0.5 * step))
+    progress.close()
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    parsed = [PROGRESS_LINE.fullmatch(line) for line in lines]
+    assert all(parsed), lines
+    steps = [int(m.group(1)) for m in parsed if m]
+    assert steps == [20, 40, 60, 80, 100]
+    assert lines[-1] == "RL step 100/100  reward 0.250  samples/s 32  elapsed 50.0 s"
+
+
+def test_progress_off_a_terminal_prints_the_last_step_of_a_short_run() -> None:
+    out = io.StringIO()
+    progress = StepProgress(3, out)
+    for step in (1, 2, 3):
+        progress(step_record(step, end_s=0.1 * step))
+    assert out.getvalue().splitlines() == [
+        "RL step 3/3  reward 0.250  samples/s 160  elapsed 0.3 s"
+    ]
+
+
+def test_progress_on_a_terminal_is_a_live_bar() -> None:
+    tty = FakeTerminal()
+    progress = StepProgress(5, tty)
+    for step in range(1, 6):
+        progress(step_record(step, end_s=float(step)))
+    progress.close()
+    text = tty.getvalue()
+    assert "\r" in text and "5/5" in text and "reward=0.250" in text
+    assert not PROGRESS_LINE.search(text)
+
+
+def test_quiet_progress_prints_nothing() -> None:
+    for stream in (io.StringIO(), FakeTerminal()):
+        progress = StepProgress(2, stream, quiet=True)
+        progress(step_record(1, 20.0))
+        progress(step_record(2, 40.0))
+        progress.close()
+        assert stream.getvalue() == ""
+    with pytest.raises(ConfigError, match="every_s must be > 0"):
+        StepProgress(2, io.StringIO(), every_s=0)
+
+
+def test_asyncflow_run_into_a_log_writes_plain_progress_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under pytest stderr is no terminal, as under CI or nohup: the run's progress is lines."""
+    args = ["run", "--out", str(tmp_path / "run")]
+    for item in QUICK:
+        args += ["--set", item]
+    assert cli_main(args) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [m for m in map(PROGRESS_LINE.fullmatch, err.splitlines()) if m]
+    assert lines and lines[-1].group(1, 2) == ("4", "4")

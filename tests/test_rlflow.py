@@ -23,6 +23,7 @@ from asyncflow_core.protocols import (
     TrainMetrics,
     WeightBucket,
 )
+from asyncflow_core.rl import DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult
 from asyncflow_core.trace import Tracer
 from asyncflow_core.vclock import run_virtual
@@ -168,6 +169,25 @@ def test_a_job_without_rollout_engines_or_reference_is_refused() -> None:
         )  # fmt: skip
 
 
+def test_a_loss_reading_a_field_the_job_does_not_compute_is_refused_up_front() -> None:
+    cfg = RLConfig(steps=1, prompts_per_step=1)
+
+    def job(loss: LossFn, config: RLConfig = cfg) -> RLJob:
+        return RLJob(config, RLEngines([ToyEngine(0)], ToyTrainer()), [], lambda p, r: 0.0,
+                     loss_fn=loss)  # fmt: skip
+
+    prox = r"reads the 'prox_logprobs' field.*RLConfig\(proximal_logprobs=True\)"
+    with pytest.raises(ConfigError, match="DecoupledPPOLoss " + prox):
+        job(DecoupledPPOLoss())
+    with pytest.raises(ConfigError, match="PPOClipLoss " + prox):
+        job(PPOClipLoss(old_logprobs_field="prox_logprobs", tis_cap=2.0))
+    with pytest.raises(ConfigError, match=r"kl_coef=0.1 .*reference_logprobs=True"):
+        job(PPOClipLoss(kl_coef=0.1))
+    with_prox = RLConfig(steps=1, prompts_per_step=1, proximal_logprobs=True)
+    for loss in (policy_gradient_loss, PPOClipLoss(), DecoupledPPOLoss(tis_cap=2.0)):
+        job(loss, with_prox)  # accepted
+
+
 # --- modes ----------------------------------------------------------------------------------
 def sync_spans(result: RLResult) -> Mapping[str, list[Any]]:
     assert result.tracer is not None
@@ -271,6 +291,22 @@ def test_proximal_logprobs_reach_the_update_only_when_asked() -> None:
         assert torch.equal(b.lengths["prox_logprobs"], b.lengths["response"])
     _, plain, _ = run_job()
     assert plain.batches and not any("prox_logprobs" in b for b in plain.batches)
+
+
+def test_each_row_carries_its_sampling_settings_to_the_trainer() -> None:
+    """The update's batch holds every row's temperature/top_k/top_p ([B] tensors): the trainer
+    scores the tokens under the distribution they were sampled from."""
+    from asyncflow_core.protocols import SamplingParams
+    from asyncflow_core.sampling import row_sampling
+
+    sampling = SamplingParams(max_tokens=8, temperature=0.7, top_k=5, top_p=0.9)
+    _, trainer, _ = run_job(sampling=sampling)
+    assert trainer.batches
+    for batch in trainer.batches:
+        t, k, p = row_sampling(batch, len(batch), who="test")
+        assert t.tolist() == pytest.approx([0.7] * len(batch))
+        assert k.tolist() == [5] * len(batch)
+        assert p.tolist() == pytest.approx([0.9] * len(batch))
 
 
 def test_on_step_sees_every_step_with_its_mean_reward() -> None:

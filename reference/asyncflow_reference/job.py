@@ -3,8 +3,9 @@
 ``asyncflow run`` (and ``make run``) calls ``main_job``: a tiny decoder-only transformer learns
 a built-in verifiable task (``asyncflow_reference.tasks``, default: reverse 3 digits) with
 asynchronous RL, η = 1 and staged weight sync by default, rollout and training each on their
-own thread (one CPU core each). It shows a live progress bar (step, reward, samples/s), prints
-a summary table and writes a run folder:
+own thread (one CPU core each). It shows a live progress bar (step, reward, samples/s) on a
+terminal, or a plain progress line every 10 s when its output goes to a log (``StepProgress``),
+prints a summary table and writes a run folder:
 
 ===================== ========================================================================
 ``config.toml``        the full configuration (re-run it with ``asyncflow run --config``)
@@ -38,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import torch
 
@@ -676,10 +677,65 @@ def format_summary(s: RunSummary) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+class StepProgress:
+    """The main job's progress, fed one ``StepRecord`` per optimizer step (``on_step``). On a
+    terminal it is a live tqdm bar. Anywhere else (CI, ``nohup``, a pipe) a bar's
+    carriage-return redraws pile up into one huge line of the log, so it prints a plain line
+    (step, reward, samples/s, elapsed) at most every ``every_s`` seconds, and one for the last
+    step. Time is the steps' own ``end_s`` (seconds since the RL job started; warm-up
+    excluded), so the lines follow the run and samples/s is the RL phase's throughput."""
+
+    def __init__(
+        self, total: int, stream: TextIO, *, quiet: bool = False, every_s: float = 10.0
+    ) -> None:
+        if not every_s > 0:
+            raise ConfigError(f"StepProgress: every_s must be > 0 seconds, got {every_s!r}")
+        self.total = total
+        self.stream = stream
+        self.quiet = quiet
+        self.every_s = every_s
+        self.steps = 0
+        self.samples = 0
+        self._last_line_s = 0.0
+        self._bar: Any = None
+        if not quiet and _is_terminal(stream):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="RL", unit="step", file=stream)
+
+    def __call__(self, record: StepRecord) -> None:
+        self.steps += 1
+        self.samples += record.samples
+        rate = self.samples / record.end_s if record.end_s > 0 else 0.0
+        if self._bar is not None:
+            self._bar.set_postfix(reward=f"{record.reward_mean:.3f}", samples_s=f"{rate:.0f}")
+            self._bar.update(1)
+            return
+        due = record.end_s - self._last_line_s >= self.every_s or self.steps >= self.total
+        if self.quiet or not due:
+            return
+        self._last_line_s = record.end_s
+        print(
+            f"RL step {self.steps}/{self.total}  reward {record.reward_mean:.3f}  "
+            f"samples/s {rate:.0f}  elapsed {record.end_s:.1f} s",
+            file=self.stream,
+            flush=True,  # a log read while the job runs (tail -f) sees each line at once
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 def main_job(args: Any) -> int:
     """``asyncflow run``: exit 2 with a message on a bad config."""
-    from tqdm import tqdm
-
     from asyncflow_core.config import keys
 
     if args.keys:
@@ -708,21 +764,11 @@ def main_job(args: Any) -> int:
         f"samples; writing {out}/",
         file=sys.stderr,
     )
-    bar = tqdm(total=cfg.rl.steps, desc="RL", unit="step", disable=args.quiet, file=sys.stderr)
-    started = time.perf_counter()
-    samples = 0
-
-    def on_step(record: StepRecord) -> None:
-        nonlocal samples
-        samples += record.samples
-        elapsed = max(time.perf_counter() - started, 1e-9)
-        bar.set_postfix(reward=f"{record.reward_mean:.3f}", samples_s=f"{samples / elapsed:.0f}")
-        bar.update(1)
-
+    progress = StepProgress(cfg.rl.steps, sys.stderr, quiet=args.quiet)
     try:
-        output = asyncio.run(run(cfg, out, on_step=on_step))
+        output = asyncio.run(run(cfg, out, on_step=progress))
     finally:
-        bar.close()
+        progress.close()
     print(format_summary(output.summary))
     print(f"run folder: {out}/")
     return 0
@@ -736,6 +782,7 @@ __all__ = [
     "RunOutput",
     "RunSummary",
     "RuntimeSection",
+    "StepProgress",
     "TaskSection",
     "TrainSection",
     "format_summary",
