@@ -446,3 +446,28 @@ def test_the_prefix_cache_mutant_is_only_wrong_about_invalidation() -> None:
     (so the law catches the stale cache, not a broken cache)."""
     suite = pair_suite(engine_cls=InvalidatedPrefixCache)
     suite.test_logprobs_agree_after_a_sync(("t1", SETTING["t1"]))
+
+
+def main() -> None:
+    """``python tests/test_mutants.py``: each mutant, the law that fails it, and for the
+    log-prob mutants the pair law's mean difference against its tolerance."""
+    print(f"{'mutant':34} {'law':48} {'verdict':8} miss")
+    caught = 0
+    for mutant in MUTANTS:
+        suite = mutant.make_suite()
+        law = getattr(suite, mutant.law)
+        try:
+            law() if mutant.arg is None else law(mutant.arg)
+            verdict, miss = "PASSED", ""
+        except AssertionError as exc:
+            caught += bool(re.search(mutant.message, str(exc)))
+            verdict = "failed"
+            found = re.search(r"mean \|difference\| ([0-9.e+-]+)", str(exc))
+            atol = getattr(suite, "logprob_atol", None)
+            miss = f"{float(found.group(1)) / atol:,.0f}x the tolerance" if found and atol else ""
+        print(f"{mutant.id:34} {mutant.law:48} {verdict:8} {miss}")
+    print(f"caught {caught} of {len(MUTANTS)} mutants, each on its law")
+
+
+if __name__ == "__main__":
+    main()
