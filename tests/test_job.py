@@ -163,6 +163,7 @@ def test_the_deepspeed_trainer_learns_like_the_reference_one() -> None:
     [
         ("train.zero_stage=2", "apply to train.engine = 'deepspeed'"),
         ("train.ranks=0", "train.ranks must be >= 1"),
+        ("train.kl_coef=0.1", "needs a reference policy, which the main job does not run"),
     ],
 )
 def test_bad_trainer_choices_are_refused(override: str, match: str) -> None:

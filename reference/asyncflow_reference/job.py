@@ -226,6 +226,12 @@ class RunConfig:
     def validate(self) -> None:
         t = self.train
         self.runtime.validate()
+        if t.kl_coef:
+            raise ConfigError(
+                "train.kl_coef > 0 needs a reference policy, which the main job does not run; "
+                "leave it 0, or compose the job in Python with RLEngines.reference "
+                "(docs/rl-jobs.md)"
+            )
         if self.runtime.kind == "ray" and (t.engine != "torch" or t.process):
             raise ConfigError(
                 "runtime.kind = 'ray' runs the reference trainer in an actor of its own; "
