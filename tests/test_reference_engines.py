@@ -774,6 +774,30 @@ def test_micro_batching_matches_one_big_batch() -> None:
     run(main())
 
 
+def test_tokens_off_the_top_k_support_get_the_floor_and_are_counted() -> None:
+    """Random response tokens scored under top_k=1: most are not the argmax, so they are off
+    the trainer's support. They get the finite floor (never -inf or NaN), train_step counts
+    them in ``logprobs_off_support`` and the loss and its gradient stay finite."""
+
+    async def main() -> None:
+        rows = _rows(4, seed=5)
+        params = [SamplingParams(temperature=1.0, top_k=1)] * len(rows)
+        batch = await padded_batch(
+            rows, advantage=[1.0, -1.0, 0.5, -0.5], **sampling_columns(params)
+        )
+        trainer = TorchTrainEngine(CFG, lr=1e-3)
+        lp = await trainer.compute_logprobs(batch)
+        lengths = batch.lengths["response"]
+        real = torch.arange(lp.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        assert bool(torch.isfinite(lp).all()) and bool((lp[real] <= 0).all())
+        inside = int((lp[real] == 0).sum())  # top_k=1: the argmax has probability 1
+        metrics = await trainer.train_step(batch, policy_gradient_loss)
+        assert metrics.extra["logprobs_off_support"] == int(lengths.sum()) - inside > 0
+        assert math.isfinite(metrics.loss) and math.isfinite(metrics.grad_norm)
+
+    run(main())
+
+
 def test_gradient_clipping_bounds_the_update_and_reports_the_norm_before_it() -> None:
     """Adam is nearly blind to a gradient's scale, except next to its eps (1e-8): clipped to a
     norm of 1e-9, every update is at most lr * 1e-9 / (1e-9 + 1e-8) < lr / 10."""
