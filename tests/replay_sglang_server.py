@@ -7,6 +7,41 @@ per-token versions), backed by the pure-PyTorch reference engine
 (``asyncflow_reference.engines.TorchInferenceEngine``): tokens, log-probs, abort, pause,
 sleep and per-token weight versions are real computations, not canned answers.
 
+**Log-probs as SGLang reports them, not as AsyncFlow wants them.** The reference engine
+reports the protocol's log-probs (after temperature, top-k and top-p, renormalised); SGLang
+does not, and the replay answers what SGLang would (``sglang_logprob_meta``):
+
+* ``output_token_logprobs``: after temperature, *before* top-k/top-p
+  (``sglang/srt/layers/sampler.py``, ``Sampler.forward``: ``log(softmax(logits / T))``); a
+  request with ``top_k == 1`` (greedy included: ``sampling_params.py``,
+  ``SamplingParams.__post_init__`` turns a temperature below 1e-6 into temperature 1 with
+  top_k 1) as in an all-greedy batch: ``log_softmax(logits)`` at temperature 1 (the
+  ``is_all_greedy`` branch; in a batch mixed with sampled rows SGLang would scale by the
+  row's temperature instead). With a filter these are recomputed by a teacher-forced pass of
+  the replay's model over prompt + generated tokens; without one the reference engine's
+  values are the same quantity and are used as they are.
+* ``output_token_sampling_logprobs`` / ``output_token_sampling_mask`` /
+  ``output_token_sampling_mask_length``, only for ``return_sampling_mask: true``
+  (``tokenizer_manager.py``, ``TokenizerManager._handle_batch_output``): per token
+  ``log(selected weight / support mass)`` over SGLang's *joint* support (the top-k tokens
+  that are also in the top-p nucleus of the full distribution: ``sampler.py``,
+  ``top_k_top_p_min_p_sampling_from_probs_torch``, and ``Sampler._build_sampling_mask_output``),
+  a float per token for ``sampling_logprobs_mode`` ``"selected"`` (the default), the support's
+  list for ``"support"`` (``sglang/srt/sampling/sampling_mask.py``,
+  ``SamplingMaskChunk.to_lists``); greedy rows get 0.0 and the one-token mask
+  (``Sampler._build_greedy_sampling_mask_output``). With one filter this equals the
+  protocol's value. The request is refused as SGLang refuses it: ``top_k`` not 1 nor in
+  ``2..sampling_mask_max_tokens``, the ``ascend`` backend (``scheduler.py``,
+  ``Scheduler._handle_generate_request``: HTTP 400 ``{"error": {"message"}}``), a
+  ``sampling_logprobs_mode`` without ``return_sampling_mask`` (``tokenizer_manager.py``,
+  ``TokenizerManager._validate_one_request``).
+
+Not emulated: the tokens are the reference engine's draws, from the protocol's distribution;
+with both top-k and top-p SGLang would draw from its joint support instead (the adapter
+refuses that combination). A request that spans a load of new weight *tensors* gets its
+before-filter log-probs recomputed under the weights current when it ends (the replay keeps
+no older weights; loads and recomputations never overlap: ``_weights_lock``).
+
 ``/init_weights_update_group`` joins the trainer's group the way SGLang's workers do
 (``asyncflow_sglang.group.join_sglang_group``, rank ``rank_offset + 0``: one TP rank), and
 ``/update_weights_from_distributed`` receives one broadcast per tensor into
@@ -15,8 +50,11 @@ loads them with ``TorchInferenceEngine.load_weights``.
 
 Every request (path, JSON body) is recorded in ``ReplayServer.requests``; ``fault(path, ...)``
 injects an HTTP status, a raw (malformed) body or a delay. Body checks are strict where
-SGLang's are (``/generate``'s contract check refuses unknown fields; ``top_k`` 0 is refused
-by ``SamplingParams.verify``). Run it in its own process with
+SGLang's are (``/generate``'s contract check refuses unknown ``sampling_params`` fields,
+``sglang/api/v1/api_types.py``, ``decode_SamplingParams``; ``top_k`` 0 is refused by
+``SamplingParams.verify``), and stricter at the top level, which SGLang's contract ignores
+(``decode_GenerateRequest``) but where an unknown field is an adapter bug worth seeing. Run it
+in its own process with
 ``python replay_sglang_server.py --port P [--seed S]`` (prints ``READY <url>``).
 """
 
@@ -26,13 +64,15 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from aiohttp import web
 from asyncflow_reference.engines import TorchInferenceEngine
-from asyncflow_reference.model import ModelConfig
+from asyncflow_reference.model import ModelConfig, TransformerLM
 
 from asyncflow_core.errors import AsyncFlowError
 from asyncflow_core.protocols import GenerationRequest, SamplingParams
@@ -40,12 +80,13 @@ from asyncflow_core.protocols import GenerationRequest, SamplingParams
 SGLANG_VERSION = "0.5.23"
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
 
-# Fields of /generate and of its sampling_params that SGLang's contract check admits
-# (sglang/api/v1/api_types.py; a subset: the ones a client may plausibly send).
+# Fields of /generate (GenerateReqInput: sglang/srt/managers/io_struct.py) and of its
+# sampling_params (sglang/api/v1/api_types.py, decode_SamplingParams); a subset: the ones a
+# client may plausibly send.
 _GENERATE_FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "rid",
-    "lora_path", "return_hidden_states",
+    "lora_path", "return_hidden_states", "return_sampling_mask", "sampling_logprobs_mode",
 }  # fmt: skip
 _SAMPLING_FIELDS = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
@@ -53,6 +94,155 @@ _SAMPLING_FIELDS = {
     "min_new_tokens", "n", "ignore_eos", "skip_special_tokens", "no_stop_trim",
     "sampling_seed", "logit_bias",
 }  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# SGLang's sampling settings and log-probs (see the module docstring)
+# --------------------------------------------------------------------------------------------
+SAMPLING_EPS = 1e-6  # sglang/srt/sampling/sampling_params.py: _SAMPLING_EPS
+TOP_K_ALL = 1 << 30  # sampling_params.py: TOP_K_ALL, what top_k -1 ("whole vocabulary") becomes
+SAMPLING_MASK_MAX_TOKENS = 4096  # sglang/srt/arg_groups/fields/exec_.py: the default
+
+
+@dataclass(frozen=True)
+class SGLangSampling:
+    """A request's sampling settings as SGLang holds them after
+    ``SamplingParams.__post_init__`` (sampling_params.py): a temperature below 1e-6 becomes
+    temperature 1 with top_k 1 (greedy), top_k -1 becomes ``TOP_K_ALL``."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    greedy: bool  # asked for a temperature below SAMPLING_EPS
+
+    @classmethod
+    def of(cls, sp: dict[str, Any]) -> SGLangSampling:
+        def value(name: str, default: float) -> float:  # __post_init__: null = default
+            raw = sp.get(name)
+            return default if raw is None else float(raw)
+
+        temperature = value("temperature", 1.0)
+        top_k = int(value("top_k", -1))
+        top_p = value("top_p", 1.0)
+        greedy = 0 <= temperature < SAMPLING_EPS
+        if greedy:
+            temperature, top_k = 1.0, 1
+        if top_k == -1:
+            top_k = TOP_K_ALL
+        return cls(temperature, top_k, top_p, greedy)
+
+    def reference_params(self, sp: dict[str, Any]) -> SamplingParams:
+        """What the reference engine samples with: SGLang's greedy as temperature 0."""
+        return SamplingParams(
+            max_tokens=int(sp.get("max_new_tokens", 128)),
+            temperature=0.0 if self.greedy else self.temperature,
+            top_p=self.top_p,
+            top_k=0 if self.top_k == TOP_K_ALL else self.top_k,
+            seed=sp.get("sampling_seed"),
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+        )
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k != TOP_K_ALL or self.top_p < 1
+
+
+def sampling_mask_refusal(
+    sampling: SGLangSampling, *, max_tokens: int, backend: str = "flashinfer"
+) -> str | None:
+    """SGLang's refusal of ``return_sampling_mask`` for these settings, or None
+    (sglang/srt/managers/scheduler.py, Scheduler._handle_generate_request)."""
+    top_k = sampling.top_k
+    if top_k != 1 and not (1 < top_k <= max_tokens):
+        return (
+            "return_sampling_mask requires top_k=1 for greedy sampling "
+            f"or finite 1 < top_k <= {max_tokens}; got top_k="
+            f"{top_k}. Lower top_k or increase "
+            "--sampling-mask-max-tokens."
+        )
+    if backend == "ascend":
+        return "return_sampling_mask is not supported with the ascend sampling backend."
+    return None
+
+
+def teacher_forced_logits(
+    model: TransformerLM, prompt: Sequence[int], tokens: Sequence[int]
+) -> torch.Tensor:
+    """``[len(tokens), V]``: the logits that predicted each of ``tokens`` after ``prompt``
+    (one causal forward pass over prompt + tokens[:-1])."""
+    seq = torch.tensor([[*prompt, *tokens[:-1]]], dtype=torch.long)
+    with torch.no_grad():
+        logits: torch.Tensor = model(seq)[0]
+    return logits[len(prompt) - 1 :].float()
+
+
+def sglang_logprob_meta(
+    model: TransformerLM,
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    reference_logprobs: Sequence[float],
+    sampling: SGLangSampling,
+    *,
+    sampling_mask: bool = False,
+    mode: str = "selected",
+) -> dict[str, Any]:
+    """The log-prob fields of SGLang's ``meta_info`` for ``tokens`` sampled after
+    ``prompt`` (see the module docstring): ``output_token_logprobs`` and, with
+    ``sampling_mask``, the ``output_token_sampling_*`` fields. ``reference_logprobs`` are the
+    reference engine's (the protocol's), used as they are where they equal SGLang's."""
+    all_greedy = sampling.top_k == 1  # sampler.py: is_all_greedy = all(top_k <= 1)
+    logits: torch.Tensor | None = None
+    if tokens and (sampling.filtered and not sampling.greedy):
+        logits = teacher_forced_logits(model, prompt, tokens)
+    index = torch.tensor(list(tokens), dtype=torch.long).unsqueeze(1)
+    if logits is None:
+        # no filter, or greedy: the reference engine reports log_softmax(logits / T)
+        # (T = 1 when greedy), which is Sampler.forward's value too
+        before = [float(x) for x in reference_logprobs]
+    else:
+        # Sampler.forward: log_softmax at temperature 1 in an all-greedy batch, else of
+        # logits.div_(temperatures), taken before the top-k/top-p filters
+        scale = 1.0 if all_greedy else sampling.temperature
+        before = torch.log_softmax(logits / scale, dim=-1).gather(1, index).squeeze(1).tolist()
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(before, tokens, strict=True)]
+    }
+    if not sampling_mask:
+        return meta
+    masks: list[list[int]] = []
+    values: list[Any] = []
+    if all_greedy or logits is None:
+        # Sampler._build_greedy_sampling_mask_output: the argmax alone, log-prob 0 (a top_k=1
+        # row in a mixed batch: a one-token support, log(w / w) = 0 as well)
+        for t in tokens:
+            masks.append([int(t)])
+            values.append(0.0 if mode == "selected" else [0.0])
+    else:
+        probs = torch.softmax(logits / sampling.temperature, dim=-1)
+        # top_k_top_p_min_p_sampling_from_probs_torch: sort descending, zero ranks >= top_k,
+        # zero where the mass above a token exceeds top_p (joint: on the full distribution;
+        # the flashinfer branch of Sampler._sample_from_probs intersects top_k_renorm_prob
+        # and top_p_renorm_prob of the same probs, top-p only when need_top_p_sampling)
+        ranked, order = probs.sort(dim=-1, descending=True)
+        drop = torch.arange(ranked.shape[-1]).unsqueeze(0) >= sampling.top_k
+        if sampling.top_p < 1:
+            drop |= (ranked.cumsum(dim=-1) - ranked) > sampling.top_p
+        weights = ranked.masked_fill(drop, 0.0)
+        for row, t in enumerate(tokens):
+            keep = weights[row] > 0
+            support = order[row][keep]
+            mass = float(weights[row][keep].sum())
+            # Sampler._build_sampling_mask_output: log(selected_weight / support_mass)
+            selected = float(probs[row, int(t)])
+            masks.append([int(x) for x in support.tolist()])
+            if mode == "selected":
+                values.append(math.log(selected / mass))
+            else:
+                values.append([math.log(float(w) / mass) for w in weights[row][keep].tolist()])
+    meta["output_token_sampling_mask"] = masks
+    meta["output_token_sampling_logprobs"] = values
+    meta["output_token_sampling_mask_length"] = len(masks)
+    return meta
 
 
 @dataclass
@@ -64,8 +254,10 @@ class Fault:
 
 
 class ReplayServer:
-    """``ReplayServer(engine=None, *, version="0.5.23", tp_size=1)``; ``await start()``
-    returns the base URL; ``await close()``."""
+    """``ReplayServer(engine=None, *, version="0.5.23", tp_size=1, dp_size=1,
+    sampling_mask_max_tokens=4096, sampling_backend="flashinfer")`` (the last two as
+    SGLang's ``--sampling-mask-max-tokens`` and sampling backend, reported in
+    ``/server_info``); ``await start()`` returns the base URL; ``await close()``."""
 
     def __init__(
         self,
@@ -75,11 +267,16 @@ class ReplayServer:
         tp_size: int = 1,
         dp_size: int = 1,
         seed: int = 0,
+        sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS,
+        sampling_backend: str = "flashinfer",
     ) -> None:
         self.engine = engine or TorchInferenceEngine(MODEL, max_batch=8, seed=seed, threads=1)
         self.version = version
         self.tp_size = tp_size
         self.dp_size = dp_size
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
+        self.sampling_backend = sampling_backend
+        self._weights_lock = asyncio.Lock()  # tensor loads vs teacher-forced passes
         self.label = "default"  # SGLang's --weight-version default
         self.requests: list[tuple[str, Any]] = []
         self.faults: dict[str, Fault] = {}
@@ -198,16 +395,33 @@ class ReplayServer:
         ids = body.get("input_ids")
         if not isinstance(rid, str) or not isinstance(ids, list):
             return web.json_response({"error": {"message": "need rid and input_ids"}}, status=400)
-        params = SamplingParams(
-            max_tokens=int(sp.get("max_new_tokens", 128)),
-            temperature=float(sp.get("temperature", 1.0)),
-            top_p=float(sp.get("top_p", 1.0)),
-            top_k=0 if top_k == -1 else int(top_k),
-            seed=sp.get("sampling_seed"),
-            stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-        )
+        want_mask = bool(body.get("return_sampling_mask"))
+        mode = body.get("sampling_logprobs_mode")
+        sampling = SGLangSampling.of(sp)
+        refusal = None
+        if mode is not None and not want_mask:  # TokenizerManager._validate_one_request
+            refusal = "sampling_logprobs_mode can only be set when return_sampling_mask=true."
+        elif mode not in (None, "selected", "support"):
+            refusal = f"sampling_logprobs_mode must be 'selected' or 'support', got {mode!r}"
+        elif want_mask:
+            refusal = sampling_mask_refusal(
+                sampling, max_tokens=self.sampling_mask_max_tokens, backend=self.sampling_backend
+            )
+        if refusal is not None:
+            return web.json_response({"error": {"message": refusal}}, status=400)
+        params = sampling.reference_params(sp)
         result = await self.engine.generate(GenerationRequest(rid, tuple(ids), params))
         tokens, lps, versions = list(result.tokens), list(result.logprobs), result.versions
+        async with self._weights_lock:
+            logprob_meta = sglang_logprob_meta(
+                self.engine.model,
+                ids,
+                tokens,
+                lps,
+                sampling,
+                sampling_mask=want_mask,
+                mode=mode or "selected",
+            )
         spans: list[dict[str, Any]] = []
         for i, v in enumerate(versions):
             if spans and spans[-1]["_v"] == v:
@@ -235,7 +449,7 @@ class ReplayServer:
             "weight_version": self.label,
             "num_retractions": 0,
             "input_token_logprobs": [[None, t, None] for t in ids],
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, tokens, strict=True)],
+            **logprob_meta,
             "output_token_logprobs_length": len(tokens),
         }
         if spans:
@@ -319,6 +533,8 @@ class ReplayServer:
                 "pp_size": 1,
                 "weight_version": "default",
                 "internal_states": [{}],
+                "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
+                "sampling_backend": self.sampling_backend,
                 "version": self.version,
                 "frontend": "python",
             }
@@ -368,7 +584,8 @@ class ReplayServer:
             return out
 
         weights = await asyncio.to_thread(receive)
-        await self.engine.load_weights(weights, self.engine.weight_version)
+        async with self._weights_lock:
+            await self.engine.load_weights(weights, self.engine.weight_version)
         if body.get("weight_version") is not None:
             await self._set_label(str(body["weight_version"]))
         return web.json_response(
@@ -392,7 +609,8 @@ class ReplayServer:
         body = await self._json(request)
         try:
             weights = list(safetensors.torch.load_file(body["model_path"]).items())
-            await self.engine.load_weights(weights, self.engine.weight_version)
+            async with self._weights_lock:
+                await self.engine.load_weights(weights, self.engine.weight_version)
         except Exception as exc:
             msg = f"Failed to update weights: {exc}."
             return web.json_response(

@@ -4,16 +4,23 @@ SGLang): the request bodies of every adapter method, the InferenceEngine conform
 collective weight sync into two replay servers in their own processes over SGLang's group
 construction, and the error paths. ``SGLangEngine`` (in-process ``sglang.Engine``) is
 contract-tested on a documented fake shaped like ``sglang.Engine``. A live test runs the
-conformance suite against a real server when ``ASYNCFLOW_SGLANG_URL`` is set."""
+conformance suite against a real server when ``ASYNCFLOW_SGLANG_URL`` is set.
+
+Log-probs: the replay answers them as SGLang 0.5.23 does (before top-k/top-p in
+``output_token_logprobs``; renormalised over the support only in
+``output_token_sampling_logprobs``, for ``return_sampling_mask``), so the tests here show that
+the adapter converts them to the protocol's and refuses what SGLang cannot report."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +30,9 @@ import pytest
 import safetensors.torch
 import torch
 from asyncflow_conformance import InferenceEngineConformance
-from asyncflow_reference.engines import TorchInferenceEngine
+from asyncflow_conformance.engines import LOGPROB_SETTINGS, padded_batch
+from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
+from asyncflow_reference.model import TransformerLM
 from asyncflow_sglang import (
     TESTED,
     SGLangEngine,
@@ -31,7 +40,14 @@ from asyncflow_sglang import (
     SGLangWeightSync,
     check_sglang_version,
 )
-from replay_sglang_server import MODEL, ReplayServer, digest
+from replay_sglang_server import (
+    MODEL,
+    ReplayServer,
+    SGLangSampling,
+    digest,
+    sampling_mask_refusal,
+    sglang_logprob_meta,
+)
 
 from asyncflow_core.errors import (
     ConfigError,
@@ -50,6 +66,7 @@ from asyncflow_core.protocols import (
     SupportsSleep,
     WeightBucket,
 )
+from asyncflow_core.sampling import sampled_logprobs, sampling_columns
 from asyncflow_core.weightsync import GroupReceiver
 
 HERE = Path(__file__).resolve().parent
@@ -111,7 +128,7 @@ def test_the_engine_implements_the_protocols() -> None:
 
 def test_generate_sends_the_documented_body_and_reads_the_answer() -> None:
     async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
-        r = req("g1", 6, temperature=0.7, top_p=0.9, seed=5, stop_token_ids=(15,))
+        r = req("g1", 6, temperature=0.7, seed=5, stop_token_ids=(15,))
         result = await engine.generate(r)
         (sent,) = server.bodies("/generate")
         assert sent == {
@@ -119,7 +136,7 @@ def test_generate_sends_the_documented_body_and_reads_the_answer() -> None:
             "sampling_params": {
                 "max_new_tokens": 6,
                 "temperature": 0.7,
-                "top_p": 0.9,
+                "top_p": 1.0,
                 "top_k": -1,  # SGLang's "off" (0 is refused by SamplingParams.verify)
                 "sampling_seed": 5,
                 "stop_token_ids": [15],
@@ -132,7 +149,8 @@ def test_generate_sends_the_documented_body_and_reads_the_answer() -> None:
         assert result.tokens == direct.tokens and result.finish_reason == direct.finish_reason
         assert result.logprobs == pytest.approx(direct.logprobs, abs=1e-6)
         assert set(result.versions) == {0}
-        # top_k > 0 passes through; a resumed request sends prompt + prefix, cap reduced
+        # top_k > 0 passes through and asks for the after-filter log-probs; a resumed
+        # request sends prompt + prefix, cap reduced
         prefix = ((5, -0.5, 0), (6, -0.25, 0))
         resumed = await engine.generate(req("g2", 5, top_k=3, resume=prefix))
         sent2 = server.bodies("/generate")[-1]
@@ -142,6 +160,8 @@ def test_generate_sends_the_documented_body_and_reads_the_answer() -> None:
             sent2["sampling_params"]["top_k"] == 3
             and "sampling_seed" not in sent2["sampling_params"]
         )
+        assert sent2["return_sampling_mask"] is True
+        assert sent2["sampling_logprobs_mode"] == "selected"
         assert resumed.tokens[:2] == (5, 6) and resumed.logprobs[:2] == (-0.5, -0.25)
         assert len(resumed.tokens) <= 5
         # a prefix that already fills the cap is answered without a call
@@ -347,6 +367,12 @@ class TestSGLangHTTPAgainstReplayServer(InferenceEngineConformance):
     long_max_tokens = 400
     timeout_s = 30.0
     real_timeout_s = 60.0
+    # LOGPROB_SETTINGS' top_k=1 and top_k=3 + top_p=0.9 (which the adapter refuses: the law
+    # skips it with the adapter's message), and top-k alone at another temperature
+    logprob_settings = (
+        *LOGPROB_SETTINGS,
+        ("t0.8-top_k=3", SamplingParams(max_tokens=1, temperature=0.8, top_k=3)),
+    )
     _servers: ClassVar[dict[int, ReplayServer]] = {}
 
     async def make_engine(self) -> SGLangHTTPEngine:
@@ -359,6 +385,346 @@ class TestSGLangHTTPAgainstReplayServer(InferenceEngineConformance):
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
         await self._servers.pop(id(engine)).close()
+
+
+# --------------------------------------------------------------------------------------------
+# (b2) log-probs: SGLang's two quantities, converted to the protocol's, or refused
+# --------------------------------------------------------------------------------------------
+def logits_after(model: TransformerLM, prompt: Any, tokens: Any) -> torch.Tensor:
+    """``[len(tokens), V]``: the logits that predicted each token (teacher forcing)."""
+    seq = torch.tensor([[*prompt, *tokens[:-1]]], dtype=torch.long)
+    with torch.no_grad():
+        out: torch.Tensor = model(seq)[0, len(prompt) - 1 :]
+    return out
+
+
+def protocol_logprobs(model: TransformerLM, r: GenerationRequest, tokens: Any) -> list[float]:
+    """The protocol's log-probs of ``tokens`` (asyncflow_core.sampling), from the model."""
+    p = r.params
+    lp, off = sampled_logprobs(
+        logits_after(model, r.prompt_tokens, tokens),
+        torch.tensor(list(tokens)),
+        torch.tensor(float(p.temperature)),
+        torch.tensor(int(p.top_k)),
+        torch.tensor(float(p.top_p)),
+    )
+    assert not bool(off.any())
+    return [float(x) for x in lp]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(0.8, 3, 1.0), (1.3, 5, 1.0), (0.5, 2, 1.0), (1.0, 1, 1.0), (0.9, 1, 0.5)],
+)
+def test_top_k_reports_the_log_probs_after_the_filter(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    """top_k (alone, or 1 with any top_p): the adapter asks for return_sampling_mask and
+    reports output_token_sampling_logprobs: the protocol's log-probs, which the reference
+    engine reports for the same draw and the trainer recomputes from the sampling fields."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        r = req("k", 12, temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+        result = await engine.generate(r)
+        (sent,) = server.bodies("/generate")
+        assert sent["return_sampling_mask"] is True
+        assert sent["sampling_logprobs_mode"] == "selected"
+        n = len(result.tokens)
+        assert n >= 1
+        want = protocol_logprobs(server.engine.model, r, result.tokens)
+        assert list(result.logprobs) == pytest.approx(want, abs=1e-5)
+        direct = await reference_engine().generate(r)  # same weights, same seed
+        assert result.tokens == direct.tokens
+        assert list(result.logprobs) == pytest.approx(list(direct.logprobs), abs=1e-5)
+        if top_k == 1:
+            assert set(result.logprobs) == {0.0}  # one token left: probability 1
+        trainer = TorchTrainEngine(MODEL, seed=0, threads=1)  # the replay's weights
+        try:
+            batch = padded_batch([r.prompt_tokens], [result.tokens], [0.0])
+            batch.data.update(sampling_columns([r.params]))
+            lp = await trainer.compute_logprobs(batch)
+        finally:
+            await trainer.close()
+        assert lp[0, :n].tolist() == pytest.approx(list(result.logprobs), abs=1e-5)
+
+    run(body)
+
+
+def test_before_filter_log_probs_are_not_the_protocols() -> None:
+    """Why the adapter converts: under top_k SGLang's output_token_logprobs (emulated by the
+    replay: after temperature, before the filter) are not the protocol's, while its
+    output_token_sampling_logprobs are. An adapter reporting the former fails the law."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        import aiohttp
+
+        r = req("raw", 8, temperature=0.8, top_k=3, seed=4)
+        sent = {
+            "input_ids": list(r.prompt_tokens),
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.8, "top_k": 3,
+                                "top_p": 1.0, "sampling_seed": 4},
+            "return_logprob": True, "return_sampling_mask": True, "rid": "raw",
+        }  # fmt: skip
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{server.url}/generate", json=sent) as response,
+        ):
+            assert response.status == 200
+            meta = (await response.json())["meta_info"]
+        tokens = [t for _, t, _ in meta["output_token_logprobs"]]
+        before = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        after = meta["output_token_sampling_logprobs"]
+        assert len(after) == len(tokens) == meta["output_token_sampling_mask_length"] == 8
+        assert all(len(m) == 3 and t in m for m, t in zip(meta["output_token_sampling_mask"],
+                                                           tokens, strict=True))  # fmt: skip
+        logits = logits_after(server.engine.model, r.prompt_tokens, tokens)
+        full = torch.log_softmax(logits / 0.8, dim=-1)
+        assert before == pytest.approx(
+            full.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist(), abs=1e-5
+        )
+        protocol = protocol_logprobs(server.engine.model, r, tokens)
+        assert after == pytest.approx(protocol, abs=1e-5)
+        # each before-filter value is lower by log(mass of the top 3): far beyond the law's
+        # tolerance, and the reported probabilities of the top 3 do not sum to 1
+        gaps = [a - b for a, b in zip(after, before, strict=True)]
+        assert min(gaps) > 0.05
+
+    run(body)
+
+    with pytest.raises(AssertionError, match=r"top_k=1.*before the filters"):
+        _BeforeFiltersSuite().test_logprobs_match_the_sampling_distribution(
+            ("top_k=1", SamplingParams(max_tokens=1, temperature=1.0, top_k=1))
+        )
+
+
+class _BeforeFiltersEngine(SGLangHTTPEngine):
+    """A WRONG adapter (for the test above): never asks for the sampling mask, so it reports
+    SGLang's before-filter output_token_logprobs under top_k."""
+
+    def _wants_sampling_mask(self, request: GenerationRequest) -> bool:
+        return False
+
+
+class _BeforeFiltersSuite(InferenceEngineConformance):
+    """The conformance suite on ``_BeforeFiltersEngine`` (not collected: no ``Test``)."""
+
+    vocab_size = MODEL.vocab_size
+    context_window = MODEL.max_seq_len
+    timeout_s = 30.0
+    real_timeout_s = 60.0
+    _servers: ClassVar[dict[int, ReplayServer]] = {}
+
+    async def make_engine(self) -> SGLangHTTPEngine:
+        server = ReplayServer(reference_engine())
+        engine = _BeforeFiltersEngine(await server.start())
+        self._servers[id(engine)] = server
+        return engine
+
+    async def close_engine(self, engine: Any) -> None:
+        await engine.close()
+        await self._servers.pop(id(engine)).close()
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"temperature": 0.8, "top_k": 3, "top_p": 0.9},
+         r"SGLang.*top_k=3 and top_p=0\.9.*jointly.*use one filter"),
+        ({"temperature": 1.0, "top_k": 2, "top_p": 0.5}, r"top_k=2 and top_p=0\.5"),
+        ({"temperature": 1.0, "top_p": 0.9}, r"top_p=0\.9 and no top_k.*SGLang.*before top-p"),
+        ({"temperature": 1e-8}, r"temperature=1e-08.*SGLang.*greedily.*temperature=0"),
+    ],
+)  # fmt: skip
+def test_settings_sglang_cannot_report_are_refused_before_anything_is_sent(
+    params: dict[str, Any], match: str
+) -> None:
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        with pytest.raises(EngineError, match=match):
+            await engine.generate(req("no", 4, **params))
+        assert server.requests == [] and not engine._inflight  # not even connected
+        await engine.connect()
+        with pytest.raises(EngineError, match=match):
+            await engine.generate(req("no", 4, **params))
+        assert server.bodies("/generate") == [] and not engine._inflight
+        assert (await engine.generate(req("no", 4))).tokens  # the id is free, the engine fine
+
+    run(body)
+
+
+def test_the_body_asks_for_the_sampling_mask_only_when_needed() -> None:
+    cases: list[tuple[dict[str, Any], bool]] = [
+        ({}, False),  # temperature 1, no filter
+        ({"temperature": 0.6}, False),
+        ({"temperature": 1.7}, False),
+        ({"temperature": 0.0}, False),  # greedy: temperature-1, unfiltered log-probs
+        ({"temperature": 0.0, "top_k": 3, "top_p": 0.5}, False),  # greedy ignores the filters
+        ({"temperature": 1.0, "top_k": 1}, True),
+        ({"temperature": 0.8, "top_k": 3}, True),
+        ({"temperature": 0.8, "top_k": 1, "top_p": 0.9}, True),
+    ]
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        for i, (params, mask) in enumerate(cases):
+            r = req(f"b{i}", 4, seed=i, **params)
+            result = await engine.generate(r)
+            sent = server.bodies("/generate")[-1]
+            assert ("return_sampling_mask" in sent) is mask, params
+            assert ("sampling_logprobs_mode" in sent) is mask, params
+            if mask:
+                assert (sent["return_sampling_mask"], sent["sampling_logprobs_mode"]) == (
+                    True,
+                    "selected",
+                )
+            want = protocol_logprobs(server.engine.model, r, result.tokens)
+            assert list(result.logprobs) == pytest.approx(want, abs=1e-5), params
+
+    run(body)
+
+
+def test_top_k_beyond_the_servers_mask_limit_is_refused() -> None:
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        # not connected yet: the limit is learnt from /server_info, then the request refused
+        # before /generate
+        with pytest.raises(EngineError, match=r"top_k=3.*--sampling-mask-max-tokens=2"):
+            await engine.generate(req("big", 4, top_k=3))
+        assert [p for p, _ in server.requests] == ["/server_info", "/model_info"]
+        assert not engine._inflight
+        with pytest.raises(EngineError, match="sampling-mask-max-tokens=2"):
+            await engine.generate(req("big", 4, top_k=3))  # connected: refused at once
+        assert server.bodies("/generate") == []
+        assert (await engine.generate(req("big", 4, top_k=2))).tokens
+
+    run(body, server_kw={"sampling_mask_max_tokens": 2})
+
+    async def default_limit(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        await engine.connect()
+        with pytest.raises(EngineError, match="sampling-mask-max-tokens=4096"):
+            await engine.generate(req("big", 4, top_k=4097))
+        assert server.bodies("/generate") == []
+
+    run(default_limit)
+
+    async def ascend(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        await engine.connect()
+        with pytest.raises(EngineError, match="ascend"):
+            await engine.generate(req("npu", 4, top_k=3))
+        assert server.bodies("/generate") == []
+        assert (await engine.generate(req("npu", 4, temperature=0.7))).tokens
+
+    run(ascend, server_kw={"sampling_backend": "ascend"})
+
+
+def test_the_replay_refuses_the_sampling_mask_as_sglang_does() -> None:
+    """The replay's emulation of SGLang's own checks (scheduler.py,
+    Scheduler._handle_generate_request; tokenizer_manager.py, _validate_one_request)."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        import aiohttp
+
+        base: dict[str, Any] = {"input_ids": [1, 2, 3], "rid": "x", "return_logprob": True}
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"sampling_params": {"top_p": 0.9}, "return_sampling_mask": True},
+             "requires top_k=1 for greedy sampling or finite 1 < top_k <= 4096; got "
+             "top_k=1073741824"),
+            ({"sampling_params": {"top_k": 5000}, "return_sampling_mask": True},
+             "got top_k=5000"),
+            ({"sampling_params": {"top_k": 3}, "sampling_logprobs_mode": "selected"},
+             "sampling_logprobs_mode can only be set when return_sampling_mask=true"),
+        ]  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            for extra, message in cases:
+                async with session.post(f"{server.url}/generate", json=base | extra) as resp:
+                    assert resp.status == 400
+                    assert message in (await resp.json())["error"]["message"]
+            # greedy: top_k becomes 1, which the mask admits; its log-prob is 0
+            greedy = base | {
+                "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+                "return_sampling_mask": True,
+                "sampling_logprobs_mode": "support",
+            }
+            async with session.post(f"{server.url}/generate", json=greedy) as resp:
+                meta = (await resp.json())["meta_info"]
+            assert meta["output_token_sampling_logprobs"] == [[0.0]] * 3
+            assert [m[0] for m in meta["output_token_sampling_mask"]] == [
+                t for _, t, _ in meta["output_token_logprobs"]
+            ]
+
+    run(body)
+
+
+class _FixedLogits:
+    """A stand-in model whose next-token logits are ``log(probs)`` at every position."""
+
+    def __init__(self, probs: list[float]) -> None:
+        self.logits = torch.tensor(probs).log()
+
+    def __call__(self, seq: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(seq.shape[0], seq.shape[1], -1)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "sglang", "protocol"),
+    [
+        (3, 0.75, math.log(0.4 / 0.9), math.log(0.4 / 0.7)),  # both: the supports differ
+        (3, 1.0, math.log(0.4 / 0.9), math.log(0.4 / 0.9)),  # top-k alone: the same
+        (-1, 0.75, math.log(0.4 / 0.9), math.log(0.4 / 0.9)),  # top-p alone: the same
+    ],
+)
+def test_sglang_joint_top_p_differs_from_the_protocols(
+    top_k: int, top_p: float, sglang: float, protocol: float
+) -> None:
+    """Why both filters are refused. probs [0.4, 0.3, 0.2, 0.1], top_k=3, top_p=0.75:
+    SGLang keeps the top-3 tokens whose mass above them is <= 0.75, all three, mass 0.9; the
+    protocol takes top-p of the renormalised top-3 distribution ([4, 3, 2] / 9), dropping the
+    third (2/9 <= 0.25), mass 0.7. The replay computes SGLang's value; for one filter the two
+    agree (and there the adapter reports SGLang's renormalised value)."""
+    model: Any = _FixedLogits([0.4, 0.3, 0.2, 0.1])
+    sampling = SGLangSampling.of({"temperature": 1.0, "top_k": top_k, "top_p": top_p})
+    meta = sglang_logprob_meta(model, [1], [0], [0.0], sampling, sampling_mask=True)
+    assert meta["output_token_sampling_logprobs"] == [pytest.approx(sglang, abs=1e-6)]
+    ours, _ = sampled_logprobs(
+        model.logits, torch.tensor(0), torch.tensor(1.0), torch.tensor(max(top_k, 0)),
+        torch.tensor(top_p),
+    )  # fmt: skip
+    assert float(ours) == pytest.approx(protocol, abs=1e-6)
+    if top_k > 0:  # SGLang serves it (its refusal is for top-p alone: no finite top_k)
+        assert sampling_mask_refusal(sampling, max_tokens=4096) is None
+    else:
+        assert "finite 1 < top_k" in str(sampling_mask_refusal(sampling, max_tokens=4096))
+
+
+def test_a_missing_sampling_logprob_is_a_malformed_response() -> None:
+    ok = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 3, None]]}
+    cases = [
+        (ok, "output_token_sampling_logprobs is missing"),
+        (ok | {"output_token_sampling_logprobs": [-0.5, -0.5]}, "2 entries for 1 output"),
+        (ok | {"output_token_sampling_logprobs": [[-0.5]]}, "not a finite number"),
+        (ok | {"output_token_sampling_logprobs": [None]}, "not a finite number"),
+    ]
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        await engine.connect()
+        for meta, match in cases:
+            server.fault("/generate", status=200, body=json.dumps({"meta_info": meta}))
+            with pytest.raises(EngineError, match=match):
+                await engine.generate(req("m", 4, top_k=3))
+            assert not engine._inflight
+        # the same answer without the field is fine where no mask was asked for
+        server.fault("/generate", status=200, body=json.dumps({"meta_info": ok}))
+        assert (await engine.generate(req("m", 4))).logprobs == (-1.0,)
+        # and an abort before any token may come without it
+        aborted = {"finish_reason": {"type": "abort"}}
+        server.fault("/generate", status=200, body=json.dumps({"meta_info": aborted}))
+        result = await engine.generate(req("m", 4, top_k=3))
+        assert result.finish_reason == "abort" and result.tokens == ()
+        server.fault(
+            "/generate",
+            status=200,
+            body=json.dumps({"meta_info": ok | {"output_token_sampling_logprobs": [-0.25]}}),
+        )
+        assert (await engine.generate(req("m", 4, top_k=3))).logprobs == (-0.25,)
+
+    run(body)
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,6 +1001,7 @@ def _io_struct() -> SimpleNamespace:
         return lambda **kw: SimpleNamespace(kind=cls_name, **kw)
 
     names = [
+        "GenerateReqInput",
         "PauseGenerationReqInput",
         "ContinueGenerationReqInput",
         "ReleaseMemoryOccupationReqInput",
@@ -650,12 +1017,30 @@ def _io_struct() -> SimpleNamespace:
 class FakeTokenizerManager:
     """A FAKE ``sglang.srt.managers.tokenizer_manager.TokenizerManager``: records calls."""
 
-    def __init__(self, engine: TorchInferenceEngine) -> None:
+    def __init__(
+        self, engine: TorchInferenceEngine, answer: Callable[..., Awaitable[dict[str, Any]]]
+    ) -> None:
         self.engine = engine
+        self.answer = answer
         self.calls: list[tuple[str, Any]] = []
-        self.server_args = SimpleNamespace(tp_size=2, dp_size=1, pp_size=1)
+        self.server_args = SimpleNamespace(
+            tp_size=2, dp_size=1, pp_size=1, sampling_mask_max_tokens=4096,
+            sampling_backend="flashinfer",
+        )  # fmt: skip
         self.label = "default"
         self.tasks: list[asyncio.Future[None]] = []
+
+    async def generate_request(self, obj: Any, request: Any) -> AsyncIterator[dict[str, Any]]:
+        """As TokenizerManager.generate_request (an async generator; non-streaming: one
+        answer); a request SGLang refuses raises ValueError (_handle_abort_finish_reason)."""
+        self.calls.append(("generate_request", obj))
+        yield await self.answer(
+            input_ids=obj.input_ids,
+            sampling_params=obj.sampling_params,
+            rid=obj.rid,
+            return_sampling_mask=obj.return_sampling_mask,
+            sampling_logprobs_mode=obj.sampling_logprobs_mode,
+        )
 
     def config_value(self, key: str) -> Any:
         assert key == "weight_version"
@@ -695,36 +1080,54 @@ class FakeTokenizerManager:
 
 class FakeSGLangEngine:
     """A FAKE shaped like ``sglang.Engine`` (engine.py): ``async_generate(input_ids=...,
-    sampling_params=..., return_logprob=..., rid=...)`` answering SGLang's output dict, and a
-    ``tokenizer_manager``; backed by the reference engine."""
+    sampling_params=..., return_logprob=..., rid=...)`` (0.5.23's signature: no
+    ``return_sampling_mask``) answering SGLang's output dict, and a ``tokenizer_manager``
+    whose ``generate_request`` takes a ``GenerateReqInput`` with ``return_sampling_mask``;
+    backed by the reference engine, with SGLang's log-probs (the replay's emulation:
+    ``sglang_logprob_meta``)."""
 
     def __init__(self) -> None:
         self.ref = reference_engine()
-        self.tokenizer_manager = FakeTokenizerManager(self.ref)
+        self.tokenizer_manager = FakeTokenizerManager(self.ref, self._answer)
         self.generate_calls: list[dict[str, Any]] = []
         self.shut = False
 
     async def async_generate(self, **kw: Any) -> dict[str, Any]:
         self.generate_calls.append(kw)
-        sp = kw["sampling_params"]
-        params = SamplingParams(
-            max_tokens=sp["max_new_tokens"],
-            temperature=sp["temperature"],
-            top_p=sp["top_p"],
-            top_k=max(sp["top_k"], 0),
-            seed=sp.get("sampling_seed"),
+        return await self._answer(
+            input_ids=kw["input_ids"], sampling_params=kw["sampling_params"], rid=kw["rid"]
         )
-        r = await self.ref.generate(GenerationRequest(kw["rid"], tuple(kw["input_ids"]), params))
+
+    async def _answer(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        return_sampling_mask: bool = False,
+        sampling_logprobs_mode: str | None = None,
+    ) -> dict[str, Any]:
+        sampling = SGLangSampling.of(sampling_params)
+        if return_sampling_mask:
+            refusal = sampling_mask_refusal(
+                sampling, max_tokens=self.tokenizer_manager.server_args.sampling_mask_max_tokens
+            )
+            if refusal is not None:
+                raise ValueError(refusal)
+        params = sampling.reference_params(sampling_params)
+        r = await self.ref.generate(GenerationRequest(rid, tuple(input_ids), params))
+        meta = sglang_logprob_meta(
+            self.ref.model, input_ids, r.tokens, r.logprobs, sampling,
+            sampling_mask=return_sampling_mask, mode=sampling_logprobs_mode or "selected",
+        )  # fmt: skip
         return {
             "text": "",
             "output_ids": list(r.tokens),
             "meta_info": {
-                "id": kw["rid"],
+                "id": rid,
                 "finish_reason": {"type": r.finish_reason},
                 "weight_version": self.tokenizer_manager.label,
-                "output_token_logprobs": [
-                    [lp, t, None] for lp, t in zip(r.logprobs, r.tokens, strict=True)
-                ],
+                **meta,
             },
         }
 
@@ -786,6 +1189,61 @@ def test_sglang_engine_maps_onto_a_fake_sglang_engine() -> None:
         await fake.ref.close()
 
     _pause = FakeTokenizerManager.pause_generation
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_sglang_engine_reports_the_protocols_log_probs_on_a_fake() -> None:
+    """The in-process adapter: top_k goes through tokenizer_manager.generate_request with
+    return_sampling_mask (async_generate has no such argument in 0.5.23) and reports the
+    protocol's log-probs; no filter goes through async_generate; what SGLang cannot report is
+    refused before anything is called."""
+
+    async def main() -> None:
+        fake = FakeSGLangEngine()
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct(), weight_backend="gloo")
+        tm = fake.tokenizer_manager
+        r = req("k1", 8, temperature=0.8, top_k=3, seed=3)
+        result = await engine.generate(r)
+        assert fake.generate_calls == []
+        ((name, obj),) = tm.calls
+        assert name == "generate_request" and obj.kind == "GenerateReqInput"
+        assert (obj.input_ids, obj.rid, obj.return_logprob) == ([1, 2, 3, 4], "k1", True)
+        assert (obj.return_sampling_mask, obj.sampling_logprobs_mode) == (True, "selected")
+        assert obj.sampling_params["top_k"] == 3
+        want = protocol_logprobs(fake.ref.model, r, result.tokens)
+        assert list(result.logprobs) == pytest.approx(want, abs=1e-5)
+        # no filter: async_generate, SGLang's output_token_logprobs are already the protocol's
+        r2 = req("t1", 8, temperature=0.6, seed=3)
+        result2 = await engine.generate(r2)
+        assert len(fake.generate_calls) == 1 and len(tm.calls) == 1
+        want2 = protocol_logprobs(fake.ref.model, r2, result2.tokens)
+        assert list(result2.logprobs) == pytest.approx(want2, abs=1e-5)
+        # refusals: nothing called, nothing registered
+        for params, match in (
+            ({"top_k": 3, "top_p": 0.9}, "jointly"),
+            ({"top_p": 0.9}, "no top_k"),
+            ({"top_k": 4097}, "sampling-mask-max-tokens=4096"),
+        ):
+            with pytest.raises(EngineError, match=match):
+                await engine.generate(req("no", 4, **params))
+        tm.server_args.sampling_mask_max_tokens = 2
+        small = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        with pytest.raises(EngineError, match=r"top_k=3.*sampling-mask-max-tokens=2"):
+            await small.generate(req("no", 4, top_k=3))
+        assert len(fake.generate_calls) == 1 and len(tm.calls) == 1
+        assert not engine._inflight and not small._inflight
+        # an SGLang without tokenizer_manager.generate_request: a clear error, nothing left
+        del FakeTokenizerManager.generate_request
+        try:
+            with pytest.raises(EngineError, match=r"tokenizer_manager\.generate_request"):
+                await engine.generate(req("k2", 4, top_k=2))
+        finally:
+            FakeTokenizerManager.generate_request = _generate_request  # type: ignore[method-assign]
+        assert not engine._inflight
+        await engine.close()
+        await fake.ref.close()
+
+    _generate_request = FakeTokenizerManager.generate_request
     asyncio.run(asyncio.wait_for(main(), 30))
 
 

@@ -10,6 +10,16 @@ from asyncflow_core.enginekit import check_version, require_module
 TESTED = ("0.5.23", "0.6")
 """The adapter follows SGLang's API in ``[TESTED[0], TESTED[1])`` (the extras' pin)."""
 
+GREEDY_BELOW = 1e-6
+"""SGLang decodes any temperature below this greedily, as temperature 1 with top_k 1
+(``sglang/srt/sampling/sampling_params.py``: ``_SAMPLING_EPS``,
+``SamplingParams.__post_init__``)."""
+
+SAMPLING_MASK_MAX_TOKENS = 4096
+"""SGLang's default ``--sampling-mask-max-tokens`` (``sglang/srt/arg_groups/fields/exec_.py``):
+the largest ``top_k`` for which it returns ``return_sampling_mask`` log-probs
+(``sglang/srt/managers/scheduler.py``, ``Scheduler._handle_generate_request``)."""
+
 INSTALL = "pip install 'asyncflow[sglang]' on a machine with a CUDA GPU"
 INSTALL_CLIENT = "pip install 'asyncflow[sglang-client]'"
 

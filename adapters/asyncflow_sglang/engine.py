@@ -12,13 +12,20 @@ continue_generation(ContinueGenerationReqInput)``); each is feature-detected, an
 one is an ``EngineError`` naming it.
 
 The mapping is the HTTP adapter's (``asyncflow_sglang.http``): the same sampling fields, the
-same answer (``read_output``), version-only ``load_weights``, ``GroupReceiver`` methods.
+same log-probs and refusals (``wants_sampling_mask``; see **Log-probs** there: the engine must
+not run with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``), the same answer (``read_output``),
+version-only ``load_weights``, ``GroupReceiver`` methods. ``Engine.async_generate`` has no
+``return_sampling_mask`` argument in SGLang 0.5.23 (``engine.py``), so a request that needs
+the after-top-k log-probs is sent as ``async_generate`` sends it, with that field set:
+``tokenizer_manager.generate_request(io_struct.GenerateReqInput(..., return_sampling_mask=True,
+sampling_logprobs_mode="selected"), None).__anext__()``. The limits come from
+``tokenizer_manager.server_args`` (``sampling_mask_max_tokens``, ``sampling_backend``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any, Literal
 
@@ -36,7 +43,7 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import AsyncFlowError, EngineError
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 
-from .compat import INSTALL, require_sglang
+from .compat import INSTALL, SAMPLING_MASK_MAX_TOKENS, require_sglang
 from .group import DEFAULT_GROUP_NAME
 from .http import (
     _SLEEP_TAGS,
@@ -46,6 +53,7 @@ from .http import (
     mark_aborted,
     read_output,
     sampling_params,
+    wants_sampling_mask,
 )
 
 __all__ = ["SGLangEngine"]
@@ -136,6 +144,13 @@ class SGLangEngine:
         self._asleep = False
         self._closed = False
         tm = getattr(engine, "tokenizer_manager", None)
+        args = getattr(tm, "server_args", None)
+        limit = getattr(args, "sampling_mask_max_tokens", None)
+        self._mask_max_tokens = (
+            int(limit) if is_int(limit) and limit >= 1 else SAMPLING_MASK_MAX_TOKENS
+        )
+        backend = getattr(args, "sampling_backend", None)
+        self._sampling_backend = backend if isinstance(backend, str) else None
         config_value = getattr(tm, "config_value", None)
         raw = config_value("weight_version") if callable(config_value) else None
         self._version: Version = parse_version(raw, who=self.who)
@@ -180,6 +195,13 @@ class SGLangEngine:
         req = check_request(self.who, request, in_flight=self._inflight)
         if self._closed:
             raise EngineError(f"{self.who}: the engine is closed")
+        mask = wants_sampling_mask(
+            req,
+            who=self.who,
+            mask_max_tokens=self._mask_max_tokens,
+            sampling_backend=self._sampling_backend,
+        )
+        send = self._mask_sender() if mask else None
         rid = req.request_id
         flight = _Flight()
         self._inflight[rid] = flight
@@ -192,20 +214,50 @@ class SGLangEngine:
                 return assemble(req, [], [], [], "length", who=self.who)
             flight.sent = True
             try:
-                out = await self.engine.async_generate(
-                    input_ids=prompt,
-                    sampling_params=sampling_params(req, remaining),
-                    return_logprob=True,
-                    rid=rid,
-                )
+                if send is None:
+                    out = await self.engine.async_generate(
+                        input_ids=prompt,
+                        sampling_params=sampling_params(req, remaining),
+                        return_logprob=True,
+                        rid=rid,
+                    )
+                else:
+                    out = await send(prompt, sampling_params(req, remaining), rid)
             except Exception as exc:
                 if flight.was_aborted():
                     return assemble(req, [], [], [], "abort", who=self.who)
                 raise EngineError(f"{self.who}: request {rid!r} failed: {exc}") from exc
-            return read_output(req, out, fallback=self._version, who=self.who)
+            return read_output(req, out, fallback=self._version, who=self.who, sampling_mask=mask)
         finally:
             del self._inflight[rid]
             flight.done.set()
+
+    def _mask_sender(self) -> Callable[[list[int], dict[str, Any], str], Awaitable[Any]]:
+        """``send(input_ids, sampling_params, rid)``: one request with
+        ``return_sampling_mask`` (mode ``"selected"``), as ``Engine.async_generate`` sends
+        one (``engine.py``: ``tokenizer_manager.generate_request(GenerateReqInput(...),
+        None).__anext__()``), since its 0.5.23 signature lacks the field. Looked up before
+        the request is registered: an SGLang without them is an ``EngineError`` naming it."""
+        generate_request = self._tm_method("generate_request")
+        if getattr(self.io, "GenerateReqInput", None) is None:
+            raise EngineError(
+                f"{self.who}: sglang io_struct has no GenerateReqInput; top_k needs SGLang "
+                ">=0.5.23,<0.6 (return_sampling_mask)"
+            )
+
+        async def send(input_ids: list[int], params: dict[str, Any], rid: str) -> Any:
+            obj = self._req(
+                "GenerateReqInput",
+                input_ids=input_ids,
+                sampling_params=params,
+                return_logprob=True,
+                rid=rid,
+                return_sampling_mask=True,
+                sampling_logprobs_mode="selected",
+            )
+            return await generate_request(obj, None).__anext__()
+
+        return send
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         targets = mark_aborted(self._inflight, self.who, request_ids)

@@ -12,11 +12,14 @@ Routes, bodies and answers follow SGLang 0.5.23 (``compat.TESTED``):
 adapter                        SGLang route and body
 =============================  ==============================================================
 ``connect()``                  ``GET /server_info`` ("version", "tp_size", "dp_size",
-                               "pp_size"; ``/get_server_info`` on older servers), then
+                               "pp_size", "sampling_mask_max_tokens", "sampling_backend";
+                               ``/get_server_info`` on older servers), then
                                ``GET /model_info`` ("weight_version")
 ``generate(request)``          ``POST /generate`` ``{input_ids, sampling_params{max_new_tokens,
                                temperature, top_p, top_k (-1 = off), sampling_seed?,
-                               stop_token_ids?}, return_logprob: true, rid, stream: false}``
+                               stop_token_ids?}, return_logprob: true, rid, stream: false}``,
+                               plus ``return_sampling_mask: true, sampling_logprobs_mode:
+                               "selected"`` when top-k is sampled (see **Log-probs**)
 ``abort(ids)``                 ``POST /abort_request {rid, abort_all: false}`` per in-flight id
 ``pause("abort")``             ``POST /pause_generation {mode: "abort"}``
 ``pause("keep")``              ``POST /pause_generation {mode: keep_mode}`` ("retract")
@@ -36,6 +39,46 @@ adapter                        SGLang route and body
 ``flush_cache()``              ``POST /flush_cache`` (200 with a plain-text body, 400 busy)
 ``model_info()``               ``GET /model_info``
 =============================  ==============================================================
+
+**Log-probs.** ``GenerationResult.logprobs`` are the protocol's (``asyncflow_core.sampling``):
+each token's log-probability under the distribution it was sampled from, after temperature,
+top-k and top-p, renormalised (greedy: temperature 1, unfiltered). SGLang reports two
+quantities, and ``wants_sampling_mask`` picks one per request:
+
+* ``meta_info.output_token_logprobs`` (``return_logprob``) are taken after temperature but
+  *before* top-k/top-p/min-p (``sglang/srt/layers/sampler.py``, ``Sampler.forward``: the
+  log of the full softmax of ``logits / T``). Without filters that is the protocol's value,
+  at any temperature; a greedy request (SGLang turns a temperature below 1e-6 into
+  temperature 1 with top_k 1: ``sglang/srt/sampling/sampling_params.py``,
+  ``SamplingParams.__post_init__``) gets the full-vocabulary ``log_softmax`` at temperature
+  1 (``Sampler.forward``), the protocol's greedy value. These are used when no filter is
+  sampled. **The server must not run with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``**: that makes
+  them come before temperature too (``sampler.py``), which the adapter cannot see.
+* ``meta_info.output_token_sampling_logprobs``, one float per output token, sent back for
+  ``return_sampling_mask: true`` with ``sampling_logprobs_mode: "selected"`` (top-level
+  fields of ``/generate``: ``sglang/srt/managers/io_struct.py``, ``GenerateReqInput``;
+  filled in ``sglang/srt/managers/tokenizer_manager.py``,
+  ``TokenizerManager._handle_batch_output``): ``log(selected weight / support mass)``
+  over the temperature-scaled distribution cut by top-k/top-p/min-p
+  (``Sampler._build_sampling_mask_output``). With top-k alone that is the protocol's value;
+  the adapter asks for it whenever top-k is sampled (``top_k > 0``, temperature > 0; for
+  ``top_k=1`` it is 0, where ``output_token_logprobs`` would even depend on the batch:
+  temperature 1 in an all-greedy one, ``Sampler.forward``'s ``is_all_greedy`` branch). SGLang
+  builds it only for ``top_k`` in ``1..--sampling-mask-max-tokens`` (default 4096) and not on
+  the ``ascend`` sampling backend (``sglang/srt/managers/scheduler.py``,
+  ``Scheduler._handle_generate_request``); the adapter reads both settings from
+  ``/server_info`` and refuses such requests itself.
+
+Refused with ``EngineError`` before anything is sent, because SGLang cannot report the
+protocol's log-probs for them: top-p together with top-k (> 1): SGLang samples from the
+*joint* support, the top-k set intersected with the top-p nucleus of the full distribution
+(``Sampler._sample_from_probs``: ``filter_apply_order="joint"``;
+``top_k_top_p_min_p_sampling_from_probs_torch``), not from top-p applied to the distribution
+renormalised after top-k, so neither its tokens nor any log-prob it reports are those the
+trainer recomputes; top-p alone: ``output_token_logprobs`` come before top-p and the sampling
+mask needs a finite top-k; a temperature in ``(0, 1e-6)``: SGLang decodes it greedily and
+reports temperature-1 log-probs. ``top_k=1`` with any ``top_p`` is served (both supports are
+the argmax token).
 """
 
 from __future__ import annotations
@@ -65,10 +108,10 @@ from asyncflow_core.errors import EngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 
-from .compat import INSTALL_CLIENT, check_sglang_version
+from .compat import GREEDY_BELOW, INSTALL_CLIENT, SAMPLING_MASK_MAX_TOKENS, check_sglang_version
 from .group import DEFAULT_GROUP_NAME
 
-__all__ = ["SGLangHTTPEngine", "read_output", "sampling_params"]
+__all__ = ["SGLangHTTPEngine", "read_output", "sampling_params", "wants_sampling_mask"]
 
 KeepMode = Literal["retract", "in_place"]
 
@@ -151,16 +194,96 @@ def sampling_params(request: GenerationRequest, max_new_tokens: int) -> dict[str
     return params
 
 
+def wants_sampling_mask(
+    request: GenerationRequest,
+    *,
+    who: str,
+    mask_max_tokens: int | None,
+    sampling_backend: str | None = None,
+) -> bool:
+    """Where ``request``'s log-probs come from (module docstring, **Log-probs**): ``True``:
+    ask for ``return_sampling_mask`` and report ``output_token_sampling_logprobs``;
+    ``False``: report ``output_token_logprobs``. What SGLang cannot report (both filters,
+    top-p alone, a temperature in ``(0, 1e-6)``, a ``top_k`` above the server's
+    ``mask_max_tokens`` or on the ``ascend`` backend) raises ``EngineError`` naming SGLang,
+    the values and what to do. ``mask_max_tokens=None``: the server's limit is not known
+    yet (not connected); that check is then left for a second call."""
+    p = request.params
+    rid = request.request_id
+    temperature, top_k, top_p = float(p.temperature), int(p.top_k), float(p.top_p)
+    if temperature == 0:
+        return False  # greedy: output_token_logprobs are temperature 1, unfiltered
+    if temperature < GREEDY_BELOW:
+        raise EngineError(
+            f"{who}: request {rid!r} has temperature={temperature}; SGLang decodes any "
+            f"temperature below {GREEDY_BELOW} greedily and reports temperature-1 log-probs "
+            "(sglang/srt/sampling/sampling_params.py, SamplingParams.__post_init__), not "
+            f"those of temperature {temperature}; use temperature=0 for greedy decoding, or "
+            f"a temperature of at least {GREEDY_BELOW}"
+        )
+    if top_k == 0 and top_p >= 1:
+        return False  # temperature only: output_token_logprobs are after temperature
+    if top_k == 0:
+        raise EngineError(
+            f"{who}: request {rid!r} samples with top_p={top_p} and no top_k, but SGLang "
+            "cannot report the log-probs of a top-p distribution: its output_token_logprobs "
+            "are taken before top-p (sglang/srt/layers/sampler.py, Sampler.forward) and it "
+            "returns the renormalised ones (return_sampling_mask) only for a finite top_k "
+            "(sglang/srt/managers/scheduler.py, Scheduler._handle_generate_request), so the "
+            "log-probs it reports are not those of the distribution it samples from; sample "
+            "with top_k instead of top_p, or with temperature alone, or use an engine that "
+            "reports them (vLLM, the reference engine)"
+        )
+    if top_p < 1 and top_k > 1:
+        raise EngineError(
+            f"{who}: request {rid!r} samples with top_k={top_k} and top_p={top_p}, but SGLang "
+            "applies top-p jointly: it keeps the top-k tokens that are also in the top-p "
+            "nucleus of the full temperature-scaled distribution (sglang/srt/layers/"
+            'sampler.py, Sampler._sample_from_probs, filter_apply_order="joint"), where '
+            "AsyncFlow's semantics apply top-p to the distribution renormalised after top-k "
+            "(asyncflow_core.sampling); SGLang samples from another distribution, and "
+            "neither its tokens' log-probs nor any conversion of them are those the trainer "
+            "recomputes; use one filter (top_k alone) with SGLang, or an engine with these "
+            "semantics (vLLM, the reference engine)"
+        )
+    if sampling_backend == "ascend":
+        raise EngineError(
+            f"{who}: request {rid!r} samples with top_k={top_k}, but this SGLang server uses "
+            "the ascend sampling backend, which cannot return the after-top-k log-probs "
+            "(return_sampling_mask: sglang/srt/managers/scheduler.py, "
+            "Scheduler._handle_generate_request) that AsyncFlow reports; sample with "
+            "temperature alone on this server, or use another sampling backend"
+        )
+    if mask_max_tokens is not None and top_k > mask_max_tokens:
+        raise EngineError(
+            f"{who}: request {rid!r} samples with top_k={top_k}, above this SGLang server's "
+            f"--sampling-mask-max-tokens={mask_max_tokens} (default "
+            f"{SAMPLING_MASK_MAX_TOKENS}); SGLang returns the after-top-k log-probs "
+            "(return_sampling_mask) only up to that limit and refuses the request otherwise "
+            "(sglang/srt/managers/scheduler.py, Scheduler._handle_generate_request); lower "
+            "top_k, or restart the server with a larger --sampling-mask-max-tokens"
+        )
+    return True
+
+
 def read_output(
-    request: GenerationRequest, out: Any, *, fallback: Version, who: str
+    request: GenerationRequest,
+    out: Any,
+    *,
+    fallback: Version,
+    who: str,
+    sampling_mask: bool = False,
 ) -> GenerationResult:
     """The ``GenerationResult`` of a ``/generate`` (or ``Engine.async_generate``) answer:
     ``meta_info.output_token_logprobs`` is ``[(logprob, token_id, text|None), ...]``
     (tokenizer_manager.py), ``meta_info.finish_reason`` is ``{"type": ...}``,
     ``meta_info.weight_versions`` is ``[{"version", "start", "end"}]`` when the server
     tracks per-token versions (weight_versions.py), else every token gets
-    ``meta_info.weight_version`` (or ``fallback`` when absent). Anything else is an
-    ``EngineError`` quoting the answer."""
+    ``meta_info.weight_version`` (or ``fallback`` when absent). With ``sampling_mask`` (the
+    request asked for ``return_sampling_mask``, mode ``"selected"``) the log-probs are
+    ``meta_info.output_token_sampling_logprobs`` instead, one float per output token
+    (``sglang/srt/sampling/sampling_mask.py``, ``SamplingMaskChunk.to_lists``). Anything
+    else is an ``EngineError`` quoting the answer."""
     rid = request.request_id
 
     def malformed(what: str) -> EngineError:
@@ -195,6 +318,31 @@ def read_output(
     output_ids = out.get("output_ids")
     if output_ids is not None and [int(t) for t in output_ids] != tokens:
         raise malformed("output_ids disagree with output_token_logprobs")
+    if sampling_mask:
+        sampled = meta.get("output_token_sampling_logprobs")
+        if sampled is None and reason == "abort" and not tokens:
+            sampled = []
+        if not isinstance(sampled, list):
+            raise malformed(
+                "meta_info.output_token_sampling_logprobs is missing (return_sampling_mask "
+                "was sent, for the log-probs after top-k)"
+            )
+        if len(sampled) != len(tokens):
+            raise malformed(
+                f"meta_info.output_token_sampling_logprobs has {len(sampled)} entries for "
+                f"{len(tokens)} output tokens"
+            )
+        for value in sampled:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise malformed(
+                    f"output_token_sampling_logprobs entry {value!r:.60} is not a finite "
+                    "number (sampling_logprobs_mode 'selected' gives one per token)"
+                )
+        logprobs = [float(v) for v in sampled]
     now = meta.get("weight_version")
     base = fallback if now is None else parse_version(now, who=who)
     raw_spans = meta.get("weight_versions")
@@ -229,8 +377,12 @@ class SGLangHTTPEngine:
     joins at ``rank_offset + tp_rank``); then ``/model_info``'s ``weight_version`` (SGLang's
     ``"default"`` = 0) sets ``weight_version``.
 
-    **Generation.** Each request is checked (``enginekit.check_request``) before anything is
-    sent; a resumed request is sent as prompt + prefix with ``max_new_tokens`` reduced.
+    **Generation.** Each request is checked (``enginekit.check_request``, and
+    ``wants_sampling_mask``: the sampling settings SGLang cannot report the protocol's
+    log-probs for) before anything is sent; a resumed request is sent as prompt + prefix with
+    ``max_new_tokens`` reduced. Log-probs: see the module docstring (the server must not set
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB``; top-k is served through ``return_sampling_mask``;
+    top-p, alone or with top-k > 1, is refused).
     ``abort`` ends named in-flight requests (SGLang ignores unknown rids; ids this adapter
     never sent are a no-op) and waits (``abort_wait_s``) until each returns its partial
     result, re-sending the abort while the server has not registered the rid yet.
@@ -306,6 +458,8 @@ class SGLangHTTPEngine:
         self._ranks: int | None = None
         self._ranks_problem: str | None = None
         self._reported_ranks: int | None = None
+        self._mask_max_tokens: int | None = None  # --sampling-mask-max-tokens, once connected
+        self._sampling_backend: str | None = None
         self._version: Version = 0
         self._gate = PauseGate(self.who)
         self._inflight: dict[str, _Flight] = {}
@@ -359,6 +513,14 @@ class SGLangHTTPEngine:
                     )
             else:
                 self._ranks_problem = f"/server_info reports parallel sizes {sizes}"
+            # /server_info carries the resolved server arguments (build_server_info in
+            # sglang/srt/utils/common.py: ServerArgs.resolved_dict()).
+            limit = info.get("sampling_mask_max_tokens")
+            self._mask_max_tokens = (
+                int(limit) if is_int(limit) and limit >= 1 else SAMPLING_MASK_MAX_TOKENS
+            )
+            backend = info.get("sampling_backend")
+            self._sampling_backend = backend if isinstance(backend, str) else None
             model = await self.model_info()
             self._version = parse_version(model.get("weight_version"), who=self.who)
             self._connected = True
@@ -389,24 +551,29 @@ class SGLangHTTPEngine:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         req = check_request(self.who, request, in_flight=self._inflight)
         self._usable()
+        self._wants_sampling_mask(req)  # a refusal comes before anything is registered
         rid = req.request_id
         flight = _Flight()
         self._inflight[rid] = flight
         try:
             await self.connect()
+            mask = self._wants_sampling_mask(req)  # now against the server's limits
             await self._gate.wait()
             prompt, remaining = continuation(req)
             if flight.aborted:
                 return assemble(req, [], [], [], "abort", who=self.who)
             if remaining == 0:
                 return assemble(req, [], [], [], "length", who=self.who)
-            body = {
+            body: dict[str, Any] = {
                 "input_ids": prompt,
                 "sampling_params": sampling_params(req, remaining),
                 "return_logprob": True,
                 "rid": rid,
                 "stream": False,
             }
+            if mask:  # top-level GenerateReqInput fields (io_struct.py)
+                body["return_sampling_mask"] = True
+                body["sampling_logprobs_mode"] = "selected"
             flight.sent = True
             try:
                 out = await self.client.call("POST", "/generate", json_body=body)
@@ -414,10 +581,18 @@ class SGLangHTTPEngine:
                 if flight.was_aborted():  # the server refused a request aborted before prefill
                     return assemble(req, [], [], [], "abort", who=self.who)
                 raise
-            return read_output(req, out, fallback=self._version, who=self.who)
+            return read_output(req, out, fallback=self._version, who=self.who, sampling_mask=mask)
         finally:
             del self._inflight[rid]
             flight.done.set()
+
+    def _wants_sampling_mask(self, request: GenerationRequest) -> bool:
+        return wants_sampling_mask(
+            request,
+            who=self.who,
+            mask_max_tokens=self._mask_max_tokens,
+            sampling_backend=self._sampling_backend,
+        )
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         targets = mark_aborted(self._inflight, self.who, request_ids)
