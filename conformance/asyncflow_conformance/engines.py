@@ -737,25 +737,26 @@ class InferenceEngineConformance(_Suite):
         )
         return result
 
+    async def _measure(self, engine: InferenceEngine, pace: _Pace) -> None:
+        """For an engine without a progress hook, time one long request alone (before the
+        requests a law acts on are submitted), unless the pace has a measurement."""
+        if pace.full_s is None and self.progress(engine) is None:
+            request = self._request("pace", 0, self.long_max_tokens, seed=424_242)
+            await self._timed(engine, request, pace)
+
     async def _when_generating(
         self, engine: InferenceEngine, gens: Sequence[_Gen], tokens: int, pace: _Pace
     ) -> str:
         """Return when ``gens`` are generating: each has ``tokens`` tokens (or has ended), by
-        the ``progress`` hook; without one, after the pace's next delay (a long request is
-        measured first if the pace has no measurement). Every submitted ``generate`` has
-        reached its first await by then, so its request is in flight. Returns how it waited,
-        for messages."""
+        the ``progress`` hook; without one, after the pace's next delay (``_measure`` first).
+        Every submitted ``generate`` has reached its first await by then, so its request is
+        in flight. Returns how it waited, for messages."""
         await asyncio.sleep(0)  # each submitted generate runs to its first await: in flight
         hook = self.progress(engine)
         if hook is not None:
             for gen in gens:
                 await self._wait_for_tokens(hook, gen, tokens)
             return f"once wait_for_tokens(..., {tokens}) returned"
-        if pace.full_s is None:
-            seed = 424_242 + len(gens)
-            await self._timed(
-                engine, self._request("pace", 0, self.long_max_tokens, seed=seed), pace
-            )
         delay = pace.next()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -851,13 +852,13 @@ class InferenceEngineConformance(_Suite):
             for attempt in range(self.max_attempts):
                 seeds = [50 + i + 7919 * attempt for i in range(3)]
                 requests = [
-                    self._request(f"abort-{attempt}-{i}", 3 + i, self.long_max_tokens, seed=s)
-                    for i, s in enumerate(seeds)
+                    self._long(f"abort-{attempt}-{i}", 3 + i, s) for i, s in enumerate(seeds)
                 ]
                 full: dict[str, GenerationResult] = {}
                 if self.supports_seed_determinism:
                     for r in requests[:2]:
                         full[r.request_id] = await self._timed(engine, r, pace)
+                await self._measure(engine, pace)
                 gens = [self._submit(engine, r) for r in requests]
                 when = await self._when_generating(engine, gens[:2], 1, pace)
                 named = [r.request_id for r in requests[:2]]
@@ -906,9 +907,7 @@ class InferenceEngineConformance(_Suite):
         async def body(engine: InferenceEngine) -> None:
             outcomes: list[str] = []
             for attempt in range(3):
-                request = self._request(
-                    f"early-abort-{attempt}", 4, self.long_max_tokens, seed=77 + attempt
-                )
+                request = self._long(f"early-abort-{attempt}", 4, 77 + attempt)
                 gen = self._submit(engine, request)
                 await asyncio.sleep(0)  # generate ran to its first await: in flight
                 await self._wait(engine.abort([request.request_id]), "abort([...])")
@@ -957,9 +956,8 @@ class InferenceEngineConformance(_Suite):
         seen: list[str] = []
         hook = self.progress(engine)
         for attempt in range(self.max_attempts):
-            request = self._request(
-                f"{tag}-partial-{attempt}", 2, self.long_max_tokens, seed=11 + 7919 * attempt
-            )
+            request = self._long(f"{tag}-partial-{attempt}", 2, 11 + 7919 * attempt)
+            await self._measure(engine, pace)
             gen = self._submit(engine, request)
             when = await self._when_generating(engine, [gen], 1, pace)
             await self._wait(engine.abort([request.request_id]), "abort([...])")
@@ -1034,6 +1032,7 @@ class InferenceEngineConformance(_Suite):
             pace = _Pace()
             seen: list[str] = []
             for attempt in range(self.max_attempts):
+                await self._measure(engine, pace)
                 gens = [
                     self._submit(
                         engine, self._long(f"keep-{attempt}-{i}", 5 + i, 900 + i + 7919 * attempt)
@@ -1102,6 +1101,7 @@ class InferenceEngineConformance(_Suite):
             pace = _Pace()
             seen: list[str] = []
             for attempt in range(self.max_attempts):
+                await self._measure(engine, pace)
                 gens = [
                     self._submit(
                         engine,
@@ -1198,6 +1198,7 @@ class InferenceEngineConformance(_Suite):
             self._require(engine, SupportsLoadWeights, "SupportsLoadWeights")
             base = engine.weight_version
             pace = _Pace()
+            await self._measure(engine, pace)
             gens = [
                 self._submit(engine, self._request(f"swap-{i}", 12 + i, self.long_max_tokens))
                 for i in range(2)
