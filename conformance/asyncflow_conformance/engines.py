@@ -48,6 +48,7 @@ import dataclasses
 import inspect
 import math
 import tempfile
+import zlib
 from collections import Counter
 from collections.abc import (
     AsyncIterator,
@@ -762,6 +763,18 @@ class InferenceEngineConformance(_Suite):
             await asyncio.sleep(delay)
         return f"{delay:.4f} s after submission (no progress hook; paced)"
 
+    async def _three_generating(
+        self, engine: InferenceEngine, tag: str, index: int, pace: _Pace
+    ) -> tuple[list[_Gen], str]:
+        """Three long requests (prompts ``index``, ``index + 1``, ``index + 2``; seeds from the
+        tag, so each attempt draws anew), returned once they are generating."""
+        await self._measure(engine, pace)
+        seed = zlib.crc32(tag.encode())
+        gens = [
+            self._submit(engine, self._long(f"{tag}-{i}", index + i, seed + i)) for i in range(3)
+        ]
+        return gens, await self._when_generating(engine, gens, 1, pace)
+
     async def _wait_for_tokens(self, hook: ProgressHook, gen: _Gen, tokens: int) -> None:
         rid = gen.request.request_id
         if gen.task.done():
@@ -1032,14 +1045,7 @@ class InferenceEngineConformance(_Suite):
             pace = _Pace()
             seen: list[str] = []
             for attempt in range(self.max_attempts):
-                await self._measure(engine, pace)
-                gens = [
-                    self._submit(
-                        engine, self._long(f"keep-{attempt}-{i}", 5 + i, 900 + i + 7919 * attempt)
-                    )
-                    for i in range(3)
-                ]
-                when = await self._when_generating(engine, gens, 1, pace)
+                gens, when = await self._three_generating(engine, f"keep-{attempt}", 5, pace)
                 await self._wait(engine.pause("keep"), "pause('keep')")
                 waiting: _Gen | None = None
                 try:
@@ -1101,15 +1107,7 @@ class InferenceEngineConformance(_Suite):
             pace = _Pace()
             seen: list[str] = []
             for attempt in range(self.max_attempts):
-                await self._measure(engine, pace)
-                gens = [
-                    self._submit(
-                        engine,
-                        self._long(f"pause-abort-{attempt}-{i}", 6 + i, 700 + i + 7919 * attempt),
-                    )
-                    for i in range(3)
-                ]
-                when = await self._when_generating(engine, gens, 1, pace)
+                gens, when = await self._three_generating(engine, f"pause-abort-{attempt}", 6, pace)
                 await self._wait(engine.pause("abort"), "pause('abort')")
                 try:
                     results = []
