@@ -123,6 +123,26 @@ class ThreadedTrainer(abc.ABC):
 
 
 # --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+def unique_named_tensors(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """Every parameter and persistent buffer of ``module`` once, in ``state_dict`` order: a
+    tied tensor (an LM head sharing the embedding) under its first name only
+    (``model.embed_tokens.weight`` for Qwen2/Llama, the name vLLM and SGLang load it under;
+    their loaders skip ``lm_head.weight`` when ``tie_word_embeddings`` is set)."""
+    by_name: dict[str, Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    by_name.update(module.named_buffers(remove_duplicate=False))
+    named: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+    for n in module.state_dict(keep_vars=True):
+        tensor = by_name.get(n)
+        if tensor is not None and id(tensor) not in seen:
+            seen.add(id(tensor))
+            named.append((n, tensor))
+    return named
+
+
+# --------------------------------------------------------------------------------------------
 # Token fields
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -369,5 +389,6 @@ __all__ = [
     "slice_batch",
     "token_field",
     "token_rows",
+    "unique_named_tensors",
     "worker_thread",
 ]

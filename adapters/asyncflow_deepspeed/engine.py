@@ -35,6 +35,7 @@ from asyncflow_core.lmtrain import (
     is_int,
     slice_batch,
     token_rows,
+    unique_named_tensors,
     worker_thread,
 )
 from asyncflow_core.platform import Platform, current_platform, select_platform
@@ -612,21 +613,9 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
     # -- weights -------------------------------------------------------------------------------
     def _named(self) -> list[tuple[str, Tensor]]:
-        """Every parameter and buffer once, in ``state_dict`` order: a tied tensor (an LM head
-        sharing the embedding) under its first name only (``model.embed_tokens.weight`` for
-        Qwen2/Llama, the name vLLM and SGLang load it under; their loaders skip
-        ``lm_head.weight`` when ``tie_word_embeddings`` is set)."""
-        module = self._engine.module
-        by_name: dict[str, Tensor] = dict(module.named_parameters(remove_duplicate=False))
-        by_name.update(module.named_buffers(remove_duplicate=False))
-        named: list[tuple[str, Tensor]] = []
-        seen: set[int] = set()
-        for n in module.state_dict(keep_vars=True):
-            tensor = by_name.get(n)
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                named.append((n, tensor))
-        return named
+        """Every parameter and buffer once (``unique_named_tensors``: a tied LM head under the
+        embedding's name only)."""
+        return unique_named_tensors(self._engine.module)
 
     def _plan(self, bucket_bytes: int) -> list[list[tuple[str, Tensor]]]:
         """Buckets of (name, parameter) by full size (ZeRO-3 parameters hold only a shard)."""
