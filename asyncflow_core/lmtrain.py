@@ -14,6 +14,10 @@ micro-batches the same way.
 * ``check_loss`` validates what a ``LossFn`` returned; ``MetricMeans`` averages its metrics
   over micro-batches with the weights the gradients used.
 * ``worker_thread`` is the single-thread executor a trainer runs its torch work on.
+* ``AdamWTrainer`` is the whole single-process training loop (AdamW, micro-batches weighted
+  by response tokens, clipping, export, checkpoints) over one hook, ``_response_logprobs``:
+  the reference trainer and ``asyncflow_hf.HFTrainEngine`` are that loop over their models.
+  ``write_checkpoint`` / ``read_checkpoint`` are its checkpoint files.
 
 Every check raises ``EngineError`` naming the trainer (``who``), the field and what to do.
 """
@@ -22,20 +26,25 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import math
+import operator
+import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+import safetensors.torch
 import torch
 from torch import Tensor
 
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, WeightBucket
-from asyncflow_core.sampling import row_sampling, sampled_logprobs
+from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
+from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
+from asyncflow_core.sampling import OFF_SUPPORT_METRIC, row_sampling, sampled_logprobs
+from asyncflow_core.weightsync import bucketize
 
 _T = TypeVar("_T")
 
@@ -380,15 +389,344 @@ class MetricMeans:
         return {k: self.sums[k] / self.shares[k] for k in self.sums if self.shares[k] > 0}
 
 
+# --------------------------------------------------------------------------------------------
+# Constructor checks
+# --------------------------------------------------------------------------------------------
+def check_seed(who: str, seed: object) -> int:
+    """``seed`` as an int in ``[0, 2**63)``, else ``ConfigError``."""
+    value = operator.index(seed) if is_int(seed) else -1  # type: ignore[arg-type]
+    if not 0 <= value < 2**63:
+        raise ConfigError(f"{who}: seed must be an int in [0, 2**63), got {seed!r}")
+    return value
+
+
+def check_number(
+    who: str, field: str, value: object, *, zero_ok: bool = False, hint: str = ""
+) -> float:
+    """``value`` as a float when it is a finite real number > 0 (>= 0 with ``zero_ok``), else
+    ``ConfigError`` naming ``field`` and what it must be (``hint`` completes that)."""
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not (value >= 0 if zero_ok else value > 0)
+    ):
+        want = f"a number {'>=' if zero_ok else '>'} 0{hint}"
+        raise ConfigError(f"{who}: {field} must be {want}, got {value!r}")
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint files
+# --------------------------------------------------------------------------------------------
+CHECKPOINT_WEIGHTS = "model.safetensors"
+CHECKPOINT_OPTIMIZER = "optimizer.pt"
+CHECKPOINT_META = "trainer.json"
+
+
+def write_checkpoint(
+    path: Path, weights: Mapping[str, Tensor], optimizer: Mapping[str, Any], meta: Mapping[str, Any]
+) -> None:
+    """The directory ``path`` with ``model.safetensors`` (``weights``: each tensor once;
+    safetensors refuses tensors that share memory), ``optimizer.pt`` (``torch.save`` of the
+    optimizer's ``state_dict``: tensors and plain values only, read back with
+    ``weights_only=True``) and ``trainer.json`` (``meta``), each written under a temporary name
+    and renamed, ``trainer.json`` last: a checkpoint whose ``trainer.json`` is there is
+    complete (one being overwritten loses its ``trainer.json`` first)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CHECKPOINT_META).unlink(missing_ok=True)
+    tmp = f".tmp-{os.getpid()}"
+    weights_tmp = path / (CHECKPOINT_WEIGHTS + tmp)
+    optimizer_tmp = path / (CHECKPOINT_OPTIMIZER + tmp)
+    meta_tmp = path / (CHECKPOINT_META + tmp)
+    state = {n: t.detach().contiguous().cpu() for n, t in weights.items()}
+    safetensors.torch.save_file(state, str(weights_tmp), metadata={"format": "pt"})
+    torch.save(dict(optimizer), optimizer_tmp)
+    meta_tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(weights_tmp, path / CHECKPOINT_WEIGHTS)
+    os.replace(optimizer_tmp, path / CHECKPOINT_OPTIMIZER)
+    os.replace(meta_tmp, path / CHECKPOINT_META)
+
+
+def read_checkpoint(
+    path: Path, *, who: str, format: str, writer: str
+) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+    """``(meta, weights, optimizer state)`` of a checkpoint ``write_checkpoint`` wrote with
+    ``meta["format"] == format``; ``EngineError`` saying it "is not readable" (missing,
+    truncated, another format; pass a directory written by ``writer``) otherwise. Nothing is
+    unpickled beyond tensors and plain values (``weights_only=True``)."""
+    try:
+        meta = json.loads((path / CHECKPOINT_META).read_text())
+        if not isinstance(meta, dict) or meta.get("format") != format:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise ValueError(f"format {found!r}, expected {format}")
+        weights = safetensors.torch.load_file(str(path / CHECKPOINT_WEIGHTS))
+        optimizer = torch.load(path / CHECKPOINT_OPTIMIZER, weights_only=True)
+        if not isinstance(optimizer, dict):
+            raise ValueError(f"{CHECKPOINT_OPTIMIZER} holds a {type(optimizer).__name__}")
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AsyncFlowError) as exc:
+        raise EngineError(
+            f"{who}: checkpoint {str(path)!r} is not readable ({exc}); pass a directory "
+            f"written by {writer}"
+        ) from exc
+    return meta, weights, optimizer
+
+
+# --------------------------------------------------------------------------------------------
+# The single-process training loop
+# --------------------------------------------------------------------------------------------
+class AdamWTrainer(ThreadedTrainer):
+    """A ``TrainEngine`` that trains ``self.model`` in this process with AdamW, on one worker
+    thread. A subclass calls ``__init__`` (the optimizer settings, checked), sets ``model``,
+    calls ``_start(threads)`` and implements ``_prepare`` (a ``Batch`` as checked
+    ``TokenRows``), ``_response_logprobs`` (``[b, R]`` log-probs of a ``TokenRows`` part, with
+    gradients when they are enabled) and ``_model_config`` / ``_other_model`` (what a
+    checkpoint records of the model, and why a recorded one is not this model).
+
+    **Steps.** ``train_step(batch, loss_fn)`` splits the rows into consecutive micro-batches
+    of ``micro_batch_size`` and calls ``loss_fn(logprobs, part)`` on each (``part``: the
+    micro-batch's own ``Batch``). Each micro-batch's loss is weighted by its share of the
+    batch's response tokens before its backward, so for losses that average over response
+    tokens the accumulated gradient equals one full-batch step; a micro-batch without response
+    tokens is skipped. Then the gradient norm is clipped to ``max_grad_norm`` (``None``: not
+    clipped, still reported), AdamW steps and ``weight_version`` adds 1. A non-finite loss or
+    gradient, or a bad loss value, raises ``EngineError`` and changes nothing.
+    ``TrainMetrics.extra``: the loss function's metrics (token-weighted means),
+    ``micro_batches`` and ``logprobs_off_support`` (``OFF_SUPPORT_METRIC``).
+
+    **Weights** travel under ``state_dict`` names, each tensor once (``unique_named_tensors``:
+    a tied LM head under the embedding's name), snapshotted on the worker thread.
+    **Checkpoints**: ``write_checkpoint`` files with ``meta = {format: checkpoint_format,
+    version, model_config, optimizer}``; loading checks the format, the model config and every
+    tensor's name and shape before it changes anything."""
+
+    checkpoint_format: ClassVar[str]
+    model: torch.nn.Module
+    _optimizer: torch.optim.AdamW
+    _closed: bool = False
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        who: str,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        max_grad_norm: float | None,
+        micro_batch_size: int,
+        temperature: float,
+        seed: int,
+    ) -> None:
+        self.lr = check_number(who, "lr", lr)
+        self.weight_decay = check_number(who, "weight_decay", weight_decay, zero_ok=True)
+        if (
+            not isinstance(betas, tuple | list)
+            or len(betas) != 2
+            or not all(isinstance(b, int | float) and 0 <= b < 1 for b in betas)
+        ):
+            raise ConfigError(f"{who}: betas must be two numbers in [0, 1), got {betas!r}")
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.max_grad_norm = (
+            None
+            if max_grad_norm is None
+            else check_number(who, "max_grad_norm", max_grad_norm, hint=" or None (no clipping)")
+        )
+        if not is_int(micro_batch_size) or micro_batch_size < 1:
+            raise ConfigError(
+                f"{who}: micro_batch_size must be an int >= 1, got {micro_batch_size!r}"
+            )
+        self.micro_batch_size = int(micro_batch_size)
+        self.temperature = check_number(
+            who,
+            "temperature",
+            temperature,
+            hint=" (the rollout's temperature; use 1 for greedy rollouts)",
+        )
+        self.seed = check_seed(who, seed)
+        self.name = name
+        self._version: Version = 0
+
+    def _start(self, threads: int | None, who: str) -> None:
+        """The optimizer over ``self.model``'s parameters, and the worker thread."""
+        self._optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.lr,
+            betas=self.betas,
+            weight_decay=self.weight_decay,
+            eps=1e-8,
+        )
+        self._executor = worker_thread(self.name, threads, who)
+
+    @property
+    def weight_version(self) -> Version:
+        return self._version
+
+    async def close(self) -> None:
+        """Stop the worker thread (after the call in progress)."""
+        self._closed = True
+        self._executor.shutdown(wait=False)
+
+    async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
+        if self._closed:
+            raise EngineError(f"{self.name}: called after close(); build a new engine")
+        return await super()._run(fn, *args)
+
+    # -- what a subclass implements (on the worker thread) -------------------------------------
+    @abc.abstractmethod
+    def _prepare(self, batch: Batch) -> TokenRows:
+        """The batch's rows, checked against the model (``token_rows``)."""
+
+    @abc.abstractmethod
+    def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
+        """``[b, R]`` fp32 log-probs of ``rows``' response tokens under each row's sampling
+        distribution (``TokenRows.logprobs``; 0 beyond each row's length), with gradients when
+        they are enabled, and how many tokens were off their row's support."""
+
+    @abc.abstractmethod
+    def _model_config(self) -> dict[str, Any]:
+        """The model's config as plain JSON values (``model_config`` of a checkpoint)."""
+
+    @abc.abstractmethod
+    def _other_model(self, saved: object) -> str | None:
+        """Why a checkpoint's ``model_config`` is not this model's (e.g. which fields differ),
+        or None when it is."""
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _compute_logprobs(self, batch: Batch) -> Tensor:
+        rows = self._prepare(batch)
+        b = len(rows)
+        mbs = self.micro_batch_size
+        with torch.no_grad():
+            parts = [self._response_logprobs(rows.part(s, s + mbs))[0] for s in range(0, b, mbs)]
+        return torch.cat(parts) if parts else torch.zeros(0, rows.response.shape[1])
+
+    def _split(self, batch: Batch, b: int) -> list[tuple[int, int, Batch]]:
+        mbs = self.micro_batch_size
+        if b <= mbs:
+            return [(0, b, batch)]
+        spans = [(s, min(s + mbs, b)) for s in range(0, b, mbs)]
+        return [(s, e, slice_batch(self.name, batch, s, e)) for s, e in spans]
+
+    def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        rows = self._prepare(batch)
+        b = len(rows)
+        if b == 0:
+            raise EngineError(f"{self.name}: train_step got an empty batch; pass at least 1 row")
+        parts = self._split(batch, b)  # validates every field before any compute
+        total = rows.response_tokens
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        loss_sum = 0.0
+        off_support = 0
+        means = MetricMeans(self.name)
+        self._optimizer.zero_grad(set_to_none=True)
+        try:
+            for start, stop, part in parts:
+                tokens = int(rows.rlen[start:stop].sum())
+                weight = tokens / total if total else (stop - start) / b
+                if weight == 0:
+                    continue
+                logprobs, off = self._response_logprobs(rows.part(start, stop))
+                off_support += off
+                loss, metrics = check_loss(self.name, loss_fn(logprobs, part))
+                (loss * weight).backward()  # type: ignore[no-untyped-call]
+                loss_sum += weight * float(loss.detach())
+                means.add(weight, metrics)
+            max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            if not math.isfinite(grad_norm):
+                raise EngineError(
+                    f"{self.name}: the gradient norm is {grad_norm}; the step was skipped and "
+                    "nothing changed (check the loss and the learning rate)"
+                )
+            self._optimizer.step()
+        finally:
+            self._optimizer.zero_grad(set_to_none=True)
+        self._version += 1
+        extra = means.means()
+        extra["micro_batches"] = float(len(parts))
+        extra[OFF_SUPPORT_METRIC] = float(off_support)
+        return TrainMetrics(
+            version=self._version,
+            loss=loss_sum,
+            grad_norm=grad_norm,
+            samples=b,
+            tokens=rows.tokens,
+            extra=extra,
+        )
+
+    # -- weights -------------------------------------------------------------------------------
+    async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        named: list[tuple[str, Tensor]] = await self._run(self._snapshot)
+        for bucket in bucketize(named, bucket_bytes):
+            yield bucket
+
+    def _snapshot(self) -> list[tuple[str, Tensor]]:
+        """A copy (on the CPU) of every tensor ``export_weights`` sends, taken on the worker
+        thread so that no step runs halfway through it."""
+        return [(n, t.detach().to("cpu", copy=True)) for n, t in unique_named_tensors(self.model)]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _save(self, path: Path) -> None:
+        meta = {
+            "format": self.checkpoint_format,
+            "version": self._version,
+            "model_config": self._model_config(),
+            "optimizer": {
+                "type": "AdamW",
+                "lr": self.lr,
+                "betas": list(self.betas),
+                "weight_decay": self.weight_decay,
+            },
+        }
+        weights = dict(unique_named_tensors(self.model))
+        write_checkpoint(path, weights, self._optimizer.state_dict(), meta)
+
+    def _load(self, path: Path) -> None:
+        writer = f"{type(self).__name__}.save_checkpoint"
+        meta, weights, optimizer_state = read_checkpoint(
+            path, who=self.name, format=self.checkpoint_format, writer=writer
+        )
+        where = f"{self.name}: checkpoint {str(path)!r}"
+        version = meta.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise EngineError(
+                f"{where} is not readable (version {version!r}); pass a directory written by "
+                f"{writer}"
+            )
+        other = self._other_model(meta.get("model_config"))
+        if other is not None:
+            raise EngineError(f"{where} {other}")
+        own = unique_named_tensors(self.model)
+        if set(weights) != {n for n, _ in own} or any(weights[n].shape != t.shape for n, t in own):
+            raise EngineError(f"{where}: its tensors do not match the model's parameters")
+        try:
+            self._optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EngineError(f"{where}: optimizer state does not fit ({exc})") from exc
+        with torch.no_grad():
+            for n, t in own:  # in place: a tied tensor is one object, so both ends follow
+                t.copy_(weights[n])
+        self._version = version
+
+
 __all__ = [
+    "CHECKPOINT_META",
+    "CHECKPOINT_OPTIMIZER",
+    "CHECKPOINT_WEIGHTS",
+    "AdamWTrainer",
     "MetricMeans",
     "ThreadedTrainer",
     "TokenRows",
     "check_loss",
+    "check_number",
+    "check_seed",
     "is_int",
+    "read_checkpoint",
     "slice_batch",
     "token_field",
     "token_rows",
     "unique_named_tensors",
     "worker_thread",
+    "write_checkpoint",
 ]

@@ -41,46 +41,38 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import json
 import math
-import operator
-import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import safetensors.torch
 import torch
 from torch import Tensor
 
 from asyncflow_core.enginekit import check_request
 from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
 from asyncflow_core.lmtrain import (
-    MetricMeans,
-    ThreadedTrainer,
+    CHECKPOINT_META,
+    CHECKPOINT_OPTIMIZER,
+    CHECKPOINT_WEIGHTS,
+    AdamWTrainer,
     TokenRows,
-    check_loss,
-    slice_batch,
     token_rows,
     worker_thread,
 )
+from asyncflow_core.lmtrain import check_seed as _check_seed
 from asyncflow_core.lmtrain import is_int as _is_int
 from asyncflow_core.protocols import (
     Batch,
     FinishReason,
     GenerationRequest,
     GenerationResult,
-    LossFn,
     SamplingParams,
-    TrainMetrics,
     Version,
-    WeightBucket,
 )
-from asyncflow_core.sampling import OFF_SUPPORT_METRIC, filter_logits
-from asyncflow_core.weightsync import bucketize
+from asyncflow_core.sampling import filter_logits
 from asyncflow_reference.model import KVCache, ModelConfig, TransformerLM
 
 _T = TypeVar("_T")
@@ -98,13 +90,6 @@ def _take_model(model_or_config: TransformerLM | ModelConfig, seed: int, who: st
     raise ConfigError(
         f"{who} takes a ModelConfig or a TransformerLM, got {type(model_or_config).__name__}"
     )
-
-
-def _check_seed(who: str, seed: object) -> int:
-    value = operator.index(seed) if _is_int(seed) else -1  # type: ignore[arg-type]
-    if not 0 <= value < 2**63:
-        raise ConfigError(f"{who}: seed must be an int in [0, 2**63), got {seed!r}")
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -885,14 +870,8 @@ class TorchInferenceEngine:
 # --------------------------------------------------------------------------------------------
 # Train engine
 # --------------------------------------------------------------------------------------------
-CHECKPOINT_WEIGHTS = "model.safetensors"
-CHECKPOINT_OPTIMIZER = "optimizer.pt"
-CHECKPOINT_META = "trainer.json"
-_CHECKPOINT_FORMAT = "asyncflow-torch-trainer/1"
-
-
-class TorchTrainEngine(ThreadedTrainer):
-    """Trains a ``TransformerLM`` with AdamW.
+class TorchTrainEngine(AdamWTrainer):
+    """Trains a ``TransformerLM`` with AdamW (``asyncflow_core.lmtrain.AdamWTrainer``).
 
     ``TorchTrainEngine(model_or_config, *, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
     max_grad_norm=1.0, micro_batch_size=32, seed=0, temperature=1.0, name=...,
@@ -944,6 +923,9 @@ class TorchTrainEngine(ThreadedTrainer):
     responsive. ``close()`` stops that thread.
     """
 
+    checkpoint_format = "asyncflow-torch-trainer/1"
+    model: TransformerLM
+
     def __init__(
         self,
         model_or_config: TransformerLM | ModelConfig,
@@ -959,81 +941,20 @@ class TorchTrainEngine(ThreadedTrainer):
         threads: int | None = None,
     ) -> None:
         who = f"TorchTrainEngine {name!r}"
-
-        def number(field_name: str, value: object, ok: bool, want: str) -> float:
-            if (
-                not isinstance(value, int | float)
-                or isinstance(value, bool)
-                or not math.isfinite(value)
-                or not ok
-            ):
-                raise ConfigError(f"{who}: {field_name} must be {want}, got {value!r}")
-            return float(value)
-
-        self.lr = number("lr", lr, isinstance(lr, int | float) and lr > 0, "a number > 0")
-        self.weight_decay = number(
-            "weight_decay",
-            weight_decay,
-            isinstance(weight_decay, int | float) and weight_decay >= 0,
-            "a number >= 0",
+        super().__init__(
+            name=name,
+            who=who,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            max_grad_norm=max_grad_norm,
+            micro_batch_size=micro_batch_size,
+            temperature=temperature,
+            seed=seed,
         )
-        if (
-            not isinstance(betas, tuple | list)
-            or len(betas) != 2
-            or not all(isinstance(b, int | float) and 0 <= b < 1 for b in betas)
-        ):
-            raise ConfigError(f"{who}: betas must be two numbers in [0, 1), got {betas!r}")
-        self.betas = (float(betas[0]), float(betas[1]))
-        if max_grad_norm is not None:
-            number(
-                "max_grad_norm",
-                max_grad_norm,
-                isinstance(max_grad_norm, int | float) and max_grad_norm > 0,
-                "a number > 0 or None (no clipping)",
-            )
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        if not _is_int(micro_batch_size) or micro_batch_size < 1:
-            raise ConfigError(
-                f"{who}: micro_batch_size must be an int >= 1, got {micro_batch_size!r}"
-            )
-        self.micro_batch_size = int(micro_batch_size)
-        self.temperature = number(
-            "temperature",
-            temperature,
-            isinstance(temperature, int | float) and temperature > 0,
-            "a number > 0 (the rollout's temperature; use 1 for greedy rollouts)",
-        )
-        self.seed = _check_seed(who, seed)
-        self.name = name
         self.model = _take_model(model_or_config, self.seed, who).train().requires_grad_(True)
         self.config: ModelConfig = self.model.config
-        self._optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.lr,
-            betas=self.betas,
-            weight_decay=self.weight_decay,
-            eps=1e-8,
-        )
-        self._version: Version = 0
-        self._executor = worker_thread(name, threads, who)
-
-    @property
-    def weight_version(self) -> Version:
-        return self._version
-
-    async def close(self) -> None:
-        """Stop the worker thread (after the call in progress)."""
-        self._executor.shutdown(wait=False)
-
-    # ---- internals ---------------------------------------------------------------------------
-    async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        named: list[tuple[str, Tensor]] = await self._run(self._snapshot)
-        for bucket in bucketize(named, bucket_bytes):
-            yield bucket
-
-    def _snapshot(self) -> list[tuple[str, Tensor]]:
-        # tied weights travel once, under the embedding's name (model.TIED)
-        return [(n, t.detach().clone()) for n, t in self.model.unique_state().items()]
+        self._start(threads, who)
 
     def _prepare(self, batch: Batch) -> TokenRows:
         return token_rows(
@@ -1045,8 +966,6 @@ class TorchTrainEngine(ThreadedTrainer):
         )
 
     def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
-        """``[b, R]`` log-probs of the response tokens under each row's sampling distribution
-        (0 beyond each row's length), and how many tokens were off its support."""
         b, r = rows.response.shape
         if r == 0 or b == 0:
             return torch.zeros(b, r), 0
@@ -1055,120 +974,17 @@ class TorchTrainEngine(ThreadedTrainer):
         picked = hidden.gather(1, source.unsqueeze(2).expand(b, r, hidden.shape[2]))
         return rows.logprobs(self.model.head(picked))
 
-    def _compute_logprobs(self, batch: Batch) -> Tensor:
-        rows = self._prepare(batch)
-        b = rows.prompt.shape[0]
-        mbs = self.micro_batch_size
-        with torch.no_grad():
-            parts = [self._response_logprobs(rows.part(s, s + mbs))[0] for s in range(0, b, mbs)]
-        return torch.cat(parts) if parts else torch.zeros(0, rows.response.shape[1])
+    def _model_config(self) -> dict[str, Any]:
+        return asdict(self.config)
 
-    def _split(self, batch: Batch, b: int) -> list[tuple[int, int, Batch]]:
-        mbs = self.micro_batch_size
-        if b <= mbs:
-            return [(0, b, batch)]
-        spans = [(s, min(s + mbs, b)) for s in range(0, b, mbs)]
-        return [(s, e, slice_batch(self.name, batch, s, e)) for s, e in spans]
-
-    def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        rows = self._prepare(batch)
-        b = rows.prompt.shape[0]
-        if b == 0:
-            raise EngineError(f"{self.name}: train_step got an empty batch; pass at least 1 row")
-        parts = self._split(batch, b)  # validates every field before any compute
-        total = int(rows.rlen.sum())
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        loss_sum = 0.0
-        off_support = 0
-        means = MetricMeans(self.name)
-        self._optimizer.zero_grad(set_to_none=True)
+    def _other_model(self, saved: object) -> str | None:
         try:
-            for start, stop, part in parts:
-                tokens = int(rows.rlen[start:stop].sum())
-                weight = tokens / total if total else (stop - start) / b
-                if weight == 0:
-                    continue
-                logprobs, off = self._response_logprobs(rows.part(start, stop))
-                off_support += off
-                loss, metrics = check_loss(self.name, loss_fn(logprobs, part))
-                (loss * weight).backward()  # type: ignore[no-untyped-call]
-                loss_sum += weight * float(loss.detach())
-                means.add(weight, metrics)
-            max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            if not math.isfinite(grad_norm):
-                raise EngineError(
-                    f"{self.name}: the gradient norm is {grad_norm}; the step was skipped and "
-                    "nothing changed (check the loss and the learning rate)"
-                )
-            self._optimizer.step()
-        finally:
-            self._optimizer.zero_grad(set_to_none=True)
-        self._version += 1
-        extra = means.means()
-        extra["micro_batches"] = float(len(parts))
-        extra[OFF_SUPPORT_METRIC] = float(off_support)
-        return TrainMetrics(
-            version=self._version,
-            loss=loss_sum,
-            grad_norm=grad_norm,
-            samples=b,
-            tokens=int(rows.plen.sum()) + total,
-            extra=extra,
-        )
-
-    def _save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        state = {n: t.detach().contiguous() for n, t in self.model.unique_state().items()}
-        meta = {
-            "format": _CHECKPOINT_FORMAT,
-            "version": self._version,
-            "model_config": asdict(self.config),
-            "optimizer": {
-                "type": "AdamW",
-                "lr": self.lr,
-                "betas": list(self.betas),
-                "weight_decay": self.weight_decay,
-            },
-        }
-        tmp = f".tmp-{os.getpid()}"
-        weights_tmp = path / (CHECKPOINT_WEIGHTS + tmp)
-        optimizer_tmp = path / (CHECKPOINT_OPTIMIZER + tmp)
-        meta_tmp = path / (CHECKPOINT_META + tmp)
-        safetensors.torch.save_file(state, str(weights_tmp), metadata={"format": "pt"})
-        torch.save(self._optimizer.state_dict(), optimizer_tmp)
-        meta_tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(weights_tmp, path / CHECKPOINT_WEIGHTS)
-        os.replace(optimizer_tmp, path / CHECKPOINT_OPTIMIZER)
-        os.replace(meta_tmp, path / CHECKPOINT_META)
-
-    def _load(self, path: Path) -> None:
-        where = f"{self.name}: checkpoint {str(path)!r}"
-        try:
-            meta = json.loads((path / CHECKPOINT_META).read_text())
-            if meta.get("format") != _CHECKPOINT_FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {_CHECKPOINT_FORMAT}")
-            version = int(meta["version"])
-            config = ModelConfig(**meta["model_config"])
-            weights = safetensors.torch.load_file(str(path / CHECKPOINT_WEIGHTS))
-            optimizer_state = torch.load(path / CHECKPOINT_OPTIMIZER, weights_only=True)
-        except (OSError, ValueError, KeyError, TypeError, AsyncFlowError) as exc:
-            raise EngineError(
-                f"{where} is not readable ({exc}); pass a directory written by "
-                "TorchTrainEngine.save_checkpoint"
-            ) from exc
+            config = ModelConfig(**saved)  # type: ignore[arg-type]
+        except (TypeError, ValueError, AsyncFlowError) as exc:
+            return f"is not readable (model_config: {exc})"
         if config != self.config:
-            raise EngineError(f"{where} is for {config}, this engine's model is {self.config}")
-        own = self.model.unique_state()
-        if set(weights) != set(own) or any(weights[n].shape != own[n].shape for n in own):
-            raise EngineError(f"{where}: its tensors do not match the model's parameters")
-        try:
-            self._optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise EngineError(f"{where}: optimizer state does not fit ({exc})") from exc
-        weights.update({alias: weights[name] for alias, name in self.model.tied.items()})
-        self.model.load_state_dict(weights, strict=True)
-        self._version = version
+            return f"is for {config}, this engine's model is {self.config}"
+        return None
 
 
 # --------------------------------------------------------------------------------------------
