@@ -30,6 +30,7 @@ import json
 import math
 import operator
 import os
+import pickle
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+import safetensors
 import safetensors.torch
 import torch
 from torch import Tensor
@@ -464,10 +466,20 @@ def read_checkpoint(
         optimizer = torch.load(path / CHECKPOINT_OPTIMIZER, weights_only=True)
         if not isinstance(optimizer, dict):
             raise ValueError(f"{CHECKPOINT_OPTIMIZER} holds a {type(optimizer).__name__}")
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AsyncFlowError) as exc:
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        RuntimeError,
+        EOFError,
+        pickle.UnpicklingError,
+        safetensors.SafetensorError,
+        AsyncFlowError,
+    ) as exc:
         raise EngineError(
-            f"{who}: checkpoint {str(path)!r} is not readable ({exc}); pass a directory "
-            f"written by {writer}"
+            f"{who}: checkpoint {str(path)!r} is not readable ({type(exc).__name__}: {exc}); "
+            f"pass a directory written by {writer}"
         ) from exc
     return meta, weights, optimizer
 
@@ -478,10 +490,11 @@ def read_checkpoint(
 class AdamWTrainer(ThreadedTrainer):
     """A ``TrainEngine`` that trains ``self.model`` in this process with AdamW, on one worker
     thread. A subclass calls ``__init__`` (the optimizer settings, checked), sets ``model``,
-    calls ``_start(threads)`` and implements ``_prepare`` (a ``Batch`` as checked
-    ``TokenRows``), ``_response_logprobs`` (``[b, R]`` log-probs of a ``TokenRows`` part, with
-    gradients when they are enabled) and ``_model_config`` / ``_other_model`` (what a
-    checkpoint records of the model, and why a recorded one is not this model).
+    ``vocab_size`` and ``max_seq_len`` (what ``token_rows`` checks the rows against; ``None``:
+    no limit), calls ``_start(threads, who)`` and implements ``_response_logprobs`` (``[b, R]``
+    log-probs of a ``TokenRows`` part, with gradients when they are enabled) and
+    ``_model_config`` / ``_other_model`` (what a checkpoint records of the model, and why a
+    recorded one is not this model).
 
     **Steps.** ``train_step(batch, loss_fn)`` splits the rows into consecutive micro-batches
     of ``micro_batch_size`` and calls ``loss_fn(logprobs, part)`` on each (``part``: the
@@ -502,6 +515,8 @@ class AdamWTrainer(ThreadedTrainer):
 
     checkpoint_format: ClassVar[str]
     model: torch.nn.Module
+    vocab_size: int | None
+    max_seq_len: int | None
     _optimizer: torch.optim.AdamW
     _closed: bool = False
 
@@ -572,10 +587,16 @@ class AdamWTrainer(ThreadedTrainer):
             raise EngineError(f"{self.name}: called after close(); build a new engine")
         return await super()._run(fn, *args)
 
-    # -- what a subclass implements (on the worker thread) -------------------------------------
-    @abc.abstractmethod
+    # -- on the worker thread: a subclass implements the abstract ones -------------------------
     def _prepare(self, batch: Batch) -> TokenRows:
         """The batch's rows, checked against the model (``token_rows``)."""
+        return token_rows(
+            batch,
+            who=self.name,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            temperature=self.temperature,
+        )
 
     @abc.abstractmethod
     def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:

@@ -59,7 +59,6 @@ from asyncflow_core.lmtrain import (
     CHECKPOINT_WEIGHTS,
     AdamWTrainer,
     TokenRows,
-    token_rows,
     worker_thread,
 )
 from asyncflow_core.lmtrain import check_seed as _check_seed
@@ -954,16 +953,8 @@ class TorchTrainEngine(AdamWTrainer):
         )
         self.model = _take_model(model_or_config, self.seed, who).train().requires_grad_(True)
         self.config: ModelConfig = self.model.config
+        self.vocab_size, self.max_seq_len = self.config.vocab_size, self.config.max_seq_len
         self._start(threads, who)
-
-    def _prepare(self, batch: Batch) -> TokenRows:
-        return token_rows(
-            batch,
-            who=self.name,
-            vocab_size=self.config.vocab_size,
-            max_seq_len=self.config.max_seq_len,
-            temperature=self.temperature,
-        )
 
     def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
         b, r = rows.response.shape
