@@ -226,9 +226,10 @@ def _raised(exc: BaseException) -> str:
 class RewardRunner:
     """Scores completions with ``fn`` (see the module's contract), ``timeout_s`` per call
     (per row, or per batch for a batched reward) and at most ``max_concurrency`` calls at
-    once within one ``score`` call. Sync calls run in worker threads that the runner reuses (``close()`` ends the idle
-    ones); a call that outlives its timeout keeps its thread (counted in ``hung``), and once
-    ``max_hung`` such threads are alive, further rows fail at once rather than start more.
+    once within one ``score`` call. Sync calls run in worker threads that the runner reuses
+    (``close()`` ends the idle ones); a call that outlives its timeout keeps its thread
+    (counted in ``hung``), and once ``max_hung`` such threads are alive, further rows fail at
+    once rather than start more.
     ``name`` (default ``module:qualname``) is what errors call the reward."""
 
     def __init__(
