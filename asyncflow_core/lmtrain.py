@@ -85,10 +85,12 @@ class ThreadedTrainer(abc.ABC):
     at a time in call order: each checks its arguments on the caller's side and hands the work
     to ``_compute_logprobs(batch)``, ``_train_step(batch, loss_fn)``, ``_export(bucket_bytes)``
     (an async iterator of buckets), ``_save(path)`` / ``_load(path)``, which a subclass
-    implements. A subclass sets ``name`` and ``_executor`` (``worker_thread``)."""
+    implements. A subclass sets ``name`` and ``_executor`` (``worker_thread``), and
+    ``_closed`` when it closes (a call after that raises ``EngineError``)."""
 
     name: str
     _executor: ThreadPoolExecutor
+    _closed: bool = False
 
     async def compute_logprobs(self, batch: Batch) -> Tensor:
         return await self._run(self._compute_logprobs, batch)
@@ -113,6 +115,8 @@ class ThreadedTrainer(abc.ABC):
         await self._run(self._load, Path(path))
 
     async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
+        if self._closed:
+            raise EngineError(f"{self.name}: called after close(); build a new engine")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, *args)
 
@@ -518,7 +522,6 @@ class AdamWTrainer(ThreadedTrainer):
     vocab_size: int | None
     max_seq_len: int | None
     _optimizer: torch.optim.AdamW
-    _closed: bool = False
 
     def __init__(
         self,
@@ -581,11 +584,6 @@ class AdamWTrainer(ThreadedTrainer):
         """Stop the worker thread (after the call in progress)."""
         self._closed = True
         self._executor.shutdown(wait=False)
-
-    async def _run(self, fn: Callable[..., _T], *args: object) -> _T:
-        if self._closed:
-            raise EngineError(f"{self.name}: called after close(); build a new engine")
-        return await super()._run(fn, *args)
 
     # -- on the worker thread: a subclass implements the abstract ones -------------------------
     def _prepare(self, batch: Batch) -> TokenRows:
