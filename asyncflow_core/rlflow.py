@@ -721,7 +721,7 @@ class RLJob:
         if self._staged is None or self._staged.pending_version is None:
             return
         t0 = self._now()
-        timing = await self._staged.apply()  # takes the staged set before its first await
+        timing = await self._staged.apply()  # one swap at a time, the newest staged set
         if timing is not None:
             self._span("swap", "rollout", t0, True, timing.version)
 

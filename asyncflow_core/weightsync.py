@@ -1432,6 +1432,7 @@ class StagedUpdate:
         self.pause_mode = pause_mode
         self._ready = False
         self._transfer_s: dict[Version, float] = {}
+        self._lock: asyncio.Lock | None = None  # one swap at a time (made on the loop)
 
     @property
     def pending_version(self) -> Version | None:
@@ -1448,6 +1449,17 @@ class StagedUpdate:
         return self._transfer_s[version]
 
     async def apply(self) -> SyncTiming | None:
+        """Load the newest staged version into the engines (paused meanwhile) and return its
+        timing; None if nothing is staged. Callers at concurrent safe points take turns: a
+        second caller waits for the first swap to end, then applies what is staged by then
+        (so the engines load versions in order, and never resume while another swap is
+        loading)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._apply_staged()
+
+    async def _apply_staged(self) -> SyncTiming | None:
         staged = self.buffer.take()
         if staged is None:
             return None

@@ -364,6 +364,55 @@ def test_staged_update_keeps_only_the_newest_untaken_version() -> None:
     assert engine.loads == [2]
 
 
+class GatedEngine(PausableEngine):
+    """Its ``load_weights`` announces itself and waits for the test to release it."""
+
+    def __init__(self, versions: Sequence[int]) -> None:
+        super().__init__()
+        self.entered = {v: asyncio.Event() for v in versions}
+        self.release = {v: asyncio.Event() for v in versions}
+        self.loading = 0
+        self.overlapped = False
+
+    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        assert self.paused, "weights must only be swapped while paused"
+        self.loading += 1
+        self.overlapped |= self.loading > 1
+        self.entered[version].set()
+        await self.release[version].wait()
+        assert self.paused, "the engine was resumed while a swap was loading"
+        self.version = version
+        self.loads.append(version)
+        self.loading -= 1
+
+
+def test_staged_swaps_at_concurrent_safe_points_take_turns() -> None:
+    """Two rollout groups reach a safe point while a swap is loading (the first took v1,
+    then v2 was staged): the second swap waits for the first, so the engine loads v1 then v2,
+    never two at once, and is not resumed under a loading swap (a regression seen as
+    'after load_weights(version=3) its weight_version is 4' under load)."""
+    engine = GatedEngine([1, 2])
+    staged = StagedUpdate([engine])
+
+    async def go() -> None:
+        await staged.sync(bucketize(model_weights(), 1 << 20), version=1)
+        first = asyncio.create_task(staged.apply())
+        await engine.entered[1].wait()
+        await staged.sync(bucketize(model_weights(), 1 << 20), version=2)
+        second = asyncio.create_task(staged.apply())
+        engine.release[2].set()  # a second swap that overtook the first would finish now
+        for _ in range(50):  # event-loop steps, not time: let the second swap go its way
+            await asyncio.sleep(0)
+        assert not engine.entered[2].is_set(), "the second swap loaded during the first"
+        engine.release[1].set()
+        timings = await asyncio.gather(first, second)
+        assert [t.version for t in timings if t is not None] == [1, 2]
+
+    asyncio.run(go())
+    assert engine.loads == [1, 2] and engine.version == 2
+    assert not engine.overlapped and not engine.paused
+
+
 # --- the collective transport's wire, in one process ---------------------------------------
 class Loopback:
     """A ``BroadcastGroup`` of two ranks inside one process: what rank ``src`` broadcasts is
