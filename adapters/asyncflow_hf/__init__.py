@@ -8,14 +8,43 @@ model does (and raises ``MissingExtraError`` naming the extra when it is absent)
 
 from __future__ import annotations
 
+from asyncflow_hf.assets import build_tokenizer, gsm8k_rows, make_model_folder, write_gsm8k_jsonl
 from asyncflow_hf.compat import TESTED, require_transformers
+from asyncflow_hf.data import Prompt, load_prompts, render_prompt
+from asyncflow_hf.inference import HFInferenceEngine
 from asyncflow_hf.models import TINY, check_model_folder, load_causal_lm, tiny_config
+from asyncflow_hf.reward import (
+    RewardError,
+    RewardResult,
+    RewardRunner,
+    batched,
+    load_reward,
+    math_reward,
+    math_reward_strict,
+)
+from asyncflow_hf.train import HFTrainEngine
 
 __all__ = [
     "TESTED",
     "TINY",
+    "HFInferenceEngine",
+    "HFTrainEngine",
+    "Prompt",
+    "RewardError",
+    "RewardResult",
+    "RewardRunner",
+    "batched",
+    "build_tokenizer",
     "check_model_folder",
+    "gsm8k_rows",
     "load_causal_lm",
+    "load_prompts",
+    "load_reward",
+    "make_model_folder",
+    "math_reward",
+    "math_reward_strict",
+    "render_prompt",
     "require_transformers",
     "tiny_config",
+    "write_gsm8k_jsonl",
 ]

@@ -44,6 +44,7 @@ import itertools
 import logging
 import math
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -272,15 +273,27 @@ class HFInferenceEngine:
             )
 
     def _start(self) -> None:
-        if self._threads is None:
-            self._manager.start()
-            return
-        caller = torch.get_num_threads()
-        torch.set_num_threads(self._threads)  # the new thread takes the default
-        try:
-            self._manager.start()
-        finally:
-            torch.set_num_threads(caller)
+        """Start the manager's generation thread as a daemon (a thread takes its creator's
+        daemon flag, and the manager does not set one), with ``threads`` intra-op threads,
+        and stop it when this engine is garbage-collected unclosed: an engine nobody closed
+        must neither keep the process from exiting nor keep a model and its cache alive."""
+        manager, threads = self._manager, self._threads
+        failure: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                if threads is not None:
+                    torch.set_num_threads(threads)  # the generation thread's default
+                manager.start()
+            except BaseException as exc:
+                failure.append(exc)
+
+        starter = threading.Thread(target=start, name=f"{self.name}-start", daemon=True)
+        starter.start()
+        starter.join()
+        if failure:
+            raise failure[0]
+        weakref.finalize(self, _stop_unclosed, manager)
 
     # ---- protocol ------------------------------------------------------------------------
     @property
@@ -671,6 +684,13 @@ class HFInferenceEngine:
         return out
 
 
+def _stop_unclosed(manager: Any) -> None:
+    """``weakref.finalize`` of an engine that was never closed: ask its manager's thread to
+    stop (without waiting: this may run in any thread, at any time)."""
+    if manager.is_running():
+        manager.stop(block=False)
+
+
 def _settle(future: asyncio.Future[BaseException | None], value: BaseException | None) -> None:
     if not future.done():
         future.set_result(value)
@@ -687,8 +707,9 @@ def _make_sampler(cbl: Any, engine: HFInferenceEngine) -> Any:
         supported_kwargs: ClassVar[dict[str, type]] = {}
         ignored_kwargs: ClassVar[tuple[str, ...]] = ()
 
-        def __init__(self) -> None:
+        def __init__(self, owner: HFInferenceEngine) -> None:
             self.cb_ids: list[str] = []
+            self.engine = weakref.ref(owner)  # the manager must not keep the engine alive
 
         def fill_defaults(self, int32_tensor: Tensor) -> None:
             int32_tensor.fill_(0)
@@ -698,9 +719,12 @@ def _make_sampler(cbl: Any, engine: HFInferenceEngine) -> Any:
             return torch.zeros(len(self.cb_ids), dtype=torch.int32)
 
         def __call__(self, scores: Tensor, tensor_arg: Tensor) -> Tensor:
-            return engine._sample(self.cb_ids, scores)
+            owner = self.engine()
+            if owner is None:  # the engine is gone: its requests no longer matter
+                return scores
+            return owner._sample(self.cb_ids, scores)
 
-    return _Sampler()
+    return _Sampler(engine)
 
 
 __all__ = ["HFInferenceEngine"]

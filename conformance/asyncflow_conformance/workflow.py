@@ -746,6 +746,15 @@ class WorkflowConformance:
         """The reward function of a job (default: a cheap deterministic function)."""
         return float(sum(response) % 7) / 7.0 + 0.01 * len(response)
 
+    async def close_engine(self, engine: Any) -> None:
+        """Release an engine after its job, on the job's loop (default: its ``close()``, if it
+        has one); called for every rollout engine, the trainer and the reference."""
+        close = getattr(engine, "close", None)
+        if callable(close):
+            result = close()
+            if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
+                await result
+
     # -- pytest plumbing ---------------------------------------------------------------------
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "case" in metafunc.fixturenames:
@@ -787,7 +796,8 @@ class WorkflowConformance:
             recorder.fail_train_step_at = self.train_fault_at
         reward_fault = (self.reward_fault_at or batch + 1) if fault == "reward" else None
         run = WorkflowRun(case, config, recorder)
-        engines = record_engines(self.make_engines(), recorder)
+        made = self.make_engines()
+        engines = record_engines(made, recorder)
         lock = threading.Lock()
 
         def reward_fn(prompt: Sequence[int], response: Sequence[int]) -> float:
@@ -821,6 +831,9 @@ class WorkflowConformance:
                     if t is not me and not t.done() and id(_owner(t)) not in owned_ids
                 )
             )
+            for engine in (*made.rollout, made.trainer, made.reference):
+                if engine is not None:
+                    await self.close_engine(engine)
 
         t0 = time.perf_counter()
         error, timed_out, threads = _run_guarded(
