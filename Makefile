@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 TORCH_NPU_PIN := torch-npu==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest bench clean venv
+.PHONY: run run-hf test lint typecheck pytest bench clean venv
 
 venv: $(STAMP)
 
@@ -27,6 +27,11 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 
 run: $(STAMP)
 	$(VENV)/bin/asyncflow run
+
+# A Hugging Face model (a tiny random Qwen2) learns the shipped arithmetic word problems with
+# the built-in math reward; the trained policy lands in the run folder's policy/ (README).
+run-hf: $(STAMP)
+	$(VENV)/bin/asyncflow run --set model.name=tiny-qwen2 --set rl.steps=150
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

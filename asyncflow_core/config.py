@@ -34,7 +34,10 @@ T = TypeVar("T")
 def load_config(
     cls: type[T], toml_path: str | Path | None = None, overrides: Sequence[str] = ()
 ) -> T:
-    """``cls()`` updated by the TOML file (if any) and then by each ``key=value`` override."""
+    """``cls()`` updated by the TOML file (if any) and then by each ``key=value`` override.
+    Each override is checked as it is applied (its section's ``validate``, with the override
+    named in the error); the whole config's ``validate`` runs once, after the last one, so
+    settings that depend on each other may come in any order."""
     cfg = cls()
     if toml_path is not None:
         path = Path(toml_path)
@@ -45,8 +48,13 @@ def load_config(
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
         cfg = merge(cfg, data, where=f"{path.name}: ")
+    if not overrides:
+        return cfg
     for item in overrides:
-        cfg = apply_override(cfg, item)
+        cfg = apply_override(cfg, item, check=False)
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        validate()
     return cfg
 
 
@@ -55,8 +63,9 @@ def merge(cfg: T, data: Mapping[str, Any], *, where: str = "") -> T:
     return _merge(cfg, data, prefix="", where=where)
 
 
-def apply_override(cfg: T, item: str) -> T:
-    """A copy of ``cfg`` with one ``dotted.key=value`` override applied."""
+def apply_override(cfg: T, item: str, *, check: bool = True) -> T:
+    """A copy of ``cfg`` with one ``dotted.key=value`` override applied (``check=False``:
+    without the top level's ``validate``, for a caller that validates once at the end)."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -71,7 +80,7 @@ def apply_override(cfg: T, item: str) -> T:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
-    return _merge(cfg, data, prefix="", where=f"--set {item}: ")
+    return _merge(cfg, data, prefix="", where=f"--set {item}: ", check=check)
 
 
 def keys(cfg: object, prefix: str = "") -> list[str]:
@@ -115,7 +124,7 @@ def _parse_value(text: str) -> Any:
         return text  # a bare word: a string
 
 
-def _merge(cfg: T, data: Mapping[str, Any], *, prefix: str, where: str) -> T:
+def _merge(cfg: T, data: Mapping[str, Any], *, prefix: str, where: str, check: bool = True) -> T:
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{where}{prefix.rstrip('.') or 'the config'} is a table; got {data!r}, expected "
@@ -138,7 +147,7 @@ def _merge(cfg: T, data: Mapping[str, Any], *, prefix: str, where: str) -> T:
             changes[name] = _coerce(value, hints[name], full, where)
     out = dataclasses.replace(cfg, **changes)  # type: ignore[type-var]
     validate = getattr(out, "validate", None)
-    if callable(validate):
+    if check and callable(validate):
         try:
             validate()
         except ConfigError as e:  # the same kind of error (a PlatformError, say), placed

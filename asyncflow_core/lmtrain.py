@@ -91,6 +91,22 @@ class ThreadedTrainer(abc.ABC):
     name: str
     _executor: ThreadPoolExecutor
     _closed: bool = False
+    vocab_size: int | None = None
+    """Token ids are checked to lie below it (None: not checked)."""
+    max_seq_len: int | None = None
+    """Prompt + response are checked to fit it (None: not checked)."""
+    temperature: float = 1.0
+    """The sampling temperature of a batch without the sampling fields."""
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        """The batch's rows, checked against the model (``token_rows``)."""
+        return token_rows(
+            batch,
+            who=self.name,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            temperature=self.temperature,
+        )
 
     async def compute_logprobs(self, batch: Batch) -> Tensor:
         return await self._run(self._compute_logprobs, batch)
@@ -586,16 +602,6 @@ class AdamWTrainer(ThreadedTrainer):
         self._executor.shutdown(wait=False)
 
     # -- on the worker thread: a subclass implements the abstract ones -------------------------
-    def _prepare(self, batch: Batch) -> TokenRows:
-        """The batch's rows, checked against the model (``token_rows``)."""
-        return token_rows(
-            batch,
-            who=self.name,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            temperature=self.temperature,
-        )
-
     @abc.abstractmethod
     def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
         """``[b, R]`` fp32 log-probs of ``rows``' response tokens under each row's sampling

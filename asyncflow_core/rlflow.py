@@ -100,7 +100,10 @@ from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, Task
 Mode = Literal["async", "colocated"]
 SyncStrategy = Literal["blocking", "staged", "inflight"]
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
-"""``reward(prompt_tokens, response_tokens) -> float``; runs in a worker thread."""
+"""``reward(prompt_tokens, response_tokens) -> float``; runs in a worker thread. NaN marks a
+row whose reward failed: it gets advantage 0 (its group is normalised without it), the step's
+``reward_mean`` leaves it out and ``metrics.extra["reward_failed"]`` counts it; any exception
+stops the job instead."""
 MakeTransport = Callable[[Sequence[SupportsLoadWeights]], WeightSync]
 
 _MODES = ("async", "colocated")
@@ -562,8 +565,18 @@ class RLJob:
         return {"ref_logprobs": rows}
 
     async def _advantage(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Group advantages over the rows whose reward did not fail; a failed row (NaN
+        reward) gets advantage 0, so it trains nothing and its group is scored without it."""
         groups = [t.group if t.group is not None else i for i, t in enumerate(batch.tags)]
-        return {"advantage": group_advantages(batch["reward"], groups)}
+        rewards = torch.as_tensor(batch["reward"], dtype=torch.float32)
+        ok = torch.isfinite(rewards)
+        if bool(ok.all()):
+            return {"advantage": group_advantages(rewards, groups)}
+        advantage = torch.zeros_like(rewards)
+        if bool(ok.any()):
+            kept = [g for g, good in zip(groups, ok.tolist(), strict=True) if good]
+            advantage[ok] = group_advantages(rewards[ok], kept)
+        return {"advantage": advantage}
 
     async def _update(self, batch: Batch) -> None:
         cfg = self.config
@@ -586,7 +599,11 @@ class RLJob:
         # no sync after the last step: nothing would use it
         if done % cfg.sync_every == 0 and done < cfg.steps:
             await self._sync(version)
-        reward = float(torch.as_tensor(batch["reward"], dtype=torch.float32).mean())
+        rewards = torch.as_tensor(batch["reward"], dtype=torch.float32)
+        failed = int((~torch.isfinite(rewards)).sum())
+        reward = float(rewards.nanmean()) if failed < len(rewards) else math.nan
+        if failed:
+            metrics = replace(metrics, extra={**metrics.extra, "reward_failed": float(failed)})
         record = StepRecord(
             version, self._now(), len(batch), tokens, max(stale, default=0), metrics, reward
         )

@@ -34,7 +34,6 @@ from asyncflow_core.lmtrain import (
     check_loss,
     is_int,
     slice_batch,
-    token_rows,
     unique_named_tensors,
     worker_thread,
 )
@@ -372,15 +371,6 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         if self._closed:
             raise EngineError(f"{self.name}: called after close(); build a new engine")
         return await super()._run(fn, *args)
-
-    def _prepare(self, batch: Batch) -> TokenRows:
-        return token_rows(
-            batch,
-            who=self.name,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            temperature=self.temperature,
-        )
 
     def _logits(self, seq: Tensor) -> Tensor:
         out = self._engine(seq.to(self.device))

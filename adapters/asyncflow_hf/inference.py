@@ -108,7 +108,7 @@ class HFInferenceEngine:
 
     ``HFInferenceEngine(model, *, tokenizer=None, eos_token_ids=None, dtype="fp32",
     max_batch=64, max_model_len=None, page_size=64, num_blocks=None, max_batch_tokens=512,
-    seed=0, trust_remote_code=False, name=..., threads=None)``
+    kv_cache_gib=2.0, seed=0, trust_remote_code=False, name=..., threads=None)``
 
     * ``model``: what ``asyncflow_hf.models.load_causal_lm`` takes (a local model folder, a
       ``PretrainedConfig`` with ``seed``, a ``TINY`` name, or a ``PreTrainedModel``, which is
@@ -120,7 +120,8 @@ class HFInferenceEngine:
       tokens (default: the model's ``max_position_embeddings``, at most 4096), prompt and
       response together: a request reaching it ends with ``length``; a prompt that does not
       fit is refused. The paged KV cache holds ``num_blocks`` blocks of ``page_size`` tokens
-      (default: enough for ``max_batch`` full-length requests). ``max_batch_tokens`` caps the
+      (default: enough for ``max_batch`` full-length requests, within ``kv_cache_gib``; the
+      manager queues requests that do not fit). ``max_batch_tokens`` caps the
       tokens of one forward (long prompts are prefilled in chunks).
     * ``seed`` seeds the generator of requests without ``SamplingParams.seed``; a request
       with a seed draws from its own generator, so it is reproducible whatever runs beside it
@@ -147,6 +148,7 @@ class HFInferenceEngine:
         page_size: int = 64,
         num_blocks: int | None = None,
         max_batch_tokens: int = 512,
+        kv_cache_gib: float = 2.0,
         seed: int = 0,
         trust_remote_code: bool = False,
         name: str = "hf-rollout",
@@ -184,9 +186,14 @@ class HFInferenceEngine:
         self.max_model_len = int(max_model_len)
         self.eos_token_ids = self._eos(who, tokenizer, eos_token_ids)
         self._warn_generation_config(who)
+        if not isinstance(kv_cache_gib, int | float) or not kv_cache_gib > 0:
+            raise ConfigError(f"{who}: kv_cache_gib must be a number > 0, got {kv_cache_gib!r}")
         blocks = num_blocks
         if blocks is None:
-            blocks = max_batch * math.ceil(self.max_model_len / page_size) + 1
+            per_block = page_size * _kv_bytes_per_token(config, self.model.dtype)
+            budget = int(kv_cache_gib * (1 << 30)) // per_block
+            blocks = min(max_batch * math.ceil(self.max_model_len / page_size) + 1, budget)
+            blocks = max(blocks, math.ceil(self.max_model_len / page_size))
         if not is_int(blocks) or blocks < math.ceil(self.max_model_len / page_size):
             raise ConfigError(
                 f"{who}: num_blocks must be an int >= {math.ceil(self.max_model_len / page_size)}"
@@ -689,6 +696,17 @@ def _stop_unclosed(manager: Any) -> None:
     stop (without waiting: this may run in any thread, at any time)."""
     if manager.is_running():
         manager.stop(block=False)
+
+
+def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes in every layer's cache."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(getattr(text, "num_attention_heads", 1))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = getattr(text, "head_dim", None) or int(text.hidden_size) // heads
+    layers = int(getattr(text, "num_hidden_layers", 1))
+    size = torch.empty((), dtype=dtype).element_size()
+    return max(1, 2 * layers * kv_heads * int(head_dim) * size)
 
 
 def _settle(future: asyncio.Future[BaseException | None], value: BaseException | None) -> None:

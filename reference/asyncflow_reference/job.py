@@ -36,15 +36,16 @@ import os
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import torch
 
+from asyncflow_core import registry
 from asyncflow_core.config import load_config, to_toml
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.errors import ConfigError, TaskFailedError
 from asyncflow_core.platform import Platform, get_platform, select_platform
 from asyncflow_core.process import ProcessTrainEngine
 from asyncflow_core.protocols import (
@@ -89,8 +90,17 @@ class TaskSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """The policy's shape (vocabulary and context length come from the task)."""
+    """The policy. ``digits``: a ``TransformerLM`` of this shape (vocabulary and context
+    length come from the task). ``hf``: a Hugging Face causal LM from ``path`` or ``name``."""
 
+    path: str = ""
+    """hf: a local model folder (``from_pretrained``; safetensors only, never the hub), with
+    its tokenizer (and chat template, if any)."""
+    name: str = ""
+    """hf: a named tiny config, random init from ``seed`` (``tiny-qwen2``, ``tiny-llama``),
+    with the tokenizer built for the shipped data."""
+    trust_remote_code: bool = False
+    """hf: let the model folder run its own code (off: a folder needing it is refused)."""
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -102,9 +112,34 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class DataSection:
+    """hf: the prompts, from a local JSONL or parquet file read with ``datasets``."""
+
+    path: str = ""
+    """The data file (or folder); empty: the shipped synthetic GSM8K-style problems,
+    generated into the run folder (``data.jsonl``)."""
+    prompt_field: str = "question"
+    messages_field: str = ""
+    """A field of chat messages (``[{"role": ..., "content": ...}]``), used instead of
+    ``prompt_field`` when set."""
+    answer_field: str = "answer"
+    """What the built-in math reward compares with (GSM8K ``#### N`` or a number)."""
+    system_prompt: str = ""
+    max_tokens: int = 16
+    """The response cap (tokens)."""
+    limit: int = 0
+    """Use the first ``limit`` rows only (0: all)."""
+    difficulty: int = 1
+    """Shipped data only: 1 (one + or -), 2 (also x and /), 3 (two operations)."""
+
+
+@dataclass(frozen=True)
 class RolloutSection:
     """Rollout engines and sampling."""
 
+    engine: str = "auto"
+    """The rollout engine (``asyncflow_core.registry``): ``torch`` (the reference engine),
+    ``hf`` (transformers' continuous batching) or a plugin's; ``auto``: the workload's."""
     engines: int = 1
     max_batch: int = 256
     temperature: float = 1.0
@@ -139,10 +174,11 @@ class TrainSection:
     does not share the interpreter lock with rollout and the store, which is what limits the
     async run's throughput on CPU. Off by default so the whole job stays in one process
     (``breakpoint()`` works anywhere)."""
-    engine: Literal["torch", "deepspeed"] = "torch"
-    """``torch``: the reference trainer (``TorchTrainEngine``); ``deepspeed``: the DeepSpeed
-    adapter (``asyncflow_deepspeed``, needs the ``[deepspeed]`` extra) with ``zero_stage``,
-    ``dtype`` and ``ranks`` below."""
+    engine: str = "auto"
+    """The trainer (``asyncflow_core.registry``): ``torch`` (the reference trainer,
+    ``TorchTrainEngine``), ``hf`` (``HFTrainEngine``, for an HF model), ``deepspeed`` (the
+    DeepSpeed adapter, needs the ``[deepspeed]`` extra; trains either model) with
+    ``zero_stage``, ``dtype`` and ``ranks`` below, or a plugin's; ``auto``: the workload's."""
     zero_stage: int = 0
     """deepspeed only: the ZeRO stage (0-3)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
@@ -208,6 +244,17 @@ class RunConfig:
     async gives rollout and training one core each; colocated gives each phase every core)."""
 
     seed: int = 0
+    workload: str = "auto"
+    """What is trained (``asyncflow_core.registry``): ``digits`` (the reference model on a
+    built-in digit task), ``hf`` (a Hugging Face model on a dataset with a reward) or a
+    plugin's; ``auto``: ``hf`` when ``model.path`` or ``model.name`` is set, else
+    ``digits``."""
+    reward: str = ""
+    """hf: the reward, ``package.module:function`` (``reward(completion, row) -> float``,
+    sync, async or batched: ``asyncflow_hf.reward``); empty: the built-in math reward."""
+    reward_timeout_s: float = 30.0
+    """hf: seconds a reward call may take; a reward that raises, hangs past this or returns a
+    non-number fails its row (logged; the row trains nothing) and the run goes on."""
     threads: int = 0
     platform: str = "auto"
     """Where the trainer computes (``asyncflow_core.platform``): ``auto`` (the best platform
@@ -218,6 +265,7 @@ class RunConfig:
     eval_prompts: int = 256
     task: TaskSection = field(default_factory=TaskSection)
     model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)
     rl: RLSection = field(default_factory=RLSection)
@@ -232,19 +280,39 @@ class RunConfig:
                 "leave it 0, or compose the job in Python with RLEngines.reference "
                 "(docs/rl-jobs.md)"
             )
-        if self.runtime.kind == "ray" and (t.engine != "torch" or t.process):
+        workload = self.workload_name()
+        train_engine = self.engine_names()[1]
+        if self.runtime.kind == "ray" and (train_engine == "deepspeed" or t.process):
             raise ConfigError(
-                "runtime.kind = 'ray' runs the reference trainer in an actor of its own; "
+                "runtime.kind = 'ray' runs the trainer in an actor of its own; "
                 "train.engine = 'deepspeed' and train.process = true are for runtime.kind = "
                 "'local'"
             )
-        if t.engine not in ("torch", "deepspeed"):
-            raise ConfigError(f"train.engine must be 'torch' or 'deepspeed', got {t.engine!r}")
-        if t.engine == "torch" and (t.zero_stage, t.dtype, t.ranks) != (0, "fp32", 1):
+        if train_engine != "deepspeed" and (t.zero_stage, t.ranks) != (0, 1):
             raise ConfigError(
-                "train.zero_stage, train.dtype and train.ranks apply to train.engine = "
-                "'deepspeed'; the torch trainer is one fp32 process"
+                "train.zero_stage and train.ranks apply to train.engine = 'deepspeed'; the "
+                f"{train_engine} trainer is one process"
             )
+        if train_engine not in ("deepspeed", "hf") and t.dtype != "fp32":
+            raise ConfigError(
+                "train.dtype applies to train.engine = 'deepspeed' or 'hf'; the "
+                f"{train_engine} trainer is fp32"
+            )
+        if self.runtime.kind == "ray" and workload != "digits":
+            raise ConfigError(
+                f"runtime.kind = 'ray' runs the digits workload only so far (workload "
+                f"{workload!r} has not been tried on Ray); use runtime.kind = 'local'"
+            )
+        if workload == "digits":
+            m, d = self.model, self.data
+            if m.path or m.name or m.trust_remote_code or d != DataSection() or self.reward:
+                raise ConfigError(
+                    "model.path, model.name, model.trust_remote_code, data.* and reward apply "
+                    "to workload = 'hf' (a Hugging Face model); the digits workload trains the "
+                    "reference model on task.*"
+                )
+        if not self.reward_timeout_s > 0:
+            raise ConfigError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         if t.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage must be 0, 1, 2 or 3, got {t.zero_stage!r}")
         if t.dtype not in ("fp32", "bf16"):
@@ -258,18 +326,40 @@ class RunConfig:
             raise ConfigError(f"eval_prompts must be >= 0, got {self.eval_prompts}")
         self.rl_config().validate()
 
+    def workload_name(self) -> str:
+        """``workload`` resolved (``auto``: ``hf`` when a model path or name is set)."""
+        if self.workload != "auto":
+            registry.get("workload", self.workload)  # an unknown name fails here
+            return self.workload
+        return "hf" if self.model.path or self.model.name else "digits"
+
+    def engine_names(self) -> tuple[str, str]:
+        """``(rollout.engine, train.engine)`` resolved (``auto``: the workload's), each
+        checked against the registry."""
+        default = registry.get("workload", self.workload_name())
+        rollout = self.rollout.engine
+        if rollout == "auto":
+            rollout = str(getattr(default, "rollout_engine", "torch"))
+        train = self.train.engine
+        if train == "auto":
+            train = str(getattr(default, "train_engine", "torch"))
+        registry.get("rollout", rollout)
+        registry.get("trainer", train)
+        return rollout, train
+
     # -- derived ----------------------------------------------------------------------------
     def trainer_platform(self) -> Platform:
         """The platform the trainer runs on: ``platform`` resolved (a named one that cannot
         run here raises ``PlatformUnavailableError``, a ``ConfigError``); ``cpu`` for the
         reference trainer, which refuses a named accelerator rather than ignore it."""
         chosen = select_platform(self.platform)
-        if self.train.engine == "torch":
+        if self.engine_names()[1] != "deepspeed":
             if self.platform != "auto" and chosen.name != "cpu":
                 raise ConfigError(
                     f"platform = {self.platform!r} applies to train.engine = 'deepspeed'; the "
-                    "reference engines (train.engine = 'torch') compute on CPU: set "
-                    "train.engine = 'deepspeed', or platform = 'cpu' / 'auto'"
+                    f"{self.engine_names()[1]} trainer (train.engine = "
+                    f"{self.engine_names()[1]!r}) computes on CPU: set train.engine = "
+                    "'deepspeed', or platform = 'cpu' / 'auto'"
                 )
             return get_platform("cpu")
         return chosen
@@ -293,7 +383,18 @@ class RunConfig:
             stop_token_ids=t.stop_token_ids,
         )  # fmt: skip
 
-    def rl_config(self) -> RLConfig:
+    def rl_config(self, sampling: SamplingParams | None = None) -> RLConfig:
+        """The RL loop's config, with ``sampling`` (the workload's; default: the digit
+        task's for ``digits``, ``data.max_tokens`` for other workloads)."""
+        if sampling is None:
+            if self.workload_name() == "digits":
+                sampling = self.sampling()
+            else:
+                r = self.rollout
+                sampling = SamplingParams(
+                    max_tokens=self.data.max_tokens, temperature=r.temperature,
+                    top_p=r.top_p, top_k=r.top_k,
+                )  # fmt: skip
         rl = self.rl
         colocated = rl.mode == "colocated"
         return RLConfig(
@@ -301,7 +402,7 @@ class RunConfig:
             staleness=0 if colocated else rl.staleness,
             weight_sync="blocking" if colocated else rl.weight_sync,
             sync_every=1 if colocated else rl.sync_every, partial_rollout=rl.partial_rollout,
-            mode=rl.mode, sampling=self.sampling(),
+            mode=rl.mode, sampling=sampling,
             proximal_logprobs=self.train.loss == "decoupled-ppo",
         )  # fmt: skip
 
@@ -354,6 +455,9 @@ class RunSummary:
     """The trainer's platform (``RunConfig.trainer_platform()``)."""
     runtime: str = "local"
     """``local``, or ``ray`` with the cluster's nodes and the store's units."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What the workload reported at the end (hf: where the policy was saved, failed
+    rewards)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -404,14 +508,15 @@ async def _warm_up(cfg: RunConfig, model: TransformerLM) -> TransformerLM:
         await trainer.close()
 
 
-async def _evaluate(cfg: RunConfig, engine: InferenceEngine) -> tuple[float, float]:
-    """Greedy decoding on fresh prompts (a seed the training stream never used)."""
-    task = cfg.task_spec()
+async def _evaluate(
+    task: DigitTask, engine: InferenceEngine, count: int, seed: int
+) -> tuple[float, float]:
+    """Greedy decoding on ``count`` fresh prompts (a seed the training stream never used)."""
     params = SamplingParams(
         max_tokens=task.max_tokens, temperature=0.0, stop_token_ids=task.stop_token_ids
     )
-    stream = task.prompts(seed=10_000_019 + cfg.seed)
-    prompts = [next(stream) for _ in range(cfg.eval_prompts)]
+    stream = task.prompts(seed=seed)
+    prompts = [next(stream) for _ in range(count)]
     results = await asyncio.gather(
         *(engine.generate(GenerationRequest(f"eval-{i}", p, params)) for i, p in enumerate(prompts))
     )
@@ -435,36 +540,126 @@ async def run(
     *,
     on_step: Callable[[StepRecord], None] | None = None,
 ) -> RunOutput:
-    """Warm up, train with RL, evaluate, and (with ``out_dir``) write the run folder."""
+    """Build the workload's policy (and warm it up), train with RL, evaluate, let the
+    workload finish (an HF policy is saved with ``save_pretrained``) and, with ``out_dir``,
+    write the run folder."""
     cfg.validate()
     torch.manual_seed(cfg.seed)
     threads = _threads(cfg)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    task = cfg.task_spec()
+    out = Path(out_dir) if out_dir is not None else None
+    workload = make_workload(cfg, out)
+    extra: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
-        model = await _warm_up(cfg, TransformerLM(cfg.model_config(), seed=cfg.seed))
+        model = await workload.initial_model()
         warmup_s = time.perf_counter() - t0
         platform = cfg.trainer_platform().name  # validated above; resolved once per run
+        r = cfg.rollout
+        sampling = workload.sampling(r.temperature, r.top_p, r.top_k)
         async with _placed(cfg, model, threads, platform) as (engines, trainer, store, where):
             tracer = Tracer()
             job = RLJob(
-                cfg.rl_config(), RLEngines(engines, trainer), task.prompts(cfg.seed),
-                task.reward, loss_fn=cfg.loss_fn(), tracer=tracer, on_step=on_step, store=store,
+                cfg.rl_config(sampling), RLEngines(engines, trainer), workload.prompts(cfg.seed),
+                workload.reward, loss_fn=cfg.loss_fn(), tracer=tracer, on_step=on_step,
+                store=store,
             )  # fmt: skip
             result = await job.run()
             eval_reward = eval_exact = None
             if cfg.eval_prompts:
-                eval_reward, eval_exact = await _evaluate(cfg, engines[0])
+                eval_reward, eval_exact = await workload.evaluate(
+                    engines[0], cfg.eval_prompts, 10_000_019 + cfg.seed
+                )
+            extra = await workload.finish(trainer, out)
     finally:
         torch.set_num_threads(previous_threads)
-    summary = _summarize(cfg, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform)
-    summary = replace(summary, runtime=where)
-    out = Path(out_dir) if out_dir is not None else None
+        close = getattr(workload, "close", None)
+        if callable(close):
+            close()
+    summary = _summarize(
+        cfg, workload.label, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform
+    )
+    summary = replace(summary, runtime=where, extra=extra)
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
     return RunOutput(summary, result, out)
+
+
+def make_workload(cfg: RunConfig, out_dir: Path | None = None) -> registry.Workload:
+    """The workload ``cfg.workload`` names, built from ``cfg`` (``out_dir``: the run folder,
+    where a workload may write inputs it generates, e.g. the shipped data)."""
+    factory = registry.get("workload", cfg.workload_name())
+    workload = factory(cfg, out_dir)
+    if not isinstance(workload, registry.Workload):
+        raise ConfigError(
+            f"workload {cfg.workload_name()!r}: its factory returned {type(workload).__name__}, "
+            "which lacks the Workload methods (asyncflow_core.registry.Workload)"
+        )
+    return workload
+
+
+class DigitsWorkload:
+    """The reference workload: a ``TransformerLM`` learns a built-in digit task
+    (``asyncflow_reference.tasks``), after the format warm-up."""
+
+    rollout_engine = "torch"
+    train_engine = "torch"
+
+    def __init__(self, cfg: RunConfig, out_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.task = cfg.task_spec()
+        self.label = f"{cfg.task.name}-{cfg.task.digits}"
+
+    async def initial_model(self) -> TransformerLM:
+        cfg = self.cfg
+        return await _warm_up(cfg, TransformerLM(cfg.model_config(), seed=cfg.seed))
+
+    def prompts(self, seed: int) -> Iterator[tuple[int, ...]]:
+        return self.task.prompts(seed)
+
+    def reward(self, prompt: Sequence[int], response: Sequence[int]) -> float:
+        return self.task.reward(prompt, response)
+
+    def sampling(self, temperature: float, top_p: float, top_k: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.task.max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            stop_token_ids=self.task.stop_token_ids,
+        )  # fmt: skip
+
+    async def evaluate(
+        self, engine: InferenceEngine, prompts: int, seed: int
+    ) -> tuple[float, float]:
+        return await _evaluate(self.task, engine, prompts, seed)
+
+    async def finish(self, trainer: TrainEngine, out_dir: Path | None) -> dict[str, Any]:
+        return {}
+
+
+def torch_rollout(model: Any, *, cfg: RunConfig, index: int, threads: int) -> TorchInferenceEngine:
+    """The ``torch`` rollout engine (``TorchInferenceEngine``) for a ``TransformerLM``."""
+    if not isinstance(model, TransformerLM):
+        raise ConfigError(
+            f"rollout.engine = 'torch' serves the reference TransformerLM, not "
+            f"{type(model).__name__}; use rollout.engine = 'hf' (or 'auto')"
+        )
+    return TorchInferenceEngine(
+        model, max_batch=cfg.rollout.max_batch, seed=cfg.seed * 1000 + index,
+        name=f"rollout-{index}",
+    )  # fmt: skip
+
+
+def torch_trainer(model: Any, *, cfg: RunConfig, threads: int, platform: str) -> TrainEngine:
+    """The ``torch`` trainer (``TorchTrainEngine``; ``train.process``: in a child process)."""
+    if not isinstance(model, TransformerLM):
+        raise ConfigError(
+            f"train.engine = 'torch' trains the reference TransformerLM, not "
+            f"{type(model).__name__}; use train.engine = 'hf' or 'deepspeed' (or 'auto')"
+        )
+    make = functools.partial(TorchTrainEngine, model, **registry.trainer_options(cfg))
+    if cfg.train.process:
+        return ProcessTrainEngine(functools.partial(make, threads=threads))
+    return make(threads=threads) if cfg.runtime.kind == "ray" else make()
 
 
 @contextlib.asynccontextmanager
@@ -474,15 +669,15 @@ async def _placed(
     """The rollout engines, the trainer and the store of the run's runtime, closed (and a
     Ray cluster started for the run stopped) on the way out. Local: engines in this process,
     the default in-process store (``None``)."""
+    rollout_name, train_name = cfg.engine_names()
+    make_rollout = registry.get("rollout", rollout_name)
+    make_trainer = registry.get("trainer", train_name)
     rollout = [
-        functools.partial(
-            TorchInferenceEngine, model, max_batch=cfg.rollout.max_batch,
-            seed=cfg.seed * 1000 + i, name=f"rollout-{i}",
-        )
+        functools.partial(make_rollout, model, cfg=cfg, index=i, threads=threads)
         for i in range(cfg.rollout.engines)
-    ]  # fmt: skip
+    ]
     if cfg.runtime.kind == "local":
-        trainer = _make_trainer(cfg, model, threads, platform)
+        trainer = make_trainer(model, cfg=cfg, threads=threads, platform=platform)
         engines: list[InferenceEngine] = [make() for make in rollout]
         try:
             yield engines, trainer, None, "local"
@@ -504,7 +699,7 @@ async def _placed(
     try:
         store = RayDataStore.create(cfg.runtime.storage_units)
         trainer_ray = await RayTrainEngine.create_async(
-            functools.partial(TorchTrainEngine, model, **_trainer_options(cfg), threads=threads),
+            functools.partial(make_trainer, model, cfg=cfg, threads=threads, platform=platform),
             platform=platform,
             name="trainer",
         )
@@ -530,41 +725,14 @@ async def _placed(
         rt.shutdown()
 
 
-def _trainer_options(cfg: RunConfig) -> dict[str, Any]:
-    """What every trainer of the job is built with (optimizer, micro-batching, sampling)."""
-    t = cfg.train
-    return {
-        "lr": t.lr, "weight_decay": t.weight_decay, "max_grad_norm": t.max_grad_norm,
-        "micro_batch_size": t.micro_batch_size, "seed": cfg.seed,
-        "temperature": cfg.rollout.temperature,
-    }  # fmt: skip
-
-
-def _make_trainer(cfg: RunConfig, model: TransformerLM, threads: int, platform: str) -> TrainEngine:
-    """The trainer ``train`` asks for: the reference or DeepSpeed, here or in processes."""
-    t = cfg.train
-    common = _trainer_options(cfg)
-    if t.engine == "deepspeed":
-        import asyncflow_deepspeed
-
-        ds: dict[str, Any] = {
-            **common, "zero_stage": t.zero_stage, "dtype": t.dtype,
-            "platform": platform,
-        }  # fmt: skip
-        if t.ranks > 1 or t.process:
-            return asyncflow_deepspeed.launch(model, t.ranks, threads=threads, **ds)
-        return asyncflow_deepspeed.DeepSpeedTrainEngine(model, threads=threads, **ds)
-    make = functools.partial(TorchTrainEngine, model, **common)
-    if t.process:
-        return ProcessTrainEngine(functools.partial(make, threads=threads))
-    return make()
-
-
 def _trainer_label(cfg: RunConfig) -> str:
     t = cfg.train
+    engine = cfg.engine_names()[1]
     if cfg.runtime.kind == "ray":
         return "ray actor"
-    if t.engine == "deepspeed":
+    if engine == "hf":
+        return "hf, process" if t.process else "hf, thread"
+    if engine == "deepspeed":
         where = f"{t.ranks} rank process(es)" if t.ranks > 1 or t.process else "thread"
         return f"deepspeed ZeRO-{t.zero_stage} {t.dtype}, {where}"
     return "process" if t.process else "thread"
@@ -572,6 +740,7 @@ def _trainer_label(cfg: RunConfig) -> str:
 
 def _summarize(
     cfg: RunConfig,
+    label: str,
     result: RLResult,
     tracer: Tracer,
     warmup_s: float,
@@ -587,7 +756,7 @@ def _summarize(
         mode=cfg.rl.mode,
         staleness=result.config.staleness,
         loss=cfg.train.loss,
-        task=f"{cfg.task.name}-{cfg.task.digits}",
+        task=label,
         steps=len(result.steps),
         samples=result.samples,
         tokens=result.tokens,
@@ -763,8 +932,12 @@ def main_job(args: Any) -> int:
         return 2
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     rl = cfg.rl_config()
+    if cfg.workload_name() == "digits":
+        what = f"{cfg.task.name}-{cfg.task.digits}"
+    else:
+        what = f"{cfg.workload_name()} {cfg.model.path or cfg.model.name or ''}".strip()
     print(
-        f"asyncflow run: {cfg.task.name}-{cfg.task.digits} with {cfg.rl.mode} RL "
+        f"asyncflow run: {what} with {cfg.rl.mode} RL "
         f"(η={rl.staleness}, {rl.weight_sync} sync, loss "
         f"{cfg.train.loss}), {cfg.rl.steps} steps x {cfg.rl.prompts_per_step * cfg.rl.n} "
         f"samples; writing {out}/",
@@ -773,6 +946,12 @@ def main_job(args: Any) -> int:
     progress = StepProgress(cfg.rl.steps, sys.stderr, quiet=args.quiet)
     try:
         output = asyncio.run(run(cfg, out, on_step=progress))
+    except ConfigError as e:  # a bad input found while building the run (nothing written)
+        print(f"asyncflow run: {e}", file=sys.stderr)
+        return 2
+    except TaskFailedError as e:  # the run stopped (e.g. a reward failing on every row)
+        print(f"asyncflow run: the run stopped: {e}; nothing was written", file=sys.stderr)
+        return 1
     finally:
         progress.close()
     print(format_summary(output.summary))
@@ -781,6 +960,8 @@ def main_job(args: Any) -> int:
 
 
 __all__ = [
+    "DataSection",
+    "DigitsWorkload",
     "ModelSection",
     "RLSection",
     "RolloutSection",
@@ -793,6 +974,9 @@ __all__ = [
     "TrainSection",
     "format_summary",
     "main_job",
+    "make_workload",
     "plot_rewards",
     "run",
+    "torch_rollout",
+    "torch_trainer",
 ]
