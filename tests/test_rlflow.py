@@ -5,6 +5,8 @@ by the virtual clock. The workflow laws over every mode live in test_workflow_co
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import random
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
@@ -375,3 +377,38 @@ def test_a_sampling_seed_gives_each_request_its_own_seed() -> None:
     run_virtual(main())
     assert len(seeds) >= 12 and len(set(seeds)) == len(seeds)  # distinct per request
     assert all(s is not None and s > 100 for s in seeds)
+
+
+def test_a_nan_reward_fails_its_row_alone() -> None:
+    """A NaN reward marks a failed row: it gets advantage 0, its group's advantages are those
+    of the other rows alone, the step's reward mean leaves it out and ``reward_failed`` counts
+    it; the job goes on."""
+    engines = [ToyEngine(0)]
+    trainer = ToyTrainer()
+    calls = itertools.count()
+
+    def reward(prompt: Sequence[int], response: Sequence[int]) -> float:
+        i = next(calls)
+        return math.nan if i % 4 == 0 else float(i % 2)
+
+    async def main() -> RLResult:
+        cfg = RLConfig(steps=3, prompts_per_step=2, n=4)
+        job = RLJob(cfg, RLEngines(engines, trainer), ([7, 8, 9] for _ in range(1000)), reward)
+        return await job.run()
+
+    result = run_virtual(main())
+    assert len(result.steps) == 3
+    for step, batch in zip(result.steps, trainer.batches, strict=True):
+        rewards = torch.as_tensor(batch["reward"], dtype=torch.float32)
+        advantage = torch.as_tensor(batch["advantage"], dtype=torch.float32)
+        failed = ~torch.isfinite(rewards)
+        assert bool(failed.any()) and bool(torch.isfinite(advantage).all())
+        assert bool((advantage[failed] == 0).all())
+        assert step.metrics.extra["reward_failed"] == float(failed.sum())
+        assert step.reward_mean == pytest.approx(float(rewards[~failed].mean()))
+        groups = [t.group for t in batch.tags]
+        for g in set(groups):
+            rows = [i for i, x in enumerate(groups) if x == g and not failed[i]]
+            kept = advantage[rows]
+            if len(rows) > 1 and float(rewards[rows].std()) > 0:
+                assert float(kept.mean()) == pytest.approx(0.0, abs=1e-5)
