@@ -254,3 +254,15 @@ def test_deepspeed_trains_an_hf_model_in_the_main_job(tmp_path: Path) -> None:
     assert summary["trainer"].startswith("deepspeed ZeRO-0")
     policy = transformers.AutoModelForCausalLM.from_pretrained(str(out / "policy"))
     assert policy.lm_head.weight is policy.model.embed_tokens.weight
+
+
+def test_settings_that_depend_on_each_other_come_in_any_order() -> None:
+    """``--set`` overrides are each checked in their section, and the whole config once at
+    the end: a data key before the model key that makes the workload 'hf' is fine."""
+    early = load_config(RunConfig, None, ["data.max_tokens=6", "model.name=tiny-qwen2"])
+    late = load_config(RunConfig, None, ["model.name=tiny-qwen2", "data.max_tokens=6"])
+    assert early == late and early.workload_name() == "hf"
+    with pytest.raises(ConfigError, match="apply to workload = 'hf'"):
+        load_config(RunConfig, None, ["data.max_tokens=6"])
+    with pytest.raises(ConfigError, match="runs the digits workload only so far"):
+        load_config(RunConfig, None, ["model.name=tiny-qwen2", "runtime.kind=ray"])
