@@ -662,24 +662,31 @@ class HFInferenceEngine:
         filtered = filter_logits(logits, temperature, top_k, top_p)
         logp = torch.log_softmax(filtered, dim=-1)
         chosen = logits.argmax(dim=-1)  # greedy rows and rows of requests already ended
-        sampled = [i for i, r in enumerate(rows) if r is not None and r.temperature > 0]
+        sampled = [(i, r) for i, r in enumerate(rows) if r is not None and r.temperature > 0]
         if sampled:
-            cdf = logp[sampled].exp().cumsum(dim=-1)
-            for j, i in enumerate(sampled):
-                row = rows[i]
-                assert row is not None
-                u = torch.rand(1, generator=row.generator or self._generator, dtype=cdf.dtype)
-                pick = torch.searchsorted(cdf[j], u * cdf[j, -1], right=True)
-                chosen[i] = pick.clamp(max=cdf.shape[1] - 1)[0]
-        picked = logp.gather(1, chosen.unsqueeze(1))[:, 0]
+            # one uniform per sampled row: a request with its own seed draws from its own
+            # generator, the others take theirs in one draw from the engine's, in row order
+            u = torch.empty(len(sampled), dtype=logp.dtype)
+            shared = [j for j, (_, r) in enumerate(sampled) if r.generator is None]
+            if shared:
+                u[shared] = torch.rand(len(shared), generator=self._generator, dtype=u.dtype)
+            for j, (_, r) in enumerate(sampled):
+                if r.generator is not None:
+                    u[j] = torch.rand(1, generator=r.generator, dtype=u.dtype)[0]
+            index = torch.tensor([i for i, _ in sampled])
+            cdf = logp[index].exp().cumsum(dim=-1)
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True)[:, 0]
+            chosen[index] = pick.clamp(max=cdf.shape[1] - 1)
+        picked = logp.gather(1, chosen.unsqueeze(1))[:, 0].tolist()
+        tokens = chosen.tolist()
         version = self._version
         notify: list[_Live] = []
         with self._lock:
             for i, row in enumerate(rows):
                 if row is None or row.state != "running":
                     continue
-                row.tokens.append(int(chosen[i]))
-                row.logprobs.append(float(picked[i]))
+                row.tokens.append(tokens[i])
+                row.logprobs.append(picked[i])
                 row.versions.append(version)
                 if row.watchers:
                     notify.append(row)
