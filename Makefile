@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,vllm-client,sglang-client,ray]" "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,bench-trl,vllm-client,sglang-client,ray]" "$(TORCH_PIN)"
 	$(PIP) install --quiet --no-deps -e ./conformance
 	# The real torch_npu wheel, unpacked beside the venv (never on its path: with it, CANN
 	# missing, `import torch` fails): tests put it on a child's PYTHONPATH to check the

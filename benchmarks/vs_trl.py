@@ -137,6 +137,7 @@ class Sizes:
     """Everything a run needs to know; the same for every framework."""
 
     seed: int = 0
+    rl_seed: int | None = None  # sampling and trainer seeds of the RL runs (default: seed)
     steps: int = 50
     prompts: int = 16  # prompts per optimizer step
     n: int = 8  # samples per prompt (GRPO group)
@@ -162,6 +163,10 @@ class Sizes:
     @property
     def batch(self) -> int:
         return self.prompts * self.n
+
+    @property
+    def run_seed(self) -> int:
+        return self.seed if self.rl_seed is None else self.rl_seed
 
     def model_key(self) -> str:
         """What the warmed-up model folder depends on (a cache key)."""
@@ -579,7 +584,7 @@ def run_trl(sizes: Sizes, out: Path, repeat: int) -> RunResult:
         loss_type="dapo",
         scale_rewards="group",
         shuffle_dataset=False,
-        seed=sizes.seed,
+        seed=sizes.run_seed,
         # its best CPU configuration
         use_cpu=True,
         bf16=False,
@@ -615,6 +620,7 @@ def run_trl(sizes: Sizes, out: Path, repeat: int) -> RunResult:
     gen_seconds: list[float] = []
 
     padding = {"padded": 0, "real": 0}
+    first_prompt_ids: list[list[int]] = []
 
     class Trainer(trl.GRPOTrainer):  # type: ignore[misc]
         """GRPOTrainer, timing its generation phase and counting the tokens its loss forwards
@@ -624,6 +630,12 @@ def run_trl(sizes: Sizes, out: Path, repeat: int) -> RunResult:
             t = time.perf_counter()
             result = super()._generate_and_score_completions(inputs)
             gen_seconds.append(time.perf_counter() - t)
+            return result
+
+        def _tokenize_prompts(self, prompts: list[Any]) -> Any:
+            result = super()._tokenize_prompts(prompts)
+            if not first_prompt_ids:
+                first_prompt_ids.extend(list(map(list, result[0])))
             return result
 
         def _compute_loss(self, model: Any, inputs: Any) -> Any:
@@ -647,13 +659,13 @@ def run_trl(sizes: Sizes, out: Path, repeat: int) -> RunResult:
     ev_s, ev_step, ev_curve, ev_lengths = snapshots.evaluate(
         trainer.model, tokenizer, eval_rows, sizes
     )
-    prompt_lengths = [
-        len(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": r["question"]}], add_generation_prompt=True
-            )
-        )
-        for r in train_rows[: sizes.steps * sizes.prompts]
+    from asyncflow_hf import render_prompt  # the chat template, as TRL applies it
+
+    rendered = [render_prompt(r["question"], tokenizer) for r in train_rows]
+    prompt_lengths = [len(p) for p in rendered[: sizes.steps * sizes.prompts]]
+    # the token ids TRL generated from are the ones AsyncFlow's runs get
+    same_prompts = first_prompt_ids == [
+        p for p in rendered[: sizes.prompts] for _ in range(sizes.n)
     ]
     return RunResult(
         framework="trl", repeat=repeat, threads=str(sizes.trl_threads), wall_s=wall,
@@ -666,6 +678,7 @@ def run_trl(sizes: Sizes, out: Path, repeat: int) -> RunResult:
             "generate_s": round(sum(gen_seconds), 3),
             "train_s": round(wall - sum(gen_seconds), 3),
             "generation_share": round(sum(gen_seconds) / wall, 4) if wall else None,
+            "first_batch_prompt_ids_equal_asyncflow": same_prompts,
             "train_tokens_padded": padding["padded"],
             "train_tokens_real": padding["real"],
             "decode": decode,
@@ -705,13 +718,13 @@ def run_asyncflow(sizes: Sizes, out: Path, repeat: int, mode: str) -> RunResult:
 
     engine = HFInferenceEngine(
         str(model_dir), tokenizer=tokenizer, max_batch=sizes.batch, max_model_len=512,
-        page_size=64, max_batch_tokens=512, seed=sizes.seed, threads=threads,
+        page_size=64, max_batch_tokens=512, seed=sizes.run_seed, threads=threads,
         name="rollout-0",
     )  # fmt: skip
     meter = ForwardMeter(engine.model)
     trainer = HFTrainEngine(
         str(model_dir), lr=sizes.lr, weight_decay=0.0, max_grad_norm=1.0,
-        micro_batch_size=sizes.micro_batch, seed=sizes.seed, threads=threads,
+        micro_batch_size=sizes.micro_batch, seed=sizes.run_seed, threads=threads,
     )  # fmt: skip
     padding = {"padded": 0, "real": 0}
     forward = trainer._response_logprobs
@@ -917,7 +930,10 @@ def main() -> int:
         "--repeats", type=int, default=3, help="runs of each framework, interleaved"
     )
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="data, model and warm-up seed")
+    parser.add_argument(
+        "--rl-seed", type=int, default=None, help="seed of the RL runs' sampling (default: --seed)"
+    )
     parser.add_argument(
         "--threshold", type=float, default=None, help="reward for time-to-threshold"
     )
@@ -951,7 +967,7 @@ def main() -> int:
     if args.quick:
         sizes = replace(sizes, **QUICK)
         args.repeats = 1
-    for name in ("steps", "threshold", "lr", "warmup_noise", "trl_threads", "trl_cb"):
+    for name in ("steps", "threshold", "lr", "rl_seed", "warmup_noise", "trl_threads", "trl_cb"):
         value = getattr(args, name)
         if value is not None:
             sizes = replace(sizes, **{name: value})
