@@ -38,7 +38,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf
+	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf tools
 
 RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py
 
