@@ -46,7 +46,13 @@ no older weights; loads and recomputations never overlap: ``_weights_lock``).
 (``asyncflow_sglang.group.join_sglang_group``, rank ``rank_offset + 0``: one TP rank), and
 ``/update_weights_from_distributed`` receives one broadcast per tensor into
 ``torch.empty(shape, dtype)`` (as ``WeightUpdater.receive_weights_from_distributed``) and
-loads them with ``TorchInferenceEngine.load_weights``.
+loads them with ``TorchInferenceEngine.load_weights``. It does so only inside a weight-update
+session: ``/begin_weight_update`` opens one (refused while one is open), ``/end_weight_update``
+closes it (refused when none is), and ``/update_weights_from_distributed`` outside one answers
+HTTP 400 ``success: false`` *before* receiving anything, with upstream's messages
+(``sglang/srt/managers/scheduler_components/weight_updater.py``, ``WeightUpdater.
+begin_weight_update`` / ``end_weight_update`` / ``update_weights_from_distributed``; the
+routes answer 400 on ``success: false``, ``http_server.py``).
 
 Every request (path, JSON body) is recorded in ``ReplayServer.requests``; ``fault(path, ...)``
 injects an HTTP status, a raw (malformed) body or a delay. Body checks are strict where
@@ -278,6 +284,7 @@ class ReplayServer:
         self.sampling_backend = sampling_backend
         self._weights_lock = asyncio.Lock()  # tensor loads vs teacher-forced passes
         self.label = "default"  # SGLang's --weight-version default
+        self.session_open = False  # WeightUpdater._session (weight_updater.py)
         self.requests: list[tuple[str, Any]] = []
         self.faults: dict[str, Fault] = {}
         self.groups: dict[str, Any] = {}
@@ -321,6 +328,8 @@ class ReplayServer:
         r.add_get("/server_info", self.server_info)
         r.add_get("/get_server_info", self.server_info)
         r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_group)
         r.add_post("/update_weights_from_disk", self.update_from_disk)
@@ -565,8 +574,34 @@ class ReplayServer:
             {"success": True, "message": "Succeeded to initialize custom process group."}
         )
 
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        # weight_updater.py, WeightUpdater.begin_weight_update
+        body = await self._json(request)
+        if body.get("selector", "all") not in ("target", "draft", "all"):
+            return web.json_response({"detail": "selector: bad value"}, status=422)
+        if self.session_open:
+            msg = "a weight-update session is already open; call end_weight_update() first"
+            return web.json_response({"success": False, "message": msg}, status=400)
+        self.session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        # weight_updater.py, WeightUpdater.end_weight_update
+        await self._json(request)
+        if not self.session_open:
+            msg = "no weight-update session is open; call begin_weight_update() first"
+            return web.json_response({"success": False, "message": msg}, status=400)
+        self.session_open = False
+        return web.json_response({"success": True, "message": "Success"})
+
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         body = await self._json(request)
+        if not self.session_open:  # weight_updater.py, refused before any receive
+            msg = (
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
+            return web.json_response({"success": False, "message": msg}, status=400)
         name = body.get("group_name", "weight_update_group")
         pg = self.groups.get(name)
         if pg is None:

@@ -340,6 +340,14 @@ def test_group_receiver_methods_send_the_documented_bodies() -> None:
         assert server.bodies("/destroy_weights_update_group") == [
             {"group_name": "weight_update_group"}
         ]
+        assert server.bodies("/begin_weight_update") == [{"selector": "all"}]
+        assert server.bodies("/end_weight_update") == [{}]
+        paths = [p for p, _ in server.requests if "weight" in p]
+        assert paths == [
+            "/init_weights_update_group", "/begin_weight_update",
+            "/update_weights_from_distributed", "/end_weight_update",
+            "/update_weight_version", "/destroy_weights_update_group",
+        ]  # fmt: skip
         assert engine.weight_version == 9
         # SGLang's failure answer: HTTP 400 {"success": false, "message": ...}
         server.fault(
@@ -1010,6 +1018,8 @@ def _io_struct() -> SimpleNamespace:
         "UpdateWeightsFromDistributedReqInput",
         "UpdateWeightVersionReqInput",
         "DestroyWeightsUpdateGroupReqInput",
+        "BeginWeightUpdateReqInput",
+        "EndWeightUpdateReqInput",
     ]
     return SimpleNamespace(**{n: make(n) for n in names})
 
@@ -1029,6 +1039,7 @@ class FakeTokenizerManager:
         )  # fmt: skip
         self.label = "default"
         self.tasks: list[asyncio.Future[None]] = []
+        self.session_open = False  # WeightUpdater._session (weight_updater.py)
 
     async def generate_request(self, obj: Any, request: Any) -> AsyncIterator[dict[str, Any]]:
         """As TokenizerManager.generate_request (an async generator; non-streaming: one
@@ -1063,11 +1074,40 @@ class FakeTokenizerManager:
         self.label = obj.new_version
         await self.engine.load_weights([], int(obj.new_version))
 
+    # The session SGLang 0.5.23 requires around update_weights_from_distributed, with its
+    # refusals (sglang/srt/managers/scheduler_components/weight_updater.py, WeightUpdater.
+    # begin_weight_update / end_weight_update / update_weights_from_distributed).
+    async def begin_weight_update(self, obj: Any, request: Any) -> tuple[bool, str]:
+        self.calls.append(("begin_weight_update", obj))
+        if self.session_open:
+            return (
+                False,
+                "a weight-update session is already open; call end_weight_update() first",
+            )
+        self.session_open = True
+        return (True, "Success")
+
+    async def end_weight_update(self, obj: Any, request: Any) -> tuple[bool, str]:
+        self.calls.append(("end_weight_update", obj))
+        if not self.session_open:
+            return (False, "no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return (True, "Success")
+
+    async def update_weights_from_distributed(self, obj: Any, request: Any) -> tuple[bool, str]:
+        self.calls.append(("update_weights_from_distributed", obj))
+        if not self.session_open:
+            return (
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and "
+                "end_weight_update()",
+            )
+        return (obj.names != ["fail"], "message")
+
     def __getattr__(self, name: str) -> Any:
         if name in (
-            "init_weights_update_group", "update_weights_from_distributed",
-            "destroy_weights_update_group", "release_memory_occupation",
-            "resume_memory_occupation",
+            "init_weights_update_group", "destroy_weights_update_group",
+            "release_memory_occupation", "resume_memory_occupation",
         ):  # fmt: skip
 
             async def control(obj: Any, request: Any) -> tuple[bool, str]:
@@ -1159,8 +1199,17 @@ def test_sglang_engine_maps_onto_a_fake_sglang_engine() -> None:
         await engine.sleep(1)
         await engine.wake_up()
         await engine.join_weight_group("127.0.0.1", 1234, 1, 3)
+        with pytest.raises(EngineError, match="must run between begin_weight_update"):
+            await engine.receive_weights(["w"], ["float32"], [[2]])  # no session: refused
+        await engine.begin_weight_update()
         await engine.receive_weights(["w"], ["float32"], [[2]])
         await engine.commit_weights(2)
+        assert not fake.tokenizer_manager.session_open  # commit ended the session
+        order = [n for n, _ in fake.tokenizer_manager.calls if "weight" in n]
+        assert order[-4:] == [
+            "begin_weight_update", "update_weights_from_distributed", "end_weight_update",
+            "update_weight_version",
+        ]  # fmt: skip
         await engine.leave_weight_group()
         assert engine.weight_version == 2 and engine.weight_group_ranks == 2
         calls = {name: obj for name, obj in fake.tokenizer_manager.calls}
@@ -1174,8 +1223,13 @@ def test_sglang_engine_maps_onto_a_fake_sglang_engine() -> None:
         assert (u.names, u.dtypes, u.shapes) == (["w"], ["float32"], [[2]])
         v = calls["update_weight_version"]
         assert (v.new_version, v.abort_all_requests) == ("2", False)
+        await engine.begin_weight_update()
         with pytest.raises(EngineError, match="did not succeed"):
             await engine.receive_weights(["fail"], ["float32"], [[1]])
+        await engine.begin_weight_update()  # the failed sync's session is ended, then reopened
+        assert fake.tokenizer_manager.session_open
+        await engine.load_weights([], 3)  # a version bump ends it too
+        assert not fake.tokenizer_manager.session_open and engine.weight_version == 3
         with pytest.raises(EngineError, match="SGLangWeightSync"):
             await engine.load_weights([("w", torch.zeros(1))], 3)
         del FakeTokenizerManager.pause_generation  # an SGLang without it

@@ -120,21 +120,6 @@ LABELLED_ROUTE = re.compile(r"(GET|POST|PUT|DELETE|PATCH) (/[A-Za-z_][\w/{}.:-]*
 KNOWN_GAPS: dict[str, str] = {
     # What fails today: the issue #20 item that fixes it, and upstream's evidence. Remove an
     # entry with its fix; the test fails while a fixed entry stays.
-    "sglang POST /update_weights_from_distributed needs POST /begin_weight_update": (
-        "item 1: SGLang 0.5.23 refuses update_weights_from_distributed outside a "
-        "begin_weight_update/end_weight_update session (srt/managers/scheduler_components/"
-        "weight_updater.py, WeightUpdater.update_weights_from_distributed); "
-        "SGLangHTTPEngine never opens one, and the replay server does not serve the session"
-    ),
-    "sglang POST /update_weights_from_distributed needs POST /end_weight_update": (
-        "item 1: the same session; /end_weight_update also runs post-load processing"
-    ),
-    "sglang TokenizerManager.update_weights_from_distributed needs begin_weight_update": (
-        "item 1: SGLangEngine, in process: the same refusal (weight_updater.py)"
-    ),
-    "sglang TokenizerManager.update_weights_from_distributed needs end_weight_update": (
-        "item 1: SGLangEngine, in process: the same session"
-    ),
     "vllm POST /inference/v1/generate needs --enable-scale-out": (
         "item 2: vLLM 0.33 mounts /inference/v1/generate only with --enable-scale-out or "
         "--tokens-only, else answers 403 (entrypoints/scale_out/factories.py, "

@@ -25,6 +25,7 @@ sampling_logprobs_mode="selected"), None).__anext__()``. The limits come from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any, Literal
@@ -142,6 +143,7 @@ class SGLangEngine:
         self._inflight: dict[str, _Flight] = {}
         self._sleep_tags: list[str] | None = None
         self._asleep = False
+        self._session_open = False  # a weight-update session we opened and did not end
         self._closed = False
         tm = getattr(engine, "tokenizer_manager", None)
         args = getattr(tm, "server_args", None)
@@ -349,7 +351,21 @@ class SGLangEngine:
         )
 
     async def begin_weight_update(self) -> None:
-        return None
+        """Open the weight-update session SGLang 0.5.23 requires around
+        ``update_weights_from_distributed`` (``tokenizer_control_mixin.py``,
+        ``begin_weight_update``; refused outside one by ``scheduler_components/
+        weight_updater.py``, ``WeightUpdater.update_weights_from_distributed``). A session a
+        failed sync left open is ended first."""
+        if self._session_open:
+            with contextlib.suppress(EngineError):  # the begin below tells the truth
+                await self._end_session()
+        await self._control("begin_weight_update", "BeginWeightUpdateReqInput", selector="all")
+        self._session_open = True
+
+    async def _end_session(self) -> None:
+        """``end_weight_update``: closes the session, runs the runners' post-load step."""
+        self._session_open = False
+        await self._control("end_weight_update", "EndWeightUpdateReqInput")
 
     async def receive_weights(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
@@ -367,6 +383,8 @@ class SGLangEngine:
     async def commit_weights(self, version: Version) -> None:
         if not is_int(version) or version < 0:
             raise EngineError(f"{self.who}: version must be an int >= 0, got {version!r}")
+        if self._session_open:
+            await self._end_session()
         update = self._tm_method("update_weight_version")
         req = self._req(
             "UpdateWeightVersionReqInput", new_version=str(version), abort_all_requests=False

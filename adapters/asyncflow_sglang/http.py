@@ -30,9 +30,11 @@ adapter                        SGLang route and body
                                abort_all_requests: false}``
 ``join_weight_group(...)``     ``POST /init_weights_update_group {master_address, master_port,
                                rank_offset, world_size, group_name, backend}``
+``begin_weight_update()``      ``POST /begin_weight_update {selector: "all"}`` (the session)
 ``receive_weights(...)``       ``POST /update_weights_from_distributed {names, dtypes, shapes,
                                group_name, flush_cache, abort_all_requests: false}``
-``commit_weights(v)``          ``POST /update_weight_version`` (as above)
+``commit_weights(v)``          ``POST /end_weight_update {}`` (if a session is open), then
+                               ``POST /update_weight_version`` (as above)
 ``leave_weight_group()``       ``POST /destroy_weights_update_group {group_name}``
 ``update_weights_from_disk``   ``POST /update_weights_from_disk {model_path, weight_version?,
                                abort_all_requests: false, flush_cache: true}``
@@ -84,6 +86,7 @@ the argmax token).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -467,6 +470,7 @@ class SGLangHTTPEngine:
         self._connect_lock: asyncio.Lock | None = None
         self._sleep_tags: list[str] | None = None
         self._asleep = False
+        self._session_open = False  # a weight-update session we opened and did not end
         self._closed = False
 
     # ---- construction -------------------------------------------------------------------
@@ -719,9 +723,24 @@ class SGLangHTTPEngine:
         await self._control("/init_weights_update_group", body)
 
     async def begin_weight_update(self) -> None:
-        """Nothing to open on SGLang for full-precision weights: each
-        ``/update_weights_from_distributed`` loads its tensors as they arrive."""
+        """Open SGLang's weight-update session: 0.5.23 refuses
+        ``/update_weights_from_distributed`` outside ``/begin_weight_update`` ..
+        ``/end_weight_update`` (``srt/managers/scheduler_components/weight_updater.py``,
+        ``WeightUpdater.update_weights_from_distributed``), before it receives anything, so
+        the trainer's broadcast would wait for no one. A session a failed sync left open is
+        ended first (``begin_weight_update`` refuses while one is open)."""
         await self.connect()
+        if self._session_open:
+            with contextlib.suppress(EngineError):  # the begin below tells the truth
+                await self._end_session()
+        await self._control("/begin_weight_update", {"selector": "all"})
+        self._session_open = True
+
+    async def _end_session(self) -> None:
+        """``POST /end_weight_update``: closes the session and runs the runners' post-load
+        step (``WeightUpdater.end_weight_update``)."""
+        self._session_open = False
+        await self._control("/end_weight_update", {})
 
     async def receive_weights(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
@@ -739,6 +758,8 @@ class SGLangHTTPEngine:
     async def commit_weights(self, version: Version) -> None:
         self._check_version_arg(version)
         await self.connect()
+        if self._session_open:
+            await self._end_session()
         body = {"new_version": str(version), "abort_all_requests": False}
         answer = await self._control("/update_weight_version", body)
         if answer.get("new_version", str(version)) != str(version):
