@@ -28,6 +28,12 @@ Differences from vLLM, on purpose:
   the order of ``update_info.names``, into ``torch.empty(shape, dtype=getattr(torch,
   dtype_name))``). Only ``packed: false`` is served. Tensors are staged and loaded into the
   engine at ``/finish_weight_update`` (vLLM loads each as it arrives).
+- ``scale_out = False`` serves a 0.33 server started without ``--enable-scale-out``:
+  ``/inference/v1/generate`` answers 403 ``PermissionDeniedError`` "Scale-out endpoints are
+  disabled. Restart vllm serve with --enable-scale-out to enable them."
+  (``entrypoints/scale_out/factories.py``, ``register_scale_out_api_routers``: every
+  scale-out route then maps to ``disabled_scale_out``). The 0.26 flavour serves the route
+  regardless, as 0.26 does. The default (True) is the documented launch line.
 - a request in ``/pause?mode=abort|wait`` is answered 503 at once (vLLM: the engine core
   rejects it with the retryable ``engine_paused`` error); ``mode=keep`` queues it.
 - unknown ``sampling_params`` keys are rejected (400), to catch a misspelt field.
@@ -115,6 +121,15 @@ MISSING_IN_026 = frozenset(
     {"/weight_info", "/update_weight_version", "/shutdown_weight_transfer_engine"}
 )
 """Routes vLLM 0.26.0's server does not have (``entrypoints/serve/dev/rlhf/api_router.py``)."""
+
+SCALE_OUT_ROUTES = frozenset({"/inference/v1/generate"})
+"""The scale-out routes this replay serves: vLLM 0.33 answers them 403 unless ``vllm serve``
+runs with ``--enable-scale-out`` or ``--tokens-only`` (``entrypoints/scale_out/factories.py``)."""
+
+SCALE_OUT_DISABLED = (
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+)
+"""``register_scale_out_api_routers``'s message, verbatim."""
 INIT_INFO_026 = ("master_address", "master_port", "rank_offset", "world_size")
 """``NCCLWeightTransferInitInfo``'s fields in vLLM 0.26.0 (``distributed/weight_transfer/
 nccl_common.py``; vllm-ascend's ``HCCLWeightTransferInitInfo`` has the same)."""
@@ -152,7 +167,12 @@ class _HTTPError(Exception):
 
 def _error(status: int, message: str) -> _HTTPError:
     """vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    kind = {
+        400: "BadRequestError",
+        403: "PermissionDeniedError",
+        404: "NotFoundError",
+        503: "ServiceUnavailableError",
+    }
     return _HTTPError(
         status,
         {
@@ -193,6 +213,7 @@ class ReplayVLLMServer:
         self.world_size = world_size
         self.host = host
         self.dev_mode = True
+        self.scale_out = True  # started with --enable-scale-out (0.33's generate route)
         self.spans = True
         self.requests: list[Recorded] = []
         self.faults: dict[str, Fault] = {}
@@ -289,6 +310,9 @@ class ReplayVLLMServer:
             return web.json_response({"detail": "Not Found"}, status=404)
         if self.legacy and request.path in MISSING_IN_026:
             return web.json_response({"detail": "Not Found"}, status=404)
+        if not self.legacy and not self.scale_out and request.path in SCALE_OUT_ROUTES:
+            refused = _error(403, SCALE_OUT_DISABLED)  # factories.py, disabled_scale_out
+            return web.json_response(refused.body, status=refused.status)
         fault = self.faults.get(request.path)
         if fault is not None:
             if fault.times is not None:

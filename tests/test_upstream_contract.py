@@ -120,12 +120,6 @@ LABELLED_ROUTE = re.compile(r"(GET|POST|PUT|DELETE|PATCH) (/[A-Za-z_][\w/{}.:-]*
 KNOWN_GAPS: dict[str, str] = {
     # What fails today: the issue #20 item that fixes it, and upstream's evidence. Remove an
     # entry with its fix; the test fails while a fixed entry stays.
-    "vllm POST /inference/v1/generate needs --enable-scale-out": (
-        "item 2: vLLM 0.33 mounts /inference/v1/generate only with --enable-scale-out or "
-        "--tokens-only, else answers 403 (entrypoints/scale_out/factories.py, "
-        "register_scale_out_api_routers); VLLMHTTPEngine's launch line and hints omit it, "
-        "and the replay server serves it regardless"
-    ),
     "vllm AsyncLLM.collective_rpc(method: str) gets a function": (
         "item 3: VLLMEngine.load_weights passes _load_on_worker; AsyncLLM.collective_rpc "
         "takes method: str (v1/engine/async_llm.py), a function crosses msgpack only with "

@@ -25,7 +25,7 @@ import torch
 from asyncflow_conformance import InferenceEngineConformance
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
-from asyncflow_vllm.http import DEV_MODE_HINT, VLLMHTTPEngine
+from asyncflow_vllm.http import DEV_MODE_HINT, SCALE_OUT_HINT, VLLMHTTPEngine
 from replay_vllm_server import ReplayVLLMServer
 
 from asyncflow_core.errors import ConfigError, EngineError, EngineUnavailableError
@@ -409,6 +409,30 @@ def test_missing_dev_routes_say_how_to_start_vllm() -> None:
             with pytest.raises(EngineError, match="VLLM_SERVER_DEV_MODE=1") as info:
                 await engine.connect()
             assert DEV_MODE_HINT in str(info.value)
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+def test_generate_without_scale_out_says_to_restart_with_the_flag() -> None:
+    """vLLM 0.33 started without --enable-scale-out answers /inference/v1/generate 403
+    (entrypoints/scale_out/factories.py); the error names the flag and nothing stays in
+    flight. 0.26 has no flag and serves the route regardless."""
+
+    async def main() -> None:
+        server, engine = await serve()
+        server.scale_out = False
+        try:
+            await engine.connect()  # the other routes are there
+            with pytest.raises(EngineError, match="--enable-scale-out") as info:
+                await engine.generate(req("r0"))
+            assert SCALE_OUT_HINT in str(info.value)
+            assert "Scale-out endpoints are disabled" in str(info.value)  # the server's words
+            assert not engine._inflight and not engine._sent  # nothing left in flight
+            server.scale_out = True  # restarted with the flag: the same engine goes on
+            result = await engine.generate(req("r0"))
+            assert result.finish_reason in ("stop", "length")
         finally:
             await shut(server, engine)
 
@@ -805,8 +829,8 @@ LIVE_URL = os.environ.get("ASYNCFLOW_VLLM_URL")
 @pytest.mark.skipif(
     not LIVE_URL,
     reason="live vLLM test: set ASYNCFLOW_VLLM_URL to a `VLLM_SERVER_DEV_MODE=1 vllm serve "
-    'MODEL --weight-transfer-config \'{"backend":"nccl"}\' --enable-sleep-mode` URL; no '
-    "vLLM server can run on this CPU-only machine",
+    'MODEL --enable-scale-out --weight-transfer-config \'{"backend":"nccl"}\' '
+    "--enable-sleep-mode` URL; no vLLM server can run on this CPU-only machine",
 )
 class TestLiveVLLMHTTPEngine(InferenceEngineConformance):
     long_max_tokens = 2048

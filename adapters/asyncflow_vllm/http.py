@@ -1,10 +1,17 @@
 """``VLLMHTTPEngine``: AsyncFlow's ``InferenceEngine`` over a running ``vllm serve``, through
 its HTTP routes only (no vLLM, no CUDA on the client: ``pip install 'asyncflow[vllm-client]'``).
 
-Start the server with the development routes and the NCCL weight-transfer engine::
+Start the server with the development routes, the scale-out routes and the NCCL
+weight-transfer engine::
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend":"nccl"}' \\
-        --logprobs-mode processed_logprobs
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --enable-scale-out \\
+        --weight-transfer-config '{"backend":"nccl"}' --logprobs-mode processed_logprobs
+
+(``--enable-scale-out``: vLLM 0.33 mounts ``/inference/v1/generate``, the only route this
+adapter generates through, only with it or ``--tokens-only``, and otherwise answers it 403
+"Scale-out endpoints are disabled" — ``entrypoints/scale_out/factories.py``,
+``register_scale_out_api_routers``; releases between 0.26 and 0.33 may not mount it at all,
+404. vLLM 0.26.0 mounts it unconditionally and has no such flag.)
 
 (``processed_logprobs`` makes the reported log-probs those of the sampling distribution,
 temperature included, as AsyncFlow's trainers compute them; vLLM's default ``raw_logprobs``
@@ -97,12 +104,20 @@ from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_vllm.compat import INSTALL_CLIENT, Features, check_vllm_version
 
-__all__ = ["DEV_MODE_HINT", "REQUEST_ID_PREFIX", "VLLMHTTPEngine"]
+__all__ = ["DEV_MODE_HINT", "REQUEST_ID_PREFIX", "SCALE_OUT_HINT", "VLLMHTTPEngine"]
 
 DEV_MODE_HINT = (
     "the route is missing: start vllm serve with VLLM_SERVER_DEV_MODE=1 (the RL, sleep and "
-    'cache routes exist only then) and --weight-transfer-config \'{"backend":"nccl"}\' '
-    '(on Ascend: \'{"backend":"hccl"}\' and VLLM_ASCEND_ENABLE_NZ=0), and check base_url'
+    "cache routes exist only then), --enable-scale-out (vLLM 0.33 serves "
+    "/inference/v1/generate only then; 0.26 has no such flag) and --weight-transfer-config "
+    '\'{"backend":"nccl"}\' (on Ascend: \'{"backend":"hccl"}\' and VLLM_ASCEND_ENABLE_NZ=0), '
+    "and check base_url"
+)
+
+SCALE_OUT_HINT = (
+    "vLLM 0.33 refuses /inference/v1/generate (the scale-out tokens route this adapter "
+    "generates through) unless vllm serve runs with --enable-scale-out (or --tokens-only): "
+    "restart the server with --enable-scale-out"
 )
 
 REQUEST_ID_PREFIX = "generate-tokens-"
@@ -154,9 +169,10 @@ class VLLMHTTPEngine:
     (blocks still held by running requests).
 
     Errors: a server down or too slow is ``EngineUnavailableError``; an HTTP error quotes
-    the server's message (404 adds ``DEV_MODE_HINT``); an answer without the documented keys
-    is an ``EngineError`` saying "malformed". Requests are checked (``check_request``)
-    before anything is sent, so a rejected request changes nothing.
+    the server's message (404 adds ``DEV_MODE_HINT``, 403 ``SCALE_OUT_HINT``); an answer
+    without the documented keys is an ``EngineError`` saying "malformed". Requests are
+    checked (``check_request``) before anything is sent, so a rejected request changes
+    nothing.
     """
 
     def __init__(
@@ -201,7 +217,7 @@ class VLLMHTTPEngine:
             timeout_s=float(control_timeout_s),
             connect_timeout_s=connect_timeout_s,
             install=INSTALL_CLIENT,
-            hints={404: DEV_MODE_HINT},
+            hints={403: SCALE_OUT_HINT, 404: DEV_MODE_HINT},
             headers=headers,
         )
         self.base_url = self._client.base_url
