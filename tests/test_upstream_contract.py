@@ -120,11 +120,6 @@ LABELLED_ROUTE = re.compile(r"(GET|POST|PUT|DELETE|PATCH) (/[A-Za-z_][\w/{}.:-]*
 KNOWN_GAPS: dict[str, str] = {
     # What fails today: the issue #20 item that fixes it, and upstream's evidence. Remove an
     # entry with its fix; the test fails while a fixed entry stays.
-    "vllm AsyncLLM.collective_rpc(method: str) gets a function": (
-        "item 3: VLLMEngine.load_weights passes _load_on_worker; AsyncLLM.collective_rpc "
-        "takes method: str (v1/engine/async_llm.py), a function crosses msgpack only with "
-        "VLLM_ALLOW_INSECURE_SERIALIZATION=1 (v1/serial_utils.py)"
-    ),
     "vllm weight-transfer backend ipc has no trainer side here": (
         "item 6: weight_transfer_backend('cuda', colocated=True) selects 'ipc', whose "
         "trainer side in vLLM 0.33 is IPCTrainerWeightTransferEngine (distributed/"

@@ -41,6 +41,12 @@ from asyncflow_vllm import (
     engine_args_for,
     weight_transfer_backend,
 )
+from asyncflow_vllm.worker_ext import (
+    EXTENSION,
+    WeightUpdateExtension,
+    decode_weights,
+    encode_weights,
+)
 
 from asyncflow_core.errors import (
     ConfigError,
@@ -149,8 +155,38 @@ def spans(versions: Sequence[int]) -> list[WeightVersionSpan]:
     return out
 
 
-class FakeWorker:
-    """What ``collective_rpc`` hands a function as ``self``: a worker with a model runner."""
+def msgpack_utility_args(value: Any, where: str = "args") -> Any:
+    """What a ``collective_rpc`` argument becomes on the engine core's side of vLLM 0.33's
+    msgpack link: ``AsyncLLM.collective_rpc`` -> ``core_client.py`` -> ``EngineCore``.
+
+    * msgpack-native values (None, bool, int, float, str, bytes, lists, tuples as lists, dicts)
+      cross as they are;
+    * a tensor is encoded by ``serial_utils.py`` ``MsgpackEncoder._encode_tensor`` as
+      ``(dtype, shape, data)``, where data is inline or an index into the message's extra
+      buffers, and ``EngineCore`` decodes utility arguments untyped (``core.py``: ``method,
+      args`` straight from ``generic_decoder.decode``), so it arrives as a
+      ``[dtype, shape, index]`` list (the index kept, the buffer not);
+    * anything else (a function, an object) makes ``MsgpackEncoder.enc_hook`` raise
+      ``TypeError`` unless ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (never set here)."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return value
+    if isinstance(value, list | tuple):
+        return [msgpack_utility_args(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: msgpack_utility_args(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return [str(value.dtype).removeprefix("torch."), list(value.shape), 1]
+    raise TypeError(
+        f"Object of type {type(value)} is not serializableSet "
+        "VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow fallback to pickle-based serialization."
+    )
+
+
+class FakeWorker(WeightUpdateExtension):
+    """What ``collective_rpc`` runs a method name on: a worker with a model runner and the
+    worker extension ``VLLMEngine.create`` installs (its real ``load_weights_from_bytes``)."""
+
+    device = "cpu"
 
     def __init__(self, llm: FakeAsyncLLM) -> None:
         self.llm = llm
@@ -258,9 +294,10 @@ class FakeAsyncLLM:
         kwargs: Any = None,
     ) -> list[Any]:
         self.calls.append(("collective_rpc", method if isinstance(method, str) else "<fn>"))
-        worker = FakeWorker(self)
-        fn = getattr(worker, method) if isinstance(method, str) else method.__get__(worker)
-        return [await asyncio.to_thread(fn, *args, **(kwargs or {}))]
+        # the engine core is another process, reached through msgpack (see above)
+        method, args, kwargs = msgpack_utility_args([method, args, kwargs or {}])
+        fn = getattr(FakeWorker(self), method)  # run_method: a name looked up on the worker
+        return [await asyncio.to_thread(fn, *args, **kwargs)]
 
     async def init_weight_transfer_engine(self, request: WeightTransferInitRequest) -> None:
         info = request.init_info
@@ -444,6 +481,59 @@ def test_requests_carry_vllms_fields_and_resume_the_prefix() -> None:
             assert result.tokens[:2] == first.tokens[:2]
             assert result.logprobs[:2] == first.logprobs[:2]
             assert len(result.tokens) == len(result.logprobs) == len(result.versions) <= 6
+        finally:
+            await close(adapter)
+
+    asyncio.run(main())
+
+
+def test_the_fake_core_link_refuses_what_msgpack_refuses() -> None:
+    """The fake's collective_rpc is no looser than vLLM's msgpack link: a function is
+    refused, and a tensor arrives as a [dtype, shape, index] list, not as a tensor."""
+    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        msgpack_utility_args([lambda worker: None, (), {}])
+    assert msgpack_utility_args(("w", torch.zeros(2, 3))) == ["w", ["float32", [2, 3], 1]]
+    items = encode_weights([("w", torch.ones(2))])
+    assert msgpack_utility_args(items) == items  # what load_weights sends crosses unchanged
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.randn(3, 4).to(torch.bfloat16),
+        torch.randn(4, 3).t(),  # not contiguous
+        torch.tensor(2.5, dtype=torch.float64),  # 0-dim
+        torch.empty(0, 5, dtype=torch.float16),  # no elements
+        torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    ],
+    ids=["fp32", "bf16", "strided", "scalar", "empty", "int64"],
+)
+def test_weights_cross_as_bytes_exactly(tensor: torch.Tensor) -> None:
+    [(name, back)] = decode_weights(msgpack_utility_args(encode_weights([("w", tensor)])))
+    assert name == "w" and back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back, tensor)
+
+
+def test_malformed_weight_items_are_named() -> None:
+    with pytest.raises(ValueError, match="item 1 is malformed"):
+        decode_weights([["a", "float32", [1], b"\0\0\0\0"], ["b", "no_such_dtype", [1], b"x"]])
+    with pytest.raises(ValueError, match="item 0 is malformed"):
+        decode_weights([["a", "float32", [3], b"\0\0\0\0"]])  # 4 bytes for 3 floats
+
+
+def test_load_weights_without_the_worker_extension_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def main() -> None:
+        adapter = make_adapter()
+        try:
+            monkeypatch.delattr(WeightUpdateExtension, "load_weights_from_bytes")
+            weights = [("w", torch.zeros(2))]
+            with pytest.raises(EngineError, match="worker_extension_cls") as info:
+                await adapter.load_weights(weights, 5)
+            assert EXTENSION in str(info.value)
+            assert adapter.weight_version != 5  # nothing was labelled
         finally:
             await close(adapter)
 

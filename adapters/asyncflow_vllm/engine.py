@@ -27,8 +27,10 @@ What maps to what:
   in its abort mode).
 - ``sleep(level)`` / ``wake_up``: ``sleep(level)`` / ``wake_up()`` (needs
   ``enable_sleep_mode=True``; vLLM's CPU worker ignores both).
-- ``load_weights(weights, version)``: ``collective_rpc`` of a function that calls each
-  worker's ``model_runner.model.load_weights``, then ``reset_prefix_cache()`` and
+- ``load_weights(weights, version)``: ``collective_rpc("load_weights_from_bytes", ...)`` of
+  the worker extension (``worker_ext.py``; the tensors as ``[name, dtype, shape, bytes]``,
+  since only msgpack-native values cross to the engine core), which calls each worker's
+  ``model_runner.model.load_weights``; then ``reset_prefix_cache()`` and
   ``update_weight_version(str(version))``.
 - ``GroupReceiver`` (for ``EngineGroupWeightSync`` / ``VLLMWeightSync``): the native weight
   transfer, ``init_weight_transfer_engine`` -> ``start_weight_update`` ->
@@ -64,6 +66,7 @@ from asyncflow_core.platform import Platform, current_platform, select_platform
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_vllm.compat import Features, check_vllm_version, require_vllm
 from asyncflow_vllm.weightsync import WEIGHT_TRANSFER_BACKENDS, weight_transfer_backend
+from asyncflow_vllm.worker_ext import EXTENSION, encode_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +97,6 @@ class VLLMTypes:
             WeightTransferInitRequest=base.WeightTransferInitRequest,
             WeightTransferUpdateRequest=base.WeightTransferUpdateRequest,
         )
-
-
-def _load_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs on every vLLM worker (``collective_rpc`` passes the worker first)."""
-    worker.model_runner.model.load_weights(weights=weights)
 
 
 class VLLMEngine:
@@ -180,7 +178,9 @@ class VLLMEngine:
     ) -> VLLMEngine:
         """An ``AsyncLLM`` for ``model`` (a path or hub id) with ``engine_args`` (vLLM's
         ``AsyncEngineArgs`` fields: ``enable_sleep_mode``, ``weight_transfer_config``,
-        ``tensor_parallel_size``, ...), owned by the returned adapter.
+        ``tensor_parallel_size``, ...), owned by the returned adapter. ``worker_extension_cls``
+        defaults to ``asyncflow_vllm.worker_ext.WeightUpdateExtension``, which
+        ``load_weights`` calls by name (keep it, or subclass it, if you pass your own).
 
         ``weight_transfer_config`` defaults to the ``platform``'s backend
         (``weight_transfer_backend``: ``nccl`` on CUDA, vllm-ascend's ``hccl`` on Ascend NPUs;
@@ -194,6 +194,7 @@ class VLLMEngine:
 
         arg_utils = importlib.import_module("vllm.engine.arg_utils")
         async_llm = importlib.import_module("vllm.v1.engine.async_llm")
+        engine_args.setdefault("worker_extension_cls", EXTENSION)  # load_weights needs it
         args = arg_utils.AsyncEngineArgs(model=model, **engine_args)
         engine = async_llm.AsyncLLM.from_engine_args(args)
         adapter = cls(engine, name=name, owns_engine=True, types=types)
@@ -298,7 +299,19 @@ class VLLMEngine:
                     f"{describe(item, 80)}"
                 )
         if weights:
-            await self.engine.collective_rpc(_load_on_worker, args=(weights,))
+            # By method name, the tensors as bytes: AsyncLLM reaches its workers only through
+            # msgpack (worker_ext.py says what crosses it and what does not).
+            try:
+                await self._rpc("load_weights_from_bytes", (encode_weights(weights),))
+            except EngineError:
+                raise
+            except Exception as exc:
+                raise EngineError(
+                    f"{self.name}: loading {len(weights)} tensors through collective_rpc("
+                    f"'load_weights_from_bytes') failed: {exc}; the engine's workers need "
+                    f"worker_extension_cls={EXTENSION!r} (VLLMEngine.create sets it), or send "
+                    "the weights over a weight group (VLLMWeightSync)"
+                ) from exc
             reset = getattr(self.engine, "reset_prefix_cache", None)
             if callable(reset):
                 await reset()
