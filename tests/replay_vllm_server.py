@@ -130,6 +130,105 @@ SCALE_OUT_DISABLED = (
     "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
 )
 """``register_scale_out_api_routers``'s message, verbatim."""
+
+
+def query_bool(value: str | None, default: bool) -> bool:
+    """A FastAPI ``bool`` query parameter (``true``/``false``/``1``/``0``/...)."""
+    if value is None:
+        return default
+    low = value.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise _detail(422, f"Input should be a valid boolean, unable to interpret input {value!r}")
+
+
+class FirstTokenFreeze:
+    """``with FirstTokenFreeze(engine) as freeze: ... await freeze.frozen()``: the next request
+    submitted to the reference ``engine`` is frozen (``pause("keep")``) at its first token,
+    whatever the machine's speed (``wait_for_tokens`` holds the engine's next step until the
+    waiter has run), so a test can act on a request known to be running and frozen."""
+
+    def __init__(self, engine: TorchInferenceEngine) -> None:
+        self.engine = engine
+        self._submit = engine.submit
+        self._done = asyncio.Event()
+        self._task: asyncio.Future[None] | None = None
+        self.tokens: int | None = None
+
+    def __enter__(self) -> FirstTokenFreeze:
+        def submit(request: GenerationRequest) -> asyncio.Future[Any]:
+            future = self._submit(request)
+            self.engine.submit = self._submit  # type: ignore[method-assign]
+            self._task = asyncio.ensure_future(self._freeze(request.request_id))
+            return future
+
+        self.engine.submit = submit  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.submit = self._submit  # type: ignore[method-assign]
+
+    async def _freeze(self, request_id: str) -> None:
+        self.tokens = await self.engine.wait_for_tokens(request_id, 1)
+        await self.engine.pause("keep")
+        self._done.set()
+
+    async def frozen(self) -> int:
+        """Once the request is frozen: its token count then (1)."""
+        await self._done.wait()
+        assert self.tokens is not None
+        return self.tokens
+
+
+@dataclass
+class PrefixCacheModel:
+    """vLLM's prefix cache, as far as weight updates are concerned (shared by this replay and
+    the fake ``AsyncLLM`` of ``test_vllm_engine.py``; the reference engine behind them keeps
+    no KV across requests, so this is bookkeeping, not a cache):
+
+    * loading new weight tensors leaves every cached block computed under the old ones
+      (``stale``); a request admitted while stale could reuse such KV
+      (``stale_requests`` counts them: a correct adapter keeps it at 0);
+    * ``reset(running, reset_running_requests)`` follows ``v1/core/sched/scheduler.py``
+      ``Scheduler.reset_prefix_cache``: with ``reset_running_requests`` the running (and
+      frozen) requests are preempted (their KV dropped, recomputed on resume:
+      ``preempted``) and the reset succeeds; without it, it fails while any request holds
+      blocks (``v1/core/block_pool.py`` ``BlockPool.reset_prefix_cache``);
+    * a pause with ``clear_cache`` (the default, also for ``mode="keep"``, whatever the
+      route's docstring says) resets with ``reset_running_requests=True``
+      (``v1/engine/core.py`` ``EngineCore._finish_pause`` -> ``_reset_caches``): the frozen
+      requests of a keep-pause are preempted.
+    """
+
+    stale: bool = False
+    resets: int = 0
+    failed_resets: int = 0
+    preempted: int = 0
+    stale_requests: int = 0
+
+    def weights_loaded(self) -> None:
+        self.stale = True
+
+    def reset(self, running: int, reset_running_requests: bool) -> bool:
+        if running and not reset_running_requests:
+            self.failed_resets += 1
+            return False
+        self.preempted += running
+        self.stale = False
+        self.resets += 1
+        return True
+
+    def paused(self, running: int, clear_cache: bool) -> None:
+        if clear_cache:
+            self.reset(running, True)
+
+    def admit(self) -> None:
+        if self.stale:
+            self.stale_requests += 1
+
+
 INIT_INFO_026 = ("master_address", "master_port", "rank_offset", "world_size")
 """``NCCLWeightTransferInitInfo``'s fields in vLLM 0.26.0 (``distributed/weight_transfer/
 nccl_common.py``; vllm-ascend's ``HCCLWeightTransferInitInfo`` has the same)."""
@@ -222,7 +321,7 @@ class ReplayVLLMServer:
         self._versions: dict[str, int] = {"default": 0}
         self.group: _Group | None = None
         self.inflight: dict[str, asyncio.Task[Any]] = {}
-        self.prefix_cache_resets = 0
+        self.prefix = PrefixCacheModel()
         self._runner: web.AppRunner | None = None
         self.base_url = ""
 
@@ -430,6 +529,7 @@ class ReplayVLLMServer:
         except (TypeError, ValueError) as exc:
             raise _error(400, f"bad sampling_params: {exc}") from exc
         internal = PREFIX + str(rid)
+        self.prefix.admit()
         try:
             future = self.engine.submit(GenerationRequest(internal, tuple(tokens), params))
         except AsyncFlowError as exc:
@@ -544,6 +644,13 @@ class ReplayVLLMServer:
         mode = request.query.get("mode", "abort")
         if mode not in ("abort", "wait", "keep"):
             raise _detail(422, f"mode: Input should be 'abort', 'wait' or 'keep', got {mode!r}")
+        clear_cache = query_bool(request.query.get("clear_cache"), True)
+        try:
+            return await self._pause_mode(mode)
+        finally:
+            self.prefix.paused(self.engine.running, clear_cache)
+
+    async def _pause_mode(self, mode: str) -> Any:
         if mode == "keep":
             await self.engine.pause("keep")
         else:
@@ -586,8 +693,9 @@ class ReplayVLLMServer:
         return {"status": "awake", "tags": tags}
 
     async def _reset_prefix_cache(self, request: web.Request) -> Any:
-        self.prefix_cache_resets += 1
-        return {"success": True}
+        # entrypoints/serve/dev/cache/api_router.py: {"success": bool}
+        running = query_bool(request.query.get("reset_running_requests"), False)
+        return {"success": self.prefix.reset(self.engine.running, running)}
 
     # ---- routes: weights ------------------------------------------------------------------
     async def _update_version(self, request: web.Request) -> Any:
@@ -697,6 +805,8 @@ class ReplayVLLMServer:
         version = self.engine.weight_version if label is None else self._version_of(str(label))
         staged, group.staged, group.updating = group.staged, [], False
         await self.engine.load_weights(staged, version)
+        if staged:
+            self.prefix.weights_loaded()
         return {"message": "Weight update finished"}
 
     async def _shutdown_transfer(self, request: web.Request) -> Any:

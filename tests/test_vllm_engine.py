@@ -47,6 +47,7 @@ from asyncflow_vllm.worker_ext import (
     decode_weights,
     encode_weights,
 )
+from replay_vllm_server import FirstTokenFreeze, PrefixCacheModel
 
 from asyncflow_core.errors import (
     ConfigError,
@@ -194,6 +195,7 @@ class FakeWorker(WeightUpdateExtension):
 
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.llm.pending += [(n, t.clone()) for n, t in weights]
+        self.llm.prefix.weights_loaded()
 
     # the worker-extension convention (vLLM's old rlhf_utils / asyncflow_vllm.worker_ext)
     def init_weight_update_group(self, host: str, port: int, offset: int, world: int) -> None:
@@ -220,6 +222,7 @@ class FakeAsyncLLM:
         self.group: WeightSyncGroup | None = None
         self.staged: list[tuple[str, torch.Tensor]] = []
         self.pending: list[tuple[str, torch.Tensor]] = []
+        self.prefix = PrefixCacheModel()  # the prefix cache's weight bookkeeping
         self.paused_mode: str | None = None
         self.corrupt: Any = None  # a function that spoils outputs (malformed-answer tests)
 
@@ -229,6 +232,7 @@ class FakeAsyncLLM:
         self.calls.append(("generate", (prompt, sampling_params, request_id)))
         if self.paused_mode in ("abort", "wait"):
             raise RuntimeError("RetryableRequestError: the engine is paused")
+        self.prefix.admit()
         sp = sampling_params
         request = GenerationRequest(
             request_id,
@@ -267,6 +271,7 @@ class FakeAsyncLLM:
         self.calls.append(("pause_generation", (mode, clear_cache)))
         await self.ref.pause("keep" if mode == "keep" else "abort")
         self.paused_mode = mode
+        self.prefix.paused(self.ref.running, clear_cache)  # core.py, _finish_pause
 
     async def resume_generation(self) -> None:
         self.calls.append(("resume_generation", ()))
@@ -282,9 +287,11 @@ class FakeAsyncLLM:
         await self.ref.wake_up()
         return True
 
-    async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        self.calls.append(("reset_prefix_cache", ()))
-        return True
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        self.calls.append(("reset_prefix_cache", (reset_running_requests,)))
+        return self.prefix.reset(self.ref.running, reset_running_requests)
 
     async def collective_rpc(
         self,
@@ -331,6 +338,8 @@ class FakeAsyncLLM:
         staged, self.staged = self.staged, []
         version = self.ref.weight_version if weight_version is None else int(weight_version)
         await self.ref.load_weights(staged, version)
+        if staged:
+            self.prefix.weights_loaded()
 
     async def shutdown_weight_transfer_engine(self) -> None:
         self.calls.append(("shutdown_weight_transfer_engine", ()))
@@ -535,6 +544,63 @@ def test_load_weights_without_the_worker_extension_names_it(
             assert EXTENSION in str(info.value)
             assert adapter.weight_version != 5  # nothing was labelled
         finally:
+            await close(adapter)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("path", ["load_weights", "group"])
+def test_new_weights_under_a_keep_pause_leave_no_stale_prefix(path: str) -> None:
+    """In process, as over HTTP: pause("keep") keeps the frozen request's KV
+    (clear_cache=False), new weights (load_weights, or a weight-group commit) reset the
+    prefix cache preempting the frozen request, so no new request is admitted while the
+    cache holds KV of the old weights; the frozen request then goes on to the end."""
+
+    async def main() -> None:
+        adapter = make_adapter()
+        fake = adapter.engine
+        sync = None
+        try:
+            state = {k: v.detach().clone() for k, v in fake.ref.model.state_dict().items()}
+            state = {k: v + 0.01 for k, v in state.items()}
+            if path == "group":
+                sync = EngineGroupWeightSync(
+                    [adapter],
+                    master_address="127.0.0.1",
+                    master_port=free_port(),
+                    make_group=lambda host, port, world: WeightSyncGroup(host, port, 0, world),
+                    timeout_s=30.0,
+                )
+                await sync.init()
+            with FirstTokenFreeze(fake.ref) as freeze:
+                frozen = asyncio.ensure_future(
+                    adapter.generate(
+                        GenerationRequest(
+                            "frozen", (1, 2, 3), SamplingParams(max_tokens=40, seed=3)
+                        )
+                    )
+                )
+                assert await freeze.frozen() == 1 and fake.ref.running == 1
+            await adapter.pause("keep")
+            assert fake.prefix.preempted == 0  # clear_cache=False: the frozen KV is kept
+            if sync is not None:
+                await sync.start()
+                await sync.update(WeightBucket(tuple(state), tuple(state.values())))
+                await sync.finish(3)
+            else:
+                await adapter.load_weights(list(state.items()), 3)
+            assert fake.prefix.preempted == 1 and not fake.prefix.stale
+            assert adapter.prefix_cache_reset_ok
+            await adapter.resume()
+            after = await adapter.generate(
+                GenerationRequest("after", (1, 2), SamplingParams(max_tokens=4, seed=1))
+            )
+            assert set(after.versions) == {3} and fake.prefix.stale_requests == 0
+            done = await frozen
+            assert done.finish_reason in ("stop", "length") and 3 in done.versions
+        finally:
+            if sync is not None:
+                await sync.close()
             await close(adapter)
 
     asyncio.run(main())

@@ -26,7 +26,7 @@ from asyncflow_conformance import InferenceEngineConformance
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_vllm.http import DEV_MODE_HINT, SCALE_OUT_HINT, VLLMHTTPEngine
-from replay_vllm_server import ReplayVLLMServer
+from replay_vllm_server import FirstTokenFreeze, ReplayVLLMServer
 
 from asyncflow_core.errors import ConfigError, EngineError, EngineUnavailableError
 from asyncflow_core.process import free_port
@@ -201,7 +201,7 @@ def test_pause_resume_sleep_wake_up_routes(vllm_version: str) -> None:
             await engine.pause("abort")
             await engine.resume()
             assert [c.query for c in server.calls("/pause")] == [
-                {"mode": ["keep"]},
+                {"mode": ["keep"], "clear_cache": ["false"]},  # or vLLM preempts the frozen
                 {"mode": ["abort"]},
             ]
             assert all(c.body is None for c in server.calls("/resume"))
@@ -285,6 +285,56 @@ class TestVLLMHTTPEngineAgainstReplayServer026(TestVLLMHTTPEngineAgainstReplaySe
     vllm_version = "0.26.0"
 
 
+@pytest.mark.parametrize("reset_on_commit", [True, False], ids=["adapter", "no-reset"])
+def test_new_weights_under_a_keep_pause_leave_no_stale_prefix(reset_on_commit: bool) -> None:
+    """pause("keep") -> weights into a frozen engine -> commit -> resume: no new request may
+    be admitted while vLLM's prefix cache still holds KV of the old weights, and the frozen
+    request goes on to the end. The "no-reset" case (the commit's reset switched off) shows
+    the replay's prefix-cache model catches the stale reuse."""
+
+    async def main() -> None:
+        server, engine = await serve(reset_prefix_cache_on_commit=reset_on_commit)
+        await engine.connect()
+        trained = TransformerLM(MODEL, seed=5)
+        sync = EngineGroupWeightSync(
+            [engine],
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            make_group=lambda host, port, world: WeightSyncGroup(host, port, 0, world),
+            timeout_s=30.0,
+        )
+        try:
+            await sync.init()
+            # frozen at its first token behind the server, so the adapter's keep-pause
+            # finds it running and frozen, whatever the machine's speed
+            with FirstTokenFreeze(server.engine) as freeze:
+                frozen = asyncio.ensure_future(engine.generate(req("frozen", 40, seed=3)))
+                assert await freeze.frozen() == 1 and server.engine.running == 1
+            await engine.pause("keep")
+            assert server.prefix.preempted == 0  # clear_cache=false: nothing preempted yet
+            state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+            await sync.start()
+            await sync.update(WeightBucket(tuple(state), tuple(state.values())))
+            await sync.finish(3)
+            await engine.resume()
+            after = await engine.generate(req("after", seed=1))
+            assert set(after.versions) == {3}
+            done = await frozen
+            assert done.finish_reason in ("stop", "length") and 3 in done.versions
+            if reset_on_commit:
+                assert server.prefix.stale_requests == 0 and engine.prefix_cache_reset_ok
+                assert server.prefix.preempted == 1  # the frozen request recomputed its KV
+                (reset,) = server.calls("/reset_prefix_cache")
+                assert reset.query == {"reset_running_requests": ["true"]}
+            else:
+                assert server.prefix.stale_requests == 1  # "after" could reuse old KV
+        finally:
+            await sync.close()
+            await shut(server, engine)
+
+    run(main())
+
+
 # --------------------------------------------------------------------------------------------
 # (c) a collective weight sync into two servers
 # --------------------------------------------------------------------------------------------
@@ -316,7 +366,7 @@ def test_engine_group_weight_sync_moves_a_models_weights(vllm_version: str) -> N
                 got = server.engine.model.state_dict()
                 for name, tensor in state.items():
                     assert torch.equal(got[name], tensor), name
-                assert server.prefix_cache_resets == 1
+                assert server.prefix.resets == 1 and not server.prefix.stale
                 result = await engine.generate(req("after-sync", seed=2))
                 assert set(result.versions) == {7}
                 # 0.26 keeps no label: the server's engine never learnt version 7, the

@@ -118,6 +118,13 @@ class VLLMEngine:
 
     ``weight_group_ranks``: the engine's workers in a weight-sync group (default: its
     parallel config's world size times its data-parallel size).
+
+    ``pause("keep")`` passes ``clear_cache=False`` (otherwise vLLM resets its caches and
+    preempts the frozen requests: ``v1/engine/core.py``, ``EngineCore._finish_pause``). After
+    new weights (``load_weights`` with tensors, ``commit_weights``) the prefix cache is reset
+    with ``reset_running_requests=True``, so no new request reuses KV of the old weights;
+    running or frozen requests are preempted by it and recompute their KV under the new
+    weights (``prefix_cache_reset_ok`` says whether vLLM reset it).
     """
 
     def __init__(
@@ -165,6 +172,8 @@ class VLLMEngine:
         finish = getattr(engine, "finish_weight_update", None)  # vLLM 0.26: no version argument
         self._finish_has_version = _has_parameter(finish, "weight_version")
         self._closed = False
+        self.prefix_cache_reset_ok: bool | None = None
+        """Whether the last weight load's prefix-cache reset succeeded (None: none yet)."""
 
     @classmethod
     async def create(
@@ -312,9 +321,7 @@ class VLLMEngine:
                     f"worker_extension_cls={EXTENSION!r} (VLLMEngine.create sets it), or send "
                     "the weights over a weight group (VLLMWeightSync)"
                 ) from exc
-            reset = getattr(self.engine, "reset_prefix_cache", None)
-            if callable(reset):
-                await reset()
+            await self._reset_prefix_cache()
         await self._label(version)
 
     # -- GroupReceiver -------------------------------------------------------------------------
@@ -367,12 +374,22 @@ class VLLMEngine:
                 await self.engine.finish_weight_update(weight_version=str(version))
             else:  # vLLM 0.26: no label on the engine; the adapter keeps the version
                 await self.engine.finish_weight_update()
+            await self._reset_prefix_cache()
             self._version = version
         else:
-            reset = getattr(self.engine, "reset_prefix_cache", None)
-            if callable(reset):
-                await reset()
+            await self._reset_prefix_cache()
             await self._label(version)
+
+    async def _reset_prefix_cache(self) -> None:
+        """After new weights: no new request may reuse KV cached under the old ones. vLLM
+        resets its prefix cache only while no request holds blocks
+        (``v1/core/block_pool.py``, ``BlockPool.reset_prefix_cache``), so requests running or
+        frozen by ``pause("keep")`` are preempted first (``reset_running_requests=True``,
+        ``v1/core/sched/scheduler.py``): they keep their tokens and recompute their KV under
+        the new weights when they go on."""
+        self.prefix_cache_reset_ok = bool(
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+        )
 
     async def leave_weight_group(self) -> None:
         if self._native:

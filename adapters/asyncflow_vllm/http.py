@@ -164,9 +164,11 @@ class VLLMHTTPEngine:
     included); True ends it only at ``stop_token_ids`` and ``max_tokens``. ``vocab_size`` /
     ``max_model_len``, when given, are checked before sending. ``sleep_mode`` is the pause mode
     ``/sleep`` applies to requests in flight (vLLM's default ``"abort"``). After a weight
-    commit ``/reset_prefix_cache`` runs (``reset_prefix_cache_on_commit``), so no prefix cached
-    under the old weights is reused; ``prefix_cache_reset_ok`` is False when vLLM refused
-    (blocks still held by running requests).
+    commit ``/reset_prefix_cache?reset_running_requests=true`` runs
+    (``reset_prefix_cache_on_commit``), so no new request reuses KV cached under the old
+    weights; requests running or frozen by ``pause("keep")`` are preempted by it and recompute
+    their KV under the new weights when they go on (their tokens so far are kept).
+    ``prefix_cache_reset_ok`` is False when vLLM refused all the same.
 
     Errors: a server down or too slow is ``EngineUnavailableError``; an HTTP error quotes
     the server's message (404 adds ``DEV_MODE_HINT``, 403 ``SCALE_OUT_HINT``); an answer
@@ -390,7 +392,11 @@ class VLLMHTTPEngine:
         was_paused = self._gate.paused
         self._gate.pause()
         try:
-            data = await self._post("/pause", params={"mode": mode})
+            # keep: clear_cache=false, or vLLM resets its caches and preempts the frozen
+            # requests (v1/engine/core.py, EngineCore._finish_pause; the route's docstring
+            # calls the flag ignored for keep, the code does not ignore it)
+            params = {"mode": mode, **({"clear_cache": "false"} if mode == "keep" else {})}
+            data = await self._post("/pause", params=params)
         except BaseException:
             if not was_paused:
                 self._gate.resume()
@@ -451,9 +457,12 @@ class VLLMHTTPEngine:
         data = await self._get("/is_paused")
         return self._bool(data, "is_paused", "GET /is_paused")
 
-    async def reset_prefix_cache(self) -> bool:
-        """``POST /reset_prefix_cache``; False when vLLM refused (blocks still held)."""
-        data = await self._post("/reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """``POST /reset_prefix_cache``; False when vLLM refused (blocks still held by
+        requests). ``reset_running_requests=True`` preempts running and frozen requests first
+        (their KV is recomputed when they run again), so the reset succeeds."""
+        params = {"reset_running_requests": "true"} if reset_running_requests else None
+        data = await self._post("/reset_prefix_cache", params=params)
         return self._bool(data, "success", "POST /reset_prefix_cache")
 
     # ---- SupportsLoadWeights -------------------------------------------------------------
@@ -542,7 +551,7 @@ class VLLMHTTPEngine:
             await self._post("/finish_weight_update")
         self._version = int(version)
         if self.reset_prefix_cache_on_commit:
-            self.prefix_cache_reset_ok = await self.reset_prefix_cache()
+            self.prefix_cache_reset_ok = await self.reset_prefix_cache(True)
 
     async def leave_weight_group(self) -> None:
         """``POST /shutdown_weight_transfer_engine``; nothing on vLLM 0.26, which has no such
