@@ -948,12 +948,16 @@ class TestLiveVLLMEngine(InferenceEngineConformance):
 # --- colocated: vllm-ascend's npu_ipc backend ---------------------------------------------------
 @dataclasses.dataclass
 class IPCUpdateInfo:
-    """The fields of vLLM's ``IPCWeightTransferUpdateInfo`` that the unpacked path fills."""
+    """vLLM 0.26's ``IPCWeightTransferUpdateInfo`` (``distributed/weight_transfer/
+    ipc_engine.py``), which vllm-ascend's ``NPUIPCWeightTransferUpdateInfo`` extends: every
+    field, so ``dataclasses.asdict`` carries ``ipc_handles_pickled: None`` as upstream's does."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    ipc_handles: list[dict[str, Any]]
+    ipc_handles: list[dict[str, Any]] | dict[str, Any] | None = None
+    ipc_handles_pickled: str | None = None
+    tensor_sizes: list[int] | None = None
     packed: bool = False
 
 
@@ -985,14 +989,27 @@ class FakeIPCAsyncLLM(FakeAsyncLLM026):
     async def update_weights(self, request: WeightTransferUpdateRequest) -> None:
         info = request.update_info
         self.calls.append(("update_weights", info["names"]))
+        # the handles are functions + arguments: msgpack carries them only as pickle
+        # (serial_utils.py, MsgpackEncoder.enc_hook)
+        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise TypeError(
+                "Object of type <class 'function'> is not serializableSet "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow fallback to pickle-based "
+                "serialization."
+            )
+        # npu_ipc_engine.py, NPUIPCWeightTransferEngine.parse_update_info
+        if "ipc_handles_pickled" in info and "ipc_handles" in info:
+            raise ValueError("Cannot specify both `ipc_handles` and `ipc_handles_pickled`")
         for name, handle in zip(info["names"], info["ipc_handles"], strict=True):
             if name == "poison":
                 raise RuntimeError("worker could not map the IPC handle")
             self.staged.append((name, handle["host-0"].clone()))
 
 
-def test_ipc_weight_sync_into_a_colocated_engine() -> None:
+def test_ipc_weight_sync_into_a_colocated_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     from asyncflow_vllm.ipc import VLLMIPCWeightSync
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the user's explicit choice
 
     async def main() -> None:
         engine = make_adapter(FakeIPCAsyncLLM)
@@ -1033,7 +1050,7 @@ def test_ipc_weight_sync_into_a_colocated_engine() -> None:
     asyncio.run(main())
 
 
-def test_ipc_weight_sync_checks_its_engine_and_sender() -> None:
+def test_ipc_weight_sync_checks_its_engine_and_sender(monkeypatch: pytest.MonkeyPatch) -> None:
     from asyncflow_vllm.ipc import VLLMIPCWeightSync
 
     with pytest.raises(WeightSyncError, match="syncs into a VLLMEngine in this process"):
@@ -1044,6 +1061,11 @@ def test_ipc_weight_sync_checks_its_engine_and_sender() -> None:
         lazy = VLLMIPCWeightSync(engine, send_weights=lambda it, args: None)
         default = VLLMIPCWeightSync(engine)
         try:
+            monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+            with pytest.raises(WeightSyncError, match="VLLM_ALLOW_INSECURE_SERIALIZATION=1"):
+                await lazy.init()  # secure by default: refused before anything is sent
+            assert "init_weight_transfer_engine" not in [c[0] for c in engine.engine.calls]
+            monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
             with pytest.raises(WeightSyncError, match="needs vllm-ascend"):
                 await default.init()  # vllm-ascend is not installed here
             await lazy.init()

@@ -17,8 +17,21 @@ The engine is built with ``weight_transfer_config={"backend": "npu_ipc"}``
 
 vllm-ascend requires the trainer's tensors on the same physical NPU as the worker (its IPC
 handles are keyed by host and chip) and ``ray`` importable (its module imports vLLM's IPC
-engine, which imports ray). **Not run on Ascend hardware**; the tests drive the phases with a
-stand-in for ``trainer_send_weights`` that calls ``send_mode`` the way it does.
+engine, which imports ray).
+
+**Insecure serialization, on purpose and only here.** An IPC handle is a rebuild function
+with its arguments; ``AsyncLLM`` reaches its engine core only through msgpack, which carries a
+function only as pickle, with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (``vllm/v1/
+serial_utils.py``, ``MsgpackEncoder.enc_hook``; vllm-ascend's HTTP variant,
+``ipc_handles_pickled``, needs it too: ``npu_ipc_engine.py``, ``parse_update_info``). So
+``init`` refuses unless that variable was ``1`` when the engine was created: set it yourself,
+knowing the engine core will unpickle what this process sends it over its local socket.
+AsyncFlow never sets it. The update info goes without the ``ipc_handles_pickled: None`` that
+``dataclasses.asdict`` would add: vllm-ascend refuses an update carrying both keys
+("Cannot specify both `ipc_handles` and `ipc_handles_pickled`").
+
+**Not run on Ascend hardware**; the tests drive the phases with a stand-in for
+``trainer_send_weights`` that calls ``send_mode`` the way it does.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -74,6 +88,14 @@ class VLLMIPCWeightSync:
     async def init(self) -> None:
         self._usable()
         self._phases.expect("init")
+        if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != "1":
+            raise WeightSyncError(
+                "VLLMIPCWeightSync: vllm-ascend's npu_ipc handles reach vLLM's engine core "
+                "only as pickle, which vLLM allows with VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
+                "(vllm/v1/serial_utils.py); set it in the environment before creating the "
+                "engine if you accept that its engine core unpickles what this process sends "
+                "(AsyncFlow never sets it), or sync over a group with VLLMWeightSync"
+            )
         if self._send is None:
             self._send = npu_ipc_sender()
         request = self.engine.types.WeightTransferInitRequest(init_info={})
@@ -97,6 +119,8 @@ class VLLMIPCWeightSync:
         def send_mode(info: Any) -> None:  # on the sender's thread, handles still held
             is_record = dataclasses.is_dataclass(info) and not isinstance(info, type)
             fields = dataclasses.asdict(info) if is_record else dict(info)
+            if fields.get("ipc_handles_pickled", 0) is None:  # npu_ipc_engine.py refuses both
+                del fields["ipc_handles_pickled"]
             request = make_request(update_info=fields)
             asyncio.run_coroutine_threadsafe(llm.update_weights(request), loop).result()
             sent.append(len(fields.get("names", ())))
