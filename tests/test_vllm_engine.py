@@ -728,7 +728,10 @@ def test_the_vllm_groups_need_vllm_and_their_device(group: Any) -> None:
 
 def test_the_platform_picks_the_weight_transfer_backend_and_group() -> None:
     assert weight_transfer_backend("cuda") == "nccl"
-    assert weight_transfer_backend("cuda", colocated=True) == "ipc"
+    with pytest.raises(ConfigError, match="IPCTrainerWeightTransferEngine"):
+        weight_transfer_backend("cuda", colocated=True)  # #20 item 6: refused, not half-done
+    with pytest.raises(ConfigError, match="'ipc' backend is not supported"):
+        engine_args_for(get_platform("cuda"), {}, colocated=True)
     assert weight_transfer_backend("npu") == "hccl"
     assert weight_transfer_backend("npu", colocated=True) == "npu_ipc"
     with pytest.raises(ConfigError, match="no weight-transfer backend for platform 'cpu'"):

@@ -193,7 +193,9 @@ class VLLMEngine:
 
         ``weight_transfer_config`` defaults to the ``platform``'s backend
         (``weight_transfer_backend``: ``nccl`` on CUDA, vllm-ascend's ``hccl`` on Ascend NPUs;
-        ``ipc`` / ``npu_ipc`` with ``colocated=True``); on a platform without one (cpu) it is
+        ``npu_ipc`` with ``colocated=True``; CUDA's colocated ``ipc`` is refused with
+        ``ConfigError``, see ``weightsync.COLOCATED_CUDA_REFUSED``); on a platform without one
+        (cpu) it is
         left unset. On NPU, vllm-ascend refuses weight updates and ``wake_up`` unless
         ``VLLM_ASCEND_ENABLE_NZ=0``: the adapter sets it when unset and refuses another value."""
         chosen = current_platform() if platform is None else select_platform(platform)

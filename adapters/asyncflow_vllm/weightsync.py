@@ -34,20 +34,32 @@ from asyncflow_core.platform import Platform, current_platform, get_platform, se
 from asyncflow_core.weightsync import EngineGroupWeightSync, GroupFactory, GroupReceiver
 from asyncflow_vllm.compat import INSTALL_ASCEND, require_vllm
 
-WEIGHT_TRANSFER_BACKENDS = {
-    "cuda": ("nccl", "ipc"),
+WEIGHT_TRANSFER_BACKENDS: dict[str, tuple[str, str | None]] = {
+    "cuda": ("nccl", None),
     "npu": ("hccl", "npu_ipc"),
 }
-"""vLLM's weight-transfer backends per platform: (over a group, colocated)."""
+"""vLLM's weight-transfer backends AsyncFlow drives, per platform: (over a group, colocated).
+CUDA's colocated ``ipc`` backend is not driven: vLLM 0.33's trainer side of it is
+``IPCTrainerWeightTransferEngine`` (``vllm/distributed/weight_transfer/ipc_engine.py``; the
+``trainer_send_weights`` AsyncFlow followed is gone), and nothing here has been written
+against it yet."""
+
+COLOCATED_CUDA_REFUSED = (
+    "colocated weight sync over vLLM's CUDA 'ipc' backend is not supported: vLLM 0.33 drives "
+    "it from the trainer through IPCTrainerWeightTransferEngine "
+    "(vllm/distributed/weight_transfer/ipc_engine.py), which AsyncFlow does not implement; "
+    "colocate with the 'nccl' backend (VLLMEngine.create(colocated=False) and VLLMWeightSync "
+    "on the same GPU) or load weights with VLLMEngine.load_weights"
+)
 
 
 def weight_transfer_backend(
     platform: str | Platform | None = None, *, colocated: bool = False
 ) -> str:
     """vLLM's ``weight_transfer_config`` backend for ``platform`` (None: the current one):
-    ``nccl`` / ``ipc`` (colocated) on CUDA, vllm-ascend's ``hccl`` / ``npu_ipc`` on NPU.
-    ``ConfigError`` on a platform vLLM has no weight transfer for (cpu: use
-    ``load_weights``)."""
+    ``nccl`` on CUDA (colocated: ``ConfigError``, see ``COLOCATED_CUDA_REFUSED``),
+    vllm-ascend's ``hccl`` / ``npu_ipc`` (colocated) on NPU. ``ConfigError`` on a platform
+    vLLM has no weight transfer for (cpu: use ``load_weights``)."""
     p = current_platform() if platform is None else platform
     name = p if isinstance(p, str) else p.name
     if name not in WEIGHT_TRANSFER_BACKENDS:
@@ -56,7 +68,10 @@ def weight_transfer_backend(
             f"vLLM has no weight-transfer backend for platform {name!r} (it has {known}); on "
             "CPU load weights with VLLMEngine.load_weights (collective_rpc) or from disk"
         )
-    return WEIGHT_TRANSFER_BACKENDS[name][1 if colocated else 0]
+    backend = WEIGHT_TRANSFER_BACKENDS[name][1 if colocated else 0]
+    if backend is None:
+        raise ConfigError(COLOCATED_CUDA_REFUSED)
+    return backend
 
 
 class _TrainerGroup(abc.ABC):
