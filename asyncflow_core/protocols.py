@@ -548,6 +548,15 @@ class SupportsLoadWeights(Protocol):
     ) -> None: ...
 
 
+def inflight_load_refusal(engine: object) -> str | None:
+    """Why ``engine`` cannot take new weights while it generates (``RLConfig.weight_sync=
+    "inflight"``), or None when it can or does not say. An engine that cannot sets a class
+    attribute ``inflight_weight_load_refusal: str`` naming the upstream reason; the RL job
+    then refuses ``"inflight"`` for it before anything runs."""
+    reason = getattr(engine, "inflight_weight_load_refusal", None)
+    return reason if isinstance(reason, str) and reason else None
+
+
 # --------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ Modes (``RLConfig``):
   exposed), ``"staged"`` (the paper's delayed update: the transfer goes to a host-side buffer
   while generation continues; the swap is applied at the rollout's next safe point, before a
   new group starts: only the swap is exposed), ``"inflight"`` (weights go straight into the
-  engines between decode steps, KV caches kept; the engines stall only for the load).
+  engines between decode steps, KV caches kept; the engines stall only for the load; an
+  engine that cannot load while it generates says why in ``inflight_weight_load_refusal``
+  and the job refuses ``"inflight"`` for it: vLLM and SGLang do).
 * ``mode="colocated"``: rollout and training alternate on the same devices (η = 0, blocking
   sync; rollout engines that support ``sleep``/``wake_up`` release their memory while the
   trainer runs). The baseline every benchmark compares against.
@@ -82,6 +84,7 @@ from asyncflow_core.protocols import (
     TrainMetrics,
     Version,
     WeightSync,
+    inflight_load_refusal,
 )
 from asyncflow_core.rl import (
     PROX_LOGPROBS,
@@ -385,6 +388,16 @@ class RLJob:
                 "reference policy)"
             )
         _check_loss_fields(loss_fn, config)
+        if config.weight_sync == "inflight":
+            for i, engine in enumerate(engines.rollout):
+                reason = inflight_load_refusal(engine)
+                if reason is not None:
+                    raise ConfigError(
+                        f"weight_sync='inflight': rollout engine {i} ({type(engine).__name__}) "
+                        f"cannot load weights while it generates: {reason}; use "
+                        "weight_sync='staged' (the transfer hidden, only the swap exposed) or "
+                        "'blocking'"
+                    )
         self.config = config
         self.engines = engines
         self.prompts = prompts

@@ -894,3 +894,21 @@ class TestLiveVLLMHTTPEngine(InferenceEngineConformance):
 
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
+
+
+def test_vllm_and_sglang_adapters_refuse_inflight_weight_sync() -> None:
+    """Issue #20 item 4: neither engine can load weights while it generates, so the RL job
+    refuses weight_sync='inflight' for them with upstream's reason."""
+    from asyncflow_sglang import SGLangEngine, SGLangHTTPEngine
+    from asyncflow_vllm import VLLMEngine
+
+    from asyncflow_core.protocols import inflight_load_refusal
+
+    for cls, words in (
+        (VLLMEngine, "initialize_layerwise_reload"),
+        (VLLMHTTPEngine, "initialize_layerwise_reload"),
+        (SGLangEngine, "writer lock"),
+        (SGLangHTTPEngine, "writer lock"),
+    ):
+        reason = inflight_load_refusal(cls)
+        assert reason is not None and words in reason, cls

@@ -40,6 +40,7 @@ from asyncflow_reference.sim import (
 )
 from fake_engine_gate import RequestGate
 
+from asyncflow_core.errors import ConfigError
 from asyncflow_core.protocols import (
     Batch,
     GenerationRequest,
@@ -54,7 +55,7 @@ from asyncflow_core.protocols import (
     Version,
     WeightBucket,
 )
-from asyncflow_core.rlflow import RLEngines
+from asyncflow_core.rlflow import RLEngines, RLJob
 
 PRESET = get_preset("qwen2.5-7b-grpo")
 # Short responses (median 16 tokens, a few capped at max_tokens=32) keep every job to a few
@@ -383,3 +384,27 @@ def test_the_readme_snippet_passes_from_outside(tmp_path: Path) -> None:
     assert len(outcomes) == len(DEFAULT_CASES) * (laws + 2 * faults), sorted(outcomes)
     failed = {name: message for name, message in outcomes.items() if message is not None}
     assert not failed, failed
+
+
+class NoInflightEngine(SimInferenceEngine):
+    """An engine that says it cannot load weights while it generates (as the vLLM and SGLang
+    adapters do)."""
+
+    inflight_weight_load_refusal: ClassVar[str] = "its loader needs generation paused"
+
+
+class NoInflight(_Broken):
+    engine_cls = NoInflightEngine
+
+
+def test_an_engine_refusing_inflight_loads_skips_that_case_only() -> None:
+    """The job refuses weight_sync='inflight' for such an engine before anything runs, naming
+    it and the alternatives; the suite reports the case as skipped with that reason (an
+    optional ability), and runs the other cases as usual."""
+    with pytest.raises(pytest.skip.Exception, match="its loader needs generation paused"):
+        NoInflight().run_case(CASES["eta1-inflight"])
+    run = NoInflight().run_case(CASES["eta1-staged"])
+    run.require_result()
+    config = NoInflight().config_for(CASES["eta1-inflight"])
+    with pytest.raises(ConfigError, match=r"rollout engine 0 \(NoInflightEngine\).*'staged'"):
+        RLJob(config, sim_engines(NoInflightEngine), [[1, 2]], lambda p, r: 0.0)

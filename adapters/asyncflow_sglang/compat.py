@@ -23,6 +23,14 @@ the largest ``top_k`` for which it returns ``return_sampling_mask`` log-probs
 INSTALL = "pip install 'asyncflow[sglang]' on a machine with a CUDA GPU"
 INSTALL_CLIENT = "pip install 'asyncflow[sglang-client]'"
 
+NO_INFLIGHT_LOAD = (
+    "SGLang takes update_weights_from_distributed while not paused only under its model-update "
+    "writer lock, which waits for every running request to finish "
+    "(srt/managers/tokenizer_control_mixin.py, update_weights_from_distributed): the update "
+    "drains generation, it never runs beside it"
+)
+"""Why SGLang cannot load weights while it generates (``inflight_weight_load_refusal``)."""
+
 
 def check_sglang_version(version: str) -> None:
     """``ConfigError`` unless ``version`` (installed, or reported by a server's

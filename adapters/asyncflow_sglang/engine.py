@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -44,7 +44,7 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import AsyncFlowError, EngineError
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 
-from .compat import INSTALL, SAMPLING_MASK_MAX_TOKENS, require_sglang
+from .compat import INSTALL, NO_INFLIGHT_LOAD, SAMPLING_MASK_MAX_TOKENS, require_sglang
 from .group import DEFAULT_GROUP_NAME
 from .http import (
     _SLEEP_TAGS,
@@ -68,6 +68,9 @@ class SGLangEngine:
     existing one (``io_struct``: the module with SGLang's request classes, default
     ``sglang.srt.managers.io_struct``). See the module docstring and ``SGLangHTTPEngine``
     for the semantics; ``shutdown()`` / ``close()`` stops the engine."""
+
+    inflight_weight_load_refusal: ClassVar[str] = NO_INFLIGHT_LOAD
+    """``RLConfig(weight_sync="inflight")`` is refused for this engine (see the reason)."""
 
     def __init__(
         self,

@@ -91,7 +91,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -111,7 +111,13 @@ from asyncflow_core.errors import EngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 
-from .compat import GREEDY_BELOW, INSTALL_CLIENT, SAMPLING_MASK_MAX_TOKENS, check_sglang_version
+from .compat import (
+    GREEDY_BELOW,
+    INSTALL_CLIENT,
+    NO_INFLIGHT_LOAD,
+    SAMPLING_MASK_MAX_TOKENS,
+    check_sglang_version,
+)
 from .group import DEFAULT_GROUP_NAME
 
 __all__ = ["SGLangHTTPEngine", "read_output", "sampling_params", "wants_sampling_mask"]
@@ -404,6 +410,9 @@ class SGLangHTTPEngine:
     ``weight_backend`` is the collective backend the server joins with (``"gloo"`` for CPU
     tests); it must match the trainer's ``sglang_group(backend=...)``.
     """
+
+    inflight_weight_load_refusal: ClassVar[str] = NO_INFLIGHT_LOAD
+    """``RLConfig(weight_sync="inflight")`` is refused for this engine (see the reason)."""
 
     def __init__(
         self,

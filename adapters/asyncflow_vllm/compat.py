@@ -29,6 +29,14 @@ INSTALL_ASCEND = (
 )
 INSTALL_CLIENT = "pip install 'asyncflow[vllm-client]'"
 
+NO_INFLIGHT_LOAD = (
+    "vLLM's start_weight_update re-initialises the model's layers for a layerwise reload "
+    "(distributed/weight_transfer/nccl_engine.py, NCCLWeightTransferEngine.start_weight_update "
+    "-> model_executor/model_loader/reload/layerwise.py, initialize_layerwise_reload), and its "
+    "engine core changes weight versions only while generation is paused (v1/engine/core.py)"
+)
+"""Why vLLM cannot load weights while it generates (``inflight_weight_load_refusal``)."""
+
 
 def _within(version: str, line: tuple[str, str]) -> bool:
     got = parse_release(version)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -64,7 +64,7 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import ConfigError, EngineError
 from asyncflow_core.platform import Platform, current_platform, select_platform
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_vllm.compat import Features, check_vllm_version, require_vllm
+from asyncflow_vllm.compat import NO_INFLIGHT_LOAD, Features, check_vllm_version, require_vllm
 from asyncflow_vllm.weightsync import WEIGHT_TRANSFER_BACKENDS, weight_transfer_backend
 from asyncflow_vllm.worker_ext import EXTENSION, encode_weights
 
@@ -126,6 +126,9 @@ class VLLMEngine:
     running or frozen requests are preempted by it and recompute their KV under the new
     weights (``prefix_cache_reset_ok`` says whether vLLM reset it).
     """
+
+    inflight_weight_load_refusal: ClassVar[str] = NO_INFLIGHT_LOAD
+    """``RLConfig(weight_sync="inflight")`` is refused for this engine (see the reason)."""
 
     def __init__(
         self,

@@ -83,7 +83,7 @@ import contextlib
 import math
 import re
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -102,7 +102,7 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import EngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_vllm.compat import INSTALL_CLIENT, Features, check_vllm_version
+from asyncflow_vllm.compat import INSTALL_CLIENT, NO_INFLIGHT_LOAD, Features, check_vllm_version
 
 __all__ = ["DEV_MODE_HINT", "REQUEST_ID_PREFIX", "SCALE_OUT_HINT", "VLLMHTTPEngine"]
 
@@ -176,6 +176,9 @@ class VLLMHTTPEngine:
     checked (``check_request``) before anything is sent, so a rejected request changes
     nothing.
     """
+
+    inflight_weight_load_refusal: ClassVar[str] = NO_INFLIGHT_LOAD
+    """``RLConfig(weight_sync="inflight")`` is refused for this engine (see the reason)."""
 
     def __init__(
         self,
