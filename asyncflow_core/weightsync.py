@@ -1110,10 +1110,89 @@ GroupFactory = Callable[[str, int, int], BroadcastGroup]
 the group the engines join, built but not connected."""
 
 
+def engine_wire(engine: object) -> GroupWire:
+    """The ``GroupWire`` an engine receives its weight group's broadcasts in (its
+    ``weight_wire`` attribute; one broadcast per tensor when it has none)."""
+    wire = getattr(engine, "weight_wire", None)
+    if wire is None:
+        return GroupWire()
+    if not isinstance(wire, GroupWire):
+        raise WeightSyncError(
+            f"{type(engine).__name__}.weight_wire must be a GroupWire, got {wire!r}"
+        )
+    return wire
+
+
 def wire_dtype(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: how vLLM and SGLang name dtypes on the wire
     (``getattr(torch, name)`` on their side)."""
     return str(dtype).removeprefix("torch.")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in C order as a 1-D ``uint8`` view (a copy only if not contiguous)."""
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class GroupWire:
+    """How a bucket's tensors cross an engine's weight group, matched to how the engine
+    receives them (a ``GroupReceiver``'s optional ``weight_wire``; default ``tensor``):
+
+    * ``"tensor"``: one broadcast per tensor, in the bucket's order (vLLM unpacked, SGLang's
+      default load format).
+    * ``"packed"``: vLLM 0.33's ``packed=True`` wire: the tensors' bytes concatenated into
+      ``uint8`` chunks, a chunk closed as soon as its size passes ``buffer_bytes`` (the tensor
+      that passes it included), one broadcast per chunk (``vllm/distributed/weight_transfer/
+      packed_tensor.py``, ``pack_tensors`` / ``packed_nccl_broadcast_consumer``: both sides cut
+      the same chunks from the sizes alone).
+    * ``"flattened"``: SGLang's ``load_format="flattened_bucket"``: the whole bucket as one
+      ``uint8`` broadcast (``srt/weight_sync/tensor_bucket.py``, ``FlattenedTensorBucket``).
+
+    Both bulk wires send the tensors ordered by element size, largest first (stable), so
+    each tensor's byte offset in its buffer is a multiple of its element size: SGLang refuses
+    an unaligned offset (``FlattenedTensorBucket.empty``), and vLLM's ``unpack_tensor`` views
+    each piece in place (``.contiguous().view(dtype)``), which torch refuses at such an
+    offset. The engines get the names in the order sent."""
+
+    kind: Literal["tensor", "packed", "flattened"] = "tensor"
+    buffer_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("tensor", "packed", "flattened"):
+            raise WeightSyncError(f"GroupWire: unknown kind {self.kind!r}")
+        if self.kind == "packed" and (not _is_int(self.buffer_bytes) or self.buffer_bytes < 1):
+            raise WeightSyncError(
+                f"GroupWire: packed needs buffer_bytes >= 1, got {self.buffer_bytes!r}"
+            )
+
+    def arrange(
+        self, names: Sequence[str], tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        """The order the tensors go in (and the names posted to the engines in)."""
+        order = list(range(len(names)))
+        if self.kind != "tensor":
+            order.sort(key=lambda i: -tensors[i].element_size())
+        return [names[i] for i in order], [tensors[i] for i in order]
+
+    def messages(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What rank 0 broadcasts for ``tensors`` (already arranged), in order."""
+        if self.kind == "tensor":
+            return list(tensors)
+        if self.kind == "flattened":
+            return [torch.cat([tensor_bytes(t) for t in tensors])] if tensors else []
+        chunks: list[torch.Tensor] = []
+        pending: list[torch.Tensor] = []
+        size = 0
+        for tensor in tensors:
+            pending.append(tensor_bytes(tensor))
+            size += pending[-1].numel()
+            if size > self.buffer_bytes:
+                chunks.append(torch.cat(pending))
+                pending, size = [], 0
+        if pending:
+            chunks.append(torch.cat(pending))
+        return chunks
 
 
 class EngineGroupWeightSync:
@@ -1157,6 +1236,13 @@ class EngineGroupWeightSync:
                 )
         if not isinstance(timeout_s, int | float) or not 0 < timeout_s < math.inf:
             raise WeightSyncError(f"{who}: timeout_s must be a number > 0, got {timeout_s!r}")
+        wires = {engine_wire(engine) for engine in engines}
+        if len(wires) > 1:
+            raise WeightSyncError(
+                f"{who}: the engines receive in different wire formats ({sorted(map(str, wires))}"
+                "); one broadcast cannot serve them all: sync each kind with its own transport"
+            )
+        self.wire: GroupWire = wires.pop()
         self.engines = engines
         self.master_address = master_address
         self.master_port = master_port
@@ -1215,15 +1301,16 @@ class EngineGroupWeightSync:
             return
         assert self.group is not None
         device = self.group.device
-        tensors = [t.detach().to(device).contiguous() for t in bucket.tensors]
-        names = list(bucket.names)
+        names, tensors = self.wire.arrange(
+            list(bucket.names), [t.detach().to(device).contiguous() for t in bucket.tensors]
+        )
         dtypes = [wire_dtype(t.dtype) for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        group, timeout = self.group, self.timeout_s
+        group, timeout, wire = self.group, self.timeout_s, self.wire
 
         def send() -> None:
-            for tensor in tensors:
-                group.broadcast(tensor, 0, timeout_s=timeout)
+            for message in wire.messages(tensors):
+                group.broadcast(message, 0, timeout_s=timeout)
 
         calls: list[Awaitable[None]] = [
             engine.receive_weights(names, dtypes, shapes) for engine in self.engines

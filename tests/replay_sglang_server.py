@@ -45,8 +45,10 @@ no older weights; loads and recomputations never overlap: ``_weights_lock``).
 ``/init_weights_update_group`` joins the trainer's group the way SGLang's workers do
 (``asyncflow_sglang.group.join_sglang_group``, rank ``rank_offset + 0``: one TP rank), and
 ``/update_weights_from_distributed`` receives one broadcast per tensor into
-``torch.empty(shape, dtype)`` (as ``WeightUpdater.receive_weights_from_distributed``) and
-loads them with ``TorchInferenceEngine.load_weights``. It does so only inside a weight-update
+``torch.empty(shape, dtype)`` (as ``WeightUpdater.receive_weights_from_distributed``), or,
+with ``load_format: "flattened_bucket"``, one ``uint8`` broadcast cut into the tensors as
+``FlattenedTensorBucket`` does, alignment refusal included (``flattened_layout``,
+``receive_flattened``), and loads them with ``TorchInferenceEngine.load_weights``. It does so only inside a weight-update
 session: ``/begin_weight_update`` opens one (refused while one is open), ``/end_weight_update``
 closes it (refused when none is), and ``/update_weights_from_distributed`` outside one answers
 HTTP 400 ``success: false`` *before* receiving anything, with upstream's messages
@@ -71,7 +73,7 @@ import asyncio
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,6 +259,49 @@ class Fault:
     body: str | None = None
     delay_s: float = 0.0
     times: int = 1
+
+
+def flattened_layout(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """``(name, dtype, shape, start, end)`` byte ranges of a ``flattened_bucket`` update, with
+    SGLang 0.5.23's refusals (``srt/weight_sync/tensor_bucket.py``,
+    ``FlattenedTensorBucket.empty``): a negative dimension, a tensor whose byte offset is not
+    a multiple of its element size, an empty bucket (``ValueError``, before any receive)."""
+    out = []
+    offset = 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = getattr(torch, dtype_name)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {shape}")
+        if offset % dtype.itemsize:
+            raise ValueError(
+                f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}"
+            )
+        size = math.prod(shape) * dtype.itemsize
+        out.append((str(name), dtype, list(shape), offset, offset + size))
+        offset += size
+    if not out:
+        raise ValueError("Cannot create empty tensor bucket")
+    return out
+
+
+def receive_flattened(
+    broadcast: Callable[[torch.Tensor], None],
+    layout: list[tuple[str, torch.dtype, list[int], int, int]],
+) -> list[tuple[str, torch.Tensor]]:
+    """One ``uint8`` broadcast of the whole bucket, then each tensor as a view of its byte
+    range (``WeightUpdater._receive_bucketed_weights_from_distributed`` ->
+    ``FlattenedTensorBucket.reconstruct_tensors``: ``[start:end].view(dtype).reshape(shape)``)."""
+    flat = torch.empty(layout[-1][4], dtype=torch.uint8)
+    broadcast(flat)
+    return [(n, flat[a:b].view(d).reshape(shape)) for n, d, shape, a, b in layout]
+
+
+def _broadcast(tensor: torch.Tensor, group: Any) -> None:
+    work = torch.distributed.broadcast(tensor, src=0, group=group, async_op=True)
+    assert work is not None
+    work.wait()
 
 
 class ReplayServer:
@@ -608,7 +653,15 @@ class ReplayServer:
             msg = f"Group {name} not in {list(self.groups)}."
             return web.json_response({"success": False, "message": msg}, status=400)
 
+        if body.get("load_format") == "flattened_bucket":
+            try:
+                layout = flattened_layout(body["names"], body["dtypes"], body["shapes"])
+            except ValueError as exc:  # raised before any receive, as upstream's
+                return web.json_response({"success": False, "message": str(exc)}, status=400)
+
         def receive() -> list[tuple[str, torch.Tensor]]:
+            if body.get("load_format") == "flattened_bucket":
+                return receive_flattened(lambda t: _broadcast(t, pg), layout)
             out = []
             for n, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
                 t = torch.empty(shape, dtype=getattr(torch, dtype))

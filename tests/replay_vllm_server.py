@@ -26,8 +26,9 @@ Differences from vLLM, on purpose:
   which needs CUDA; here ``/init_weight_transfer_engine`` joins a gloo ``WeightSyncGroup`` at
   rank ``rank_offset`` — the same trainer-side protocol (rank 0 broadcasts each tensor, in
   the order of ``update_info.names``, into ``torch.empty(shape, dtype=getattr(torch,
-  dtype_name))``). Only ``packed: false`` is served. Tensors are staged and loaded into the
-  engine at ``/finish_weight_update`` (vLLM loads each as it arrives).
+  dtype_name))``), or, with ``packed: true`` in ``init_info``, in ``uint8`` chunks cut and
+  unpacked as vLLM 0.33's worker does (``receive_packed``). Tensors are staged and loaded into
+  the engine at ``/finish_weight_update`` (vLLM loads each as it arrives).
 - ``scale_out = False`` serves a 0.33 server started without ``--enable-scale-out``:
   ``/inference/v1/generate`` answers 403 ``PermissionDeniedError`` "Scale-out endpoints are
   disabled. Restart vllm serve with --enable-scale-out to enable them."
@@ -68,8 +69,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -142,6 +144,52 @@ def query_bool(value: str | None, default: bool) -> bool:
     if low in ("false", "0", "no", "off"):
         return False
     raise _detail(422, f"Input should be a valid boolean, unable to interpret input {value!r}")
+
+
+def packed_chunks(
+    dtype_names: Sequence[str], shapes: Sequence[Sequence[int]], buffer_bytes: int
+) -> list[list[int]]:
+    """The tensors (by index) of each ``uint8`` chunk a packed update arrives in, cut as
+    vLLM 0.33's receiver cuts them from the sizes alone (``distributed/weight_transfer/
+    packed_tensor.py``, ``packed_nccl_broadcast_consumer``): add each tensor's byte size; once
+    the chunk's size passes ``buffer_bytes`` (that tensor included) it is received, and what
+    is left at the end is the last chunk."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, (dtype_name, shape) in enumerate(zip(dtype_names, shapes, strict=True)):
+        dtype = getattr(torch, dtype_name)
+        current.append(i)
+        size += math.prod(shape) * dtype.itemsize
+        if size > buffer_bytes:
+            chunks.append(current)
+            current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def receive_packed(
+    broadcast: Callable[[torch.Tensor], None],
+    names: Sequence[str],
+    dtype_names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    buffer_bytes: int,
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive a packed update as vLLM 0.33's worker does: one ``uint8`` buffer per chunk
+    (``packed_chunks``), split by byte sizes, each piece viewed as its dtype and shape
+    (``packed_tensor.py``, ``unpack_tensor``: ``split(tensor_sizes)`` then
+    ``.contiguous().view(dtype).view(shape)``)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for chunk in packed_chunks(dtype_names, shapes, buffer_bytes):
+        dtypes = [getattr(torch, dtype_names[i]) for i in chunk]
+        sizes = [math.prod(shapes[i]) * d.itemsize for i, d in zip(chunk, dtypes, strict=True)]
+        packed = torch.empty(sum(sizes), dtype=torch.uint8)
+        broadcast(packed)
+        pieces = packed.split(sizes)
+        for i, dtype, piece in zip(chunk, dtypes, pieces, strict=True):
+            out.append((str(names[i]), piece.contiguous().view(dtype).view(list(shapes[i]))))
+    return out
 
 
 class FirstTokenFreeze:
@@ -255,6 +303,7 @@ class _Group:
     group: WeightSyncGroup
     staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     updating: bool = False
+    packed_bytes: int | None = None  # init_info's packed_buffer_size_bytes when packed
 
 
 class _HTTPError(Exception):
@@ -716,8 +765,11 @@ class ReplayVLLMServer:
         for key in INIT_INFO_026:
             if key not in info:
                 raise _error(400, f"init_info lacks {key!r}")
-        if info.get("packed", False):
-            raise _error(400, "the replay server serves packed=false only")
+        packed_bytes: int | None = None
+        if info.get("packed", False):  # NCCLWeightTransferInitInfo.packed (0.33)
+            packed_bytes = int(info.get("packed_buffer_size_bytes", 1024**3))
+            if packed_bytes < 1 or int(info.get("packed_num_buffers", 2)) < 1:
+                raise _error(400, "packed_buffer_size_bytes and packed_num_buffers must be >= 1")
         group = WeightSyncGroup(
             str(info["master_address"]),
             int(info["master_port"]),
@@ -727,7 +779,7 @@ class ReplayVLLMServer:
             timeout_s=60.0,
         )
         await asyncio.to_thread(group.connect)
-        self.group = _Group(group)
+        self.group = _Group(group, packed_bytes=packed_bytes)
         return {"message": "Weight transfer initialized"}
 
     @staticmethod
@@ -786,6 +838,11 @@ class ReplayVLLMServer:
             raise _error(400, "update_info: names, dtype_names and shapes of equal length")
 
         def receive() -> list[tuple[str, torch.Tensor]]:
+            if group.packed_bytes is not None:  # nccl_engine.py, receive_weights: packed
+                return receive_packed(
+                    lambda t: group.group.broadcast(t, 0), names, dtypes, shapes,
+                    group.packed_bytes,
+                )  # fmt: skip
             got = []
             for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))

@@ -331,7 +331,7 @@ def test_group_receiver_methods_send_the_documented_bodies() -> None:
         assert server.bodies("/update_weights_from_distributed") == [
             {"names": ["a", "b"], "dtypes": ["float32", "bfloat16"], "shapes": [[2, 3], [4]],
              "group_name": "weight_update_group", "flush_cache": True,
-             "abort_all_requests": False}
+             "abort_all_requests": False, "load_format": "flattened_bucket"}
         ]  # fmt: skip
         assert server.bodies("/update_weight_version")[-1] == {
             "new_version": "9",

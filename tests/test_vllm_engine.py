@@ -47,7 +47,7 @@ from asyncflow_vllm.worker_ext import (
     decode_weights,
     encode_weights,
 )
-from replay_vllm_server import FirstTokenFreeze, PrefixCacheModel
+from replay_vllm_server import FirstTokenFreeze, PrefixCacheModel, receive_packed
 
 from asyncflow_core.errors import (
     ConfigError,
@@ -223,6 +223,7 @@ class FakeAsyncLLM:
         self.staged: list[tuple[str, torch.Tensor]] = []
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.prefix = PrefixCacheModel()  # the prefix cache's weight bookkeeping
+        self.packed_bytes: int | None = None
         self.paused_mode: str | None = None
         self.corrupt: Any = None  # a function that spoils outputs (malformed-answer tests)
 
@@ -317,6 +318,10 @@ class FakeAsyncLLM:
             timeout_s=5,  # a trainer that never comes fails the join fast
         )
         await asyncio.to_thread(self.group.connect)
+        # NCCLWeightTransferInitInfo.packed / packed_buffer_size_bytes (nccl_common.py)
+        self.packed_bytes = (
+            int(info.get("packed_buffer_size_bytes", 1024**3)) if info.get("packed") else None
+        )
 
     async def start_weight_update(self) -> None:
         self.calls.append(("start_weight_update", ()))
@@ -325,12 +330,24 @@ class FakeAsyncLLM:
     async def update_weights(self, request: WeightTransferUpdateRequest) -> None:
         info = request.update_info
         self.calls.append(("update_weights", info))
-        assert self.group is not None
+        group = self.group
+        assert group is not None
+        if self.packed_bytes is not None:  # nccl_engine.py, receive_weights: packed
+            received = await asyncio.to_thread(
+                receive_packed,
+                lambda t: group.broadcast(t, 0),
+                info["names"],
+                info["dtype_names"],
+                info["shapes"],
+                self.packed_bytes,
+            )
+            self.staged.extend(received)
+            return
         for name, dtype, shape in zip(
             info["names"], info["dtype_names"], info["shapes"], strict=True
         ):
             weight = torch.empty(shape, dtype=getattr(torch, dtype))
-            await asyncio.to_thread(self.group.broadcast, weight, 0)
+            await asyncio.to_thread(group.broadcast, weight, 0)
             self.staged.append((name, weight))
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -694,7 +711,15 @@ def test_weight_sync_into_two_engines(cls: type[FakeAsyncLLM]) -> None:
                     "master_port": port,
                     "rank_offset": 2,
                     "world_size": 3,
-                    **({} if v026 else {"packed": False}),
+                    **(
+                        {}
+                        if v026
+                        else {
+                            "packed": True,  # 0.33: packed by default, as vLLM's trainer side
+                            "packed_buffer_size_bytes": 1 << 30,
+                            "packed_num_buffers": 2,
+                        }
+                    ),
                 }
                 update = next(c[1] for c in fake.calls if c[0] == "update_weights")
                 assert update["names"] == [n for n, _ in weights[: len(weights) // 2]]
@@ -724,6 +749,70 @@ def test_the_vllm_groups_need_vllm_and_their_device(group: Any) -> None:
             await close(adapter)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed-small-chunks"])
+def test_packed_weight_sync_arrives_byte_exact(packing: bool) -> None:
+    """vLLM 0.33's packed wire with chunks far smaller than the model (so most tensors close
+    a chunk and some chunks hold several), mixed dtypes included: the fake receives as vLLM's
+    worker does (replay_vllm_server.receive_packed) and every tensor arrives byte-exact;
+    unpacked, one broadcast per tensor."""
+
+    async def main() -> None:
+        engine = make_adapter(weight_packing=packing, packed_buffer_bytes=300)
+        assert engine.weight_wire.kind == ("packed" if packing else "tensor")
+        sync = VLLMWeightSync(
+            [engine],
+            master_address="127.0.0.1",
+            master_port=free_port(),
+            make_group=lambda host, p, world: WeightSyncGroup(host, p, 0, world),
+            timeout_s=30,
+        )
+        weights = _trained_weights(seed=11)
+        weights[0] = (weights[0][0], weights[0][1].to(torch.bfloat16).to(torch.float32))
+        extra = [("extra.half", torch.randn(3, 5, dtype=torch.float16))]
+        sent: list[int] = []
+        broadcast = WeightSyncGroup.broadcast
+
+        def counting(self: WeightSyncGroup, tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+            if self.rank == 0:
+                sent.append(tensor.numel() * tensor.element_size())
+            return broadcast(self, tensor, *a, **k)
+
+        try:
+            await sync.init()
+            await sync.start()
+            WeightSyncGroup.broadcast = counting  # type: ignore[method-assign]
+            try:
+                bucket = weights + extra
+                await sync.update(
+                    WeightBucket(tuple(n for n, _ in bucket), tuple(t for _, t in bucket))
+                )
+            finally:
+                WeightSyncGroup.broadcast = broadcast  # type: ignore[method-assign]
+            staged = dict(engine.engine.staged)
+            for name, tensor in bucket:
+                assert staged[name].dtype == tensor.dtype and torch.equal(staged[name], tensor)
+            total = sum(t.numel() * t.element_size() for _, t in bucket)
+            assert sum(sent) == total
+            if packing:
+                assert 1 < len(sent) < len(bucket)  # chunks, some of several tensors
+                assert all(size > 300 for size in sent[:-1])  # each closed once past 300 B
+            else:
+                assert len(sent) == len(bucket)
+        finally:
+            await sync.close()
+            await close(engine)
+
+    asyncio.run(main())
+
+
+def test_packing_is_refused_where_vllm_has_none() -> None:
+    with pytest.raises(ConfigError, match=r"weight_packing=True needs vLLM 0\.33"):
+        make_adapter(FakeAsyncLLM026, weight_packing=True)
+    with pytest.raises(ConfigError, match="packed_buffer_bytes must be an int >= 1"):
+        make_adapter(packed_buffer_bytes=0)
+    assert make_adapter(FakeAsyncLLM026).weight_wire.kind == "tensor"
 
 
 def test_the_platform_picks_the_weight_transfer_backend_and_group() -> None:

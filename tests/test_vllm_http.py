@@ -31,7 +31,7 @@ from replay_vllm_server import FirstTokenFreeze, ReplayVLLMServer
 from asyncflow_core.errors import ConfigError, EngineError, EngineUnavailableError
 from asyncflow_core.process import free_port
 from asyncflow_core.protocols import GenerationRequest, SamplingParams, WeightBucket
-from asyncflow_core.weightsync import EngineGroupWeightSync, WeightSyncGroup
+from asyncflow_core.weightsync import EngineGroupWeightSync, GroupWire, WeightSyncGroup
 
 T = TypeVar("T")
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
@@ -293,8 +293,12 @@ def test_new_weights_under_a_keep_pause_leave_no_stale_prefix(reset_on_commit: b
     the replay's prefix-cache model catches the stale reuse."""
 
     async def main() -> None:
-        server, engine = await serve(reset_prefix_cache_on_commit=reset_on_commit)
+        # small packed chunks: the server unpacks them as vLLM 0.33's worker does
+        server, engine = await serve(
+            reset_prefix_cache_on_commit=reset_on_commit, packed_buffer_bytes=300
+        )
         await engine.connect()
+        assert engine.weight_wire == GroupWire("packed", 300)
         trained = TransformerLM(MODEL, seed=5)
         sync = EngineGroupWeightSync(
             [engine],
@@ -317,6 +321,8 @@ def test_new_weights_under_a_keep_pause_leave_no_stale_prefix(reset_on_commit: b
             await sync.update(WeightBucket(tuple(state), tuple(state.values())))
             await sync.finish(3)
             await engine.resume()
+            got = server.engine.model.state_dict()
+            assert all(torch.equal(got[n], t) for n, t in state.items())  # byte-exact
             after = await engine.generate(req("after", seed=1))
             assert set(after.versions) == {3}
             done = await frozen
@@ -374,7 +380,15 @@ def test_engine_group_weight_sync_moves_a_models_weights(vllm_version: str) -> N
                 assert server.engine.weight_version == (0 if server.legacy else 7)
                 (init,) = server.calls("/init_weight_transfer_engine")
                 offset = 1 + pairs.index((server, engine))
-                packed = {} if server.legacy else {"packed": False}  # 0.26 refuses the key
+                packed = (
+                    {}  # 0.26 refuses the key
+                    if server.legacy
+                    else {
+                        "packed": True,  # 0.33: packed by default, as vLLM's own trainer side
+                        "packed_buffer_size_bytes": 1 << 30,
+                        "packed_num_buffers": 2,
+                    }
+                )
                 assert init.body == {
                     "init_info": {
                         "master_address": "127.0.0.1",
@@ -740,7 +754,8 @@ def test_packed_is_sent_in_init_info_on_0_33_only(vllm_version: str) -> None:
                 "rank_offset": 1,
                 "world_size": 2,
             }
-            expected = base if server.legacy else {**base, "packed": False}
+            packed = {"packed": True, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
+            expected = base if server.legacy else {**base, **packed}
             assert call.body == {"init_info": expected}
         finally:
             await shut(server, engine)

@@ -43,6 +43,7 @@ from asyncflow_core.enginekit import (
 )
 from asyncflow_core.errors import AsyncFlowError, EngineError
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.weightsync import GroupWire
 
 from .compat import INSTALL, NO_INFLIGHT_LOAD, SAMPLING_MASK_MAX_TOKENS, require_sglang
 from .group import DEFAULT_GROUP_NAME
@@ -81,6 +82,7 @@ class SGLangEngine:
         weight_group_ranks: int | None = None,
         keep_mode: KeepMode = "retract",
         abort_wait_s: float = 30.0,
+        flattened_bucket: bool = True,
         **server_args: Any,
     ) -> None:
         sglang = require_sglang(check=check_version)
@@ -90,7 +92,7 @@ class SGLangEngine:
         engine = sglang.Engine(**server_args)
         self._setup(
             engine, io_struct, group_name, weight_backend, weight_group_ranks, keep_mode,
-            abort_wait_s,
+            abort_wait_s, flattened_bucket,
         )  # fmt: skip
 
     @classmethod
@@ -104,6 +106,7 @@ class SGLangEngine:
         weight_group_ranks: int | None = None,
         keep_mode: KeepMode = "retract",
         abort_wait_s: float = 30.0,
+        flattened_bucket: bool = True,
     ) -> SGLangEngine:
         if io_struct is None:
             io_struct = require_module(
@@ -114,7 +117,7 @@ class SGLangEngine:
         self = cls.__new__(cls)
         self._setup(
             engine, io_struct, group_name, weight_backend, weight_group_ranks, keep_mode,
-            abort_wait_s,
+            abort_wait_s, flattened_bucket,
         )  # fmt: skip
         return self
 
@@ -127,8 +130,12 @@ class SGLangEngine:
         weight_group_ranks: int | None,
         keep_mode: KeepMode,
         abort_wait_s: float,
+        flattened_bucket: bool = True,
     ) -> None:
         self.who = "SGLangEngine"
+        if flattened_bucket not in (True, False):
+            raise EngineError(f"{self.who}: flattened_bucket must be True or False")
+        self.flattened_bucket = bool(flattened_bucket)
         if keep_mode not in ("retract", "in_place"):
             raise EngineError(f"{self.who}: keep_mode must be 'retract' or 'in_place'")
         if not hasattr(engine, "async_generate"):
@@ -326,6 +333,13 @@ class SGLangEngine:
 
     # ---- GroupReceiver ----------------------------------------------------------------------
     @property
+    def weight_wire(self) -> GroupWire:
+        """Each update as one flattened ``uint8`` bucket (``load_format=
+        "flattened_bucket"``: ``srt/weight_sync/tensor_bucket.py``), else one tensor at a
+        time (``flattened_bucket=False``)."""
+        return GroupWire("flattened") if self.flattened_bucket else GroupWire()
+
+    @property
     def weight_group_ranks(self) -> int:
         if self._explicit_ranks is not None:
             return self._explicit_ranks
@@ -381,6 +395,7 @@ class SGLangEngine:
             shapes=[[int(d) for d in s] for s in shapes],
             group_name=self.group_name,
             flush_cache=True,
+            **({"load_format": "flattened_bucket"} if self.flattened_bucket else {}),
         )
 
     async def commit_weights(self, version: Version) -> None:

@@ -32,7 +32,8 @@ adapter                        SGLang route and body
                                rank_offset, world_size, group_name, backend}``
 ``begin_weight_update()``      ``POST /begin_weight_update {selector: "all"}`` (the session)
 ``receive_weights(...)``       ``POST /update_weights_from_distributed {names, dtypes, shapes,
-                               group_name, flush_cache, abort_all_requests: false}``
+                               group_name, flush_cache, abort_all_requests: false,
+                               load_format: "flattened_bucket"}`` (one broadcast per update)
 ``commit_weights(v)``          ``POST /end_weight_update {}`` (if a session is open), then
                                ``POST /update_weight_version`` (as above)
 ``leave_weight_group()``       ``POST /destroy_weights_update_group {group_name}``
@@ -110,6 +111,7 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import EngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.weightsync import GroupWire
 
 from .compat import (
     GREEDY_BELOW,
@@ -428,9 +430,13 @@ class SGLangHTTPEngine:
         keep_mode: KeepMode = "retract",
         flush_cache: bool = True,
         abort_wait_s: float = 30.0,
+        flattened_bucket: bool = True,
         name: str | None = None,
     ) -> None:
         self.who = f"SGLangHTTPEngine {name or base_url!r}"
+        if flattened_bucket not in (True, False):
+            raise EngineError(f"{self.who}: flattened_bucket must be True or False")
+        self.flattened_bucket = bool(flattened_bucket)
         if keep_mode not in ("retract", "in_place"):
             raise EngineError(f"{self.who}: keep_mode must be 'retract' or 'in_place'")
         if weight_group_ranks is not None and (
@@ -692,6 +698,13 @@ class SGLangHTTPEngine:
 
     # ---- GroupReceiver ----------------------------------------------------------------------
     @property
+    def weight_wire(self) -> GroupWire:
+        """How the trainer's broadcasts must arrive: each update as one flattened ``uint8``
+        bucket (``load_format="flattened_bucket"``, ``flattened_bucket=True``, the default),
+        else one tensor at a time."""
+        return GroupWire("flattened") if self.flattened_bucket else GroupWire()
+
+    @property
     def weight_group_ranks(self) -> int:
         """The ranks this server's workers take in the weight group: ``weight_group_ranks=``
         if given, else ``/server_info``'s ``tp_size`` once connected (SGLang joins at
@@ -761,6 +774,7 @@ class SGLangHTTPEngine:
             "group_name": self.group_name,
             "flush_cache": self.flush_on_update,
             "abort_all_requests": False,
+            **({"load_format": "flattened_bucket"} if self.flattened_bucket else {}),
         }
         await self._control("/update_weights_from_distributed", body)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from types import ModuleType
 
-from asyncflow_core.enginekit import parse_release, require_module
+from asyncflow_core.enginekit import is_int, parse_release, require_module
 from asyncflow_core.errors import ConfigError
 
 TESTED = ("0.33.0", "0.34")
@@ -28,6 +28,34 @@ INSTALL_ASCEND = (
     "torch-npu 2.10.0.post4)"
 )
 INSTALL_CLIENT = "pip install 'asyncflow[vllm-client]'"
+
+PACKED_BUFFER_BYTES = 1 << 30
+"""vLLM 0.33's default ``packed_buffer_size_bytes`` (``distributed/weight_transfer/
+packed_tensor.py``, ``DEFAULT_PACKED_BUFFER_SIZE_BYTES``): the chunk size of a packed sync."""
+
+PACKED_NUM_BUFFERS = 2
+"""vLLM 0.33's default ``packed_num_buffers`` (streams; it does not change the wire)."""
+
+
+def check_packing(who: str, packed: bool | None, buffer_bytes: object) -> None:
+    """``ConfigError`` unless ``weight_packing`` is None/True/False and ``packed_buffer_bytes``
+    an int >= 1."""
+    if packed not in (None, True, False):
+        raise ConfigError(f"{who}: weight_packing must be None, True or False, got {packed!r}")
+    if not is_int(buffer_bytes) or buffer_bytes < 1:
+        raise ConfigError(f"{who}: packed_buffer_bytes must be an int >= 1, got {buffer_bytes!r}")
+
+
+def packing_for(who: str, packed: bool | None, features: Features) -> bool:
+    """Whether a sync into this vLLM is packed: ``packed`` if given (True refused on a vLLM
+    whose init info has no ``packed`` field, 0.26), else whenever the vLLM has it."""
+    if packed and not features.packed_init:
+        raise ConfigError(
+            f"{who}: weight_packing=True needs vLLM 0.33's packed weight transfer; this vLLM's "
+            "init info has no 'packed' field (0.26 refuses the key): leave weight_packing=None"
+        )
+    return features.packed_init if packed is None else bool(packed)
+
 
 NO_INFLIGHT_LOAD = (
     "vLLM's start_weight_update re-initialises the model's layers for a layerwise reload "

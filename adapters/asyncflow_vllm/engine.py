@@ -64,7 +64,17 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import ConfigError, EngineError
 from asyncflow_core.platform import Platform, current_platform, select_platform
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_vllm.compat import NO_INFLIGHT_LOAD, Features, check_vllm_version, require_vllm
+from asyncflow_core.weightsync import GroupWire
+from asyncflow_vllm.compat import (
+    NO_INFLIGHT_LOAD,
+    PACKED_BUFFER_BYTES,
+    PACKED_NUM_BUFFERS,
+    Features,
+    check_packing,
+    check_vllm_version,
+    packing_for,
+    require_vllm,
+)
 from asyncflow_vllm.weightsync import WEIGHT_TRANSFER_BACKENDS, weight_transfer_backend
 from asyncflow_vllm.worker_ext import EXTENSION, encode_weights
 
@@ -139,11 +149,16 @@ class VLLMEngine:
         allow_raw_logprobs: bool = False,
         owns_engine: bool = False,
         types: VLLMTypes | None = None,
+        weight_packing: bool | None = None,
+        packed_buffer_bytes: int = PACKED_BUFFER_BYTES,
     ) -> None:
         self.name = name
         self.types = VLLMTypes.load() if types is None else types
         check_vllm_version(self.types.version)
         self.features = Features.of(self.types.version)
+        check_packing(name, weight_packing, packed_buffer_bytes)
+        self._packed = packing_for(name, weight_packing, self.features)
+        self._packed_bytes = int(packed_buffer_bytes)
         for method in ("generate", "abort"):
             if not callable(getattr(engine, method, None)):
                 raise ConfigError(
@@ -330,6 +345,14 @@ class VLLMEngine:
         await self._label(version)
 
     # -- GroupReceiver -------------------------------------------------------------------------
+    @property
+    def weight_wire(self) -> GroupWire:
+        """How the trainer's broadcasts must arrive: vLLM 0.33's packed ``uint8`` chunks
+        (``weight_packing``, on by default where vLLM has it), else one tensor at a time."""
+        if self._native and self._packed:
+            return GroupWire("packed", self._packed_bytes)
+        return GroupWire()
+
     async def join_weight_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int
     ) -> None:
@@ -342,7 +365,10 @@ class VLLMEngine:
                 "world_size": world_size,
             }
             if self.features.packed_init:  # vLLM 0.26 (and vllm-ascend's hccl) refuse the key
-                info["packed"] = False
+                info["packed"] = self._packed
+                if self._packed:
+                    info["packed_buffer_size_bytes"] = self._packed_bytes
+                    info["packed_num_buffers"] = PACKED_NUM_BUFFERS
             request = self.types.WeightTransferInitRequest(init_info=info)
             await self.engine.init_weight_transfer_engine(request)
         else:

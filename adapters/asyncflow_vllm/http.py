@@ -102,7 +102,17 @@ from asyncflow_core.enginekit import (
 from asyncflow_core.errors import EngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_vllm.compat import INSTALL_CLIENT, NO_INFLIGHT_LOAD, Features, check_vllm_version
+from asyncflow_core.weightsync import GroupWire
+from asyncflow_vllm.compat import (
+    INSTALL_CLIENT,
+    NO_INFLIGHT_LOAD,
+    PACKED_BUFFER_BYTES,
+    PACKED_NUM_BUFFERS,
+    Features,
+    check_packing,
+    check_vllm_version,
+    packing_for,
+)
 
 __all__ = ["DEV_MODE_HINT", "REQUEST_ID_PREFIX", "SCALE_OUT_HINT", "VLLMHTTPEngine"]
 
@@ -196,10 +206,15 @@ class VLLMHTTPEngine:
         max_model_len: int | None = None,
         sleep_mode: Literal["abort", "wait", "keep"] = "abort",
         reset_prefix_cache_on_commit: bool = True,
+        weight_packing: bool | None = None,
+        packed_buffer_bytes: int = PACKED_BUFFER_BYTES,
         name: str | None = None,
     ) -> None:
         self.name = name or f"VLLMHTTPEngine({base_url})"
         who = self.name
+        check_packing(who, weight_packing, packed_buffer_bytes)
+        self._weight_packing = weight_packing
+        self._packed_bytes = int(packed_buffer_bytes)
         if weight_group_ranks is not None and (
             not is_int(weight_group_ranks) or weight_group_ranks < 1
         ):
@@ -264,6 +279,21 @@ class VLLMHTTPEngine:
                 "constructor"
             )
         return self._ranks
+
+    @property
+    def weight_wire(self) -> GroupWire:
+        """How the trainer's broadcasts must arrive: vLLM 0.33's packed ``uint8`` chunks
+        (``weight_packing``: None packs when the server's vLLM can, the default; the trainer
+        must use the same ``packed_buffer_bytes``), else one tensor at a time. Known once
+        connected (the server's release decides)."""
+        if self._features is None:
+            raise EngineError(
+                f"{self.name}: the weight wire is not known yet; await engine.connect() first "
+                "(the server's vLLM release decides whether syncs are packed)"
+            )
+        if packing_for(self.name, self._weight_packing, self._features):
+            return GroupWire("packed", self._packed_bytes)
+        return GroupWire()
 
     @property
     def features(self) -> Features | None:
@@ -499,9 +529,10 @@ class VLLMHTTPEngine:
         self, master_address: str, master_port: int, rank_offset: int, world_size: int
     ) -> None:
         """``POST /init_weight_transfer_engine {"init_info": {master_address, master_port,
-        rank_offset, world_size, packed: false}}`` (``NCCLWeightTransferInitInfo``,
-        ``distributed/weight_transfer/nccl_common.py``); returns once the workers joined.
-        Without ``packed`` on vLLM 0.26, whose init info has no such field."""
+        rank_offset, world_size, packed[, packed_buffer_size_bytes, packed_num_buffers]}}``
+        (``NCCLWeightTransferInitInfo``, ``distributed/weight_transfer/nccl_common.py``);
+        returns once the workers joined. Without ``packed`` on vLLM 0.26, whose init info has
+        no such field."""
         self._usable()
         await self.connect()
         init_info: dict[str, Any] = {
@@ -510,8 +541,13 @@ class VLLMHTTPEngine:
             "rank_offset": int(rank_offset),
             "world_size": int(world_size),
         }
-        if self._connected_features().packed_init:
-            init_info["packed"] = False
+        features = self._connected_features()
+        if features.packed_init:
+            packed = packing_for(self.name, self._weight_packing, features)
+            init_info["packed"] = packed
+            if packed:
+                init_info["packed_buffer_size_bytes"] = self._packed_bytes
+                init_info["packed_num_buffers"] = PACKED_NUM_BUFFERS
         await self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     async def begin_weight_update(self) -> None:
