@@ -75,9 +75,12 @@ class JsonClient:
         params: Mapping[str, Any] | list[tuple[str, Any]] | None = None,
         timeout_s: float | None = None,
         expect_json: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         """One request; the decoded JSON answer (None when the body is empty), or with
-        ``expect_json=False`` the body as text (routes that answer plain text)."""
+        ``expect_json=False`` the body as text (routes that answer plain text). ``headers``
+        add to (or replace) the client's own for this request; none of them is ever put in
+        an error message (they may hold secrets)."""
         import aiohttp
 
         if self._closed:
@@ -91,6 +94,8 @@ class JsonClient:
             kwargs["json"] = json_body
         if params is not None:
             kwargs["params"] = [(k, _param(v)) for k, v in _pairs(params)]
+        if headers:
+            kwargs["headers"] = dict(headers)
         where = f"{method} {url}"
         try:
             async with session.request(method, url, **kwargs) as response:

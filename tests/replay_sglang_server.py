@@ -48,13 +48,18 @@ no older weights; loads and recomputations never overlap: ``_weights_lock``).
 ``torch.empty(shape, dtype)`` (as ``WeightUpdater.receive_weights_from_distributed``), or,
 with ``load_format: "flattened_bucket"``, one ``uint8`` broadcast cut into the tensors as
 ``FlattenedTensorBucket`` does, alignment refusal included (``flattened_layout``,
-``receive_flattened``), and loads them with ``TorchInferenceEngine.load_weights``. It does so only inside a weight-update
-session: ``/begin_weight_update`` opens one (refused while one is open), ``/end_weight_update``
-closes it (refused when none is), and ``/update_weights_from_distributed`` outside one answers
-HTTP 400 ``success: false`` *before* receiving anything, with upstream's messages
-(``sglang/srt/managers/scheduler_components/weight_updater.py``, ``WeightUpdater.
-begin_weight_update`` / ``end_weight_update`` / ``update_weights_from_distributed``; the
-routes answer 400 on ``success: false``, ``http_server.py``).
+``receive_flattened``), and loads them with ``TorchInferenceEngine.load_weights``. It does
+so only inside a weight-update session: ``/begin_weight_update`` opens one (refused while one
+is open), ``/end_weight_update`` closes it (refused when none is), and
+``/update_weights_from_distributed`` outside one answers HTTP 400 ``success: false``
+*before* receiving anything, with upstream's messages
+(``sglang/srt/managers/scheduler_components/weight_updater.py``,
+``WeightUpdater.begin_weight_update`` / ``end_weight_update`` /
+``update_weights_from_distributed``; the routes answer 400 on ``success: false``,
+``http_server.py``).
+
+``api_key`` / ``admin_api_key`` check the ``Authorization: Bearer`` header as SGLang's
+``--api-key`` / ``--admin-api-key`` do (``ReplayServer._auth``).
 
 Every request (path, JSON body) is recorded in ``ReplayServer.requests``; ``fault(path, ...)``
 injects an HTTP status, a raw (malformed) body or a delay. Body checks are strict where
@@ -304,6 +309,19 @@ def _broadcast(tensor: torch.Tensor, group: Any) -> None:
     work.wait()
 
 
+ADMIN_ROUTES = frozenset(
+    {
+        "/abort_request", "/pause_generation", "/continue_generation",
+        "/release_memory_occupation", "/resume_memory_occupation", "/flush_cache",
+        "/update_weight_version", "/init_weights_update_group",
+        "/update_weights_from_distributed", "/destroy_weights_update_group",
+        "/update_weights_from_disk", "/begin_weight_update", "/end_weight_update",
+    }
+)  # fmt: skip
+"""The routes served here that SGLang 0.5.23 marks ``@auth_level(AuthLevel.ADMIN_OPTIONAL)``
+(``srt/entrypoints/http_server.py``)."""
+
+
 class ReplayServer:
     """``ReplayServer(engine=None, *, version="0.5.23", tp_size=1, dp_size=1,
     sampling_mask_max_tokens=4096, sampling_backend="flashinfer")`` (the last two as
@@ -320,8 +338,16 @@ class ReplayServer:
         seed: int = 0,
         sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS,
         sampling_backend: str = "flashinfer",
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        deterministic: bool = True,
     ) -> None:
         self.engine = engine or TorchInferenceEngine(MODEL, max_batch=8, seed=seed, threads=1)
+        # --enable-deterministic-inference (on, as the README's launch line): without it
+        # SGLang ignores sampling_seed (sampling_batch_info.py); the replay reports it only
+        self.deterministic = deterministic
+        self.api_key = api_key  # --api-key
+        self.admin_api_key = admin_api_key  # --admin-api-key
         self.version = version
         self.tp_size = tp_size
         self.dp_size = dp_size
@@ -397,6 +423,25 @@ class ReplayServer:
         self.groups.clear()
 
     # ---- plumbing ---------------------------------------------------------------------------
+    def _auth(self, request: web.Request) -> web.Response | None:
+        """SGLang's API-key check (``srt/utils/auth.py``, ``decide_request_auth``, 401
+        ``{"error": "Unauthorized"}``): routes marked ``ADMIN_OPTIONAL`` (``ADMIN_ROUTES``)
+        take the admin key if the server has one, else the API key, else nothing; the others
+        the API key if set; health routes are always open."""
+        if request.path.lstrip("/").startswith(("health", "ready", "metrics")):  # always open
+            return None
+        if request.path in ADMIN_ROUTES:
+            expected = self.admin_api_key or self.api_key
+        else:
+            expected = self.api_key
+        if expected is None:
+            return None
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and token == expected:
+            return None
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         raw = await request.read()
@@ -405,6 +450,9 @@ class ReplayServer:
         except ValueError:
             body = raw.decode(errors="replace")
         self.requests.append((request.path, body))
+        refused = self._auth(request)
+        if refused is not None:
+            return refused
         fault = self.faults.get(request.path)
         if fault is not None and fault.times > 0:
             fault.times -= 1
@@ -589,6 +637,7 @@ class ReplayServer:
                 "internal_states": [{}],
                 "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
                 "sampling_backend": self.sampling_backend,
+                "enable_deterministic_inference": self.deterministic,
                 "version": self.version,
                 "frontend": "python",
             }

@@ -1320,3 +1320,54 @@ class TestSGLangHTTPLive(InferenceEngineConformance):
     async def make_engine(self) -> SGLangHTTPEngine:
         assert _LIVE_URL is not None
         return await SGLangHTTPEngine.connect_to(_LIVE_URL)
+
+
+@pytest.mark.parametrize(
+    ("server_keys", "client_keys", "ok"),
+    [
+        ({"api_key": "k"}, {"api_key": "k"}, True),
+        ({"api_key": "k", "admin_api_key": "adm"}, {"api_key": "k", "admin_api_key": "adm"}, True),
+        ({"admin_api_key": "adm"}, {"admin_api_key": "adm"}, True),
+        ({"api_key": "k", "admin_api_key": "adm"}, {"api_key": "k"}, False),
+        ({"api_key": "k"}, {}, False),
+    ],
+    ids=["api-key", "both-keys", "admin-only", "admin-key-missing", "no-key"],
+)
+def test_api_keys_reach_the_routes_that_need_them(
+    server_keys: dict[str, str], client_keys: dict[str, str], ok: bool
+) -> None:
+    """SGLang's auth (srt/utils/auth.py): /generate and the info routes take the API key, the
+    control and weight routes (ADMIN_OPTIONAL) the admin key when the server has one. A
+    refused call names the route and the 401, never the key."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        if not ok:
+            with pytest.raises(EngineError, match="401") as info:
+                await engine.connect()
+                await engine.generate(req("r0", 3))
+                await engine.pause("abort")
+            for key in (*client_keys.values(), *server_keys.values()):
+                assert key not in str(info.value)
+            return
+        await engine.connect()
+        assert (await engine.generate(req("r0", 3))).tokens
+        await engine.pause("abort")
+        await engine.resume()
+        await engine.load_weights([], 3)
+        assert engine.weight_version == 3
+
+    run(body, server_kw=server_keys, **client_keys)
+
+
+def test_a_seed_is_refused_where_sglang_would_ignore_it() -> None:
+    """SGLang 0.5.23 builds per-request seeds only with --enable-deterministic-inference
+    (srt/sampling/sampling_batch_info.py): a seeded request to a server without it is refused
+    before anything is sent, naming the flag; unseeded requests go on."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        with pytest.raises(EngineError, match="--enable-deterministic-inference"):
+            await engine.generate(req("seeded", 3, seed=1))
+        assert not server.bodies("/generate")
+        assert (await engine.generate(req("plain", 3))).tokens
+
+    run(body, server_kw={"deterministic": False})

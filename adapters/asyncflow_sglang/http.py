@@ -372,6 +372,22 @@ def read_output(
     return assemble(request, tokens, logprobs, versions, reason, who=who)
 
 
+SEEDS_IGNORED = (
+    "this SGLang server ignores sampling_seed: it builds per-request seeds only with "
+    "--enable-deterministic-inference (srt/sampling/sampling_batch_info.py, "
+    "SamplingBatchInfo.from_schedule_batch); restart it with that flag, or send no seed"
+)
+
+
+_NORMAL_AUTH_ROUTES = frozenset({"/generate", "/server_info", "/get_server_info", "/model_info"})
+"""The routes used here that SGLang 0.5.23 does not mark ``ADMIN_OPTIONAL``
+(``srt/entrypoints/http_server.py``: no ``@auth_level``): they take the API key."""
+
+
+def _bearer(key: str | None) -> dict[str, str] | None:
+    return None if key is None else {"Authorization": f"Bearer {key}"}
+
+
 class SGLangHTTPEngine:
     """An ``InferenceEngine`` (+ ``SupportsPause``, ``SupportsSleep``, ``SupportsLoadWeights``
     for version-only loads, ``GroupReceiver``) over an SGLang server at ``base_url``.
@@ -431,9 +447,19 @@ class SGLangHTTPEngine:
         flush_cache: bool = True,
         abort_wait_s: float = 30.0,
         flattened_bucket: bool = True,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
         name: str | None = None,
     ) -> None:
         self.who = f"SGLangHTTPEngine {name or base_url!r}"
+        for label, key in (("api_key", api_key), ("admin_api_key", admin_api_key)):
+            if key is not None and (not isinstance(key, str) or not key.strip()):
+                raise EngineError(f"{self.who}: {label} must be None or a non-empty string")
+        # SGLang's auth (srt/utils/auth.py, decide_request_auth): the routes marked
+        # ADMIN_OPTIONAL (every control and weight route used here) take the admin key when
+        # the server has one, else the API key; the others (/generate, info) the API key.
+        self._auth = _bearer(api_key)
+        self._admin_auth = _bearer(admin_api_key) or self._auth
         if flattened_bucket not in (True, False):
             raise EngineError(f"{self.who}: flattened_bucket must be True or False")
         self.flattened_bucket = bool(flattened_bucket)
@@ -486,6 +512,7 @@ class SGLangHTTPEngine:
         self._sleep_tags: list[str] | None = None
         self._asleep = False
         self._session_open = False  # a weight-update session we opened and did not end
+        self._seeds_ignored = False  # the server reports enable_deterministic_inference=False
         self._closed = False
 
     # ---- construction -------------------------------------------------------------------
@@ -534,6 +561,8 @@ class SGLangHTTPEngine:
                 self._ranks_problem = f"/server_info reports parallel sizes {sizes}"
             # /server_info carries the resolved server arguments (build_server_info in
             # sglang/srt/utils/common.py: ServerArgs.resolved_dict()).
+            deterministic = info.get("enable_deterministic_inference")
+            self._seeds_ignored = deterministic is False
             limit = info.get("sampling_mask_max_tokens")
             self._mask_max_tokens = (
                 int(limit) if is_int(limit) and limit >= 1 else SAMPLING_MASK_MAX_TOKENS
@@ -576,6 +605,8 @@ class SGLangHTTPEngine:
         self._inflight[rid] = flight
         try:
             await self.connect()
+            if req.params.seed is not None and self._seeds_ignored:
+                raise EngineError(f"{self.who}: request {rid!r} has a seed, but {SEEDS_IGNORED}")
             mask = self._wants_sampling_mask(req)  # now against the server's limits
             await self._gate.wait()
             prompt, remaining = continuation(req)
@@ -595,7 +626,9 @@ class SGLangHTTPEngine:
                 body["sampling_logprobs_mode"] = "selected"
             flight.sent = True
             try:
-                out = await self.client.call("POST", "/generate", json_body=body)
+                out = await self.client.call(
+                    "POST", "/generate", json_body=body, headers=self._auth
+                )
             except EngineError:
                 if flight.was_aborted():  # the server refused a request aborted before prefill
                     return assemble(req, [], [], [], "abort", who=self.who)
@@ -818,7 +851,11 @@ class SGLangHTTPEngine:
         self._usable()
         # the route answers plain text, not JSON (http_server.py flush_cache)
         await self.client.call(
-            "POST", "/flush_cache", timeout_s=self.control_timeout_s, expect_json=False
+            "POST",
+            "/flush_cache",
+            timeout_s=self.control_timeout_s,
+            expect_json=False,
+            headers=self._headers("/flush_cache"),
         )
 
     async def model_info(self) -> dict[str, Any]:
@@ -848,12 +885,19 @@ class SGLangHTTPEngine:
         if not is_int(version) or version < 0:
             raise EngineError(f"{self.who}: version must be an int >= 0, got {version!r}")
 
+    def _headers(self, path: str) -> dict[str, str] | None:
+        """The ``Authorization`` header for ``path`` (None without keys)."""
+        return self._auth if path in _NORMAL_AUTH_ROUTES else self._admin_auth
+
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         self._usable()
+        headers = self._headers(path)
         if body is None:
-            return await self.client.call(method, path, timeout_s=self.control_timeout_s)
+            return await self.client.call(
+                method, path, timeout_s=self.control_timeout_s, headers=headers
+            )
         return await self.client.call(
-            method, path, json_body=body, timeout_s=self.control_timeout_s
+            method, path, json_body=body, timeout_s=self.control_timeout_s, headers=headers
         )
 
     async def _control(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
