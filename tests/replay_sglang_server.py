@@ -580,6 +580,8 @@ class ReplayServer:
 
     async def release_memory(self, request: web.Request) -> web.Response:
         self.memory_tags.append(("release", (await self._json(request)).get("tags")))
+        if self.engine.running:  # weight_updater.py, release_memory_occupation: an assert
+            return web.Response(status=500, text="Internal Server Error")
         await self.engine.sleep()
         return web.json_response(None)  # the route returns None: FastAPI sends "null"
 

@@ -1371,3 +1371,25 @@ def test_a_seed_is_refused_where_sglang_would_ignore_it() -> None:
         assert (await engine.generate(req("plain", 3))).tokens
 
     run(body, server_kw={"deterministic": False})
+
+
+def test_sleep_with_requests_generating_is_refused_clearly() -> None:
+    """SGLang asserts an idle scheduler to release memory; the adapter says so before asking,
+    and sleeps once the requests ended."""
+    from replay_vllm_server import FirstTokenFreeze
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        await engine.connect()
+        with FirstTokenFreeze(server.engine) as freeze:
+            task = asyncio.ensure_future(engine.generate(req("busy", 40)))
+            await freeze.frozen()  # generating (frozen at its first token) behind the server
+        with pytest.raises(EngineError, match="sleep needs the server idle"):
+            await engine.sleep(1)
+        assert not server.memory_tags  # nothing was asked of the server
+        await engine.abort(["busy"])
+        assert (await task).finish_reason == "abort"
+        await server.engine.resume()
+        await engine.sleep(1)
+        await engine.wake_up()
+
+    run(body)

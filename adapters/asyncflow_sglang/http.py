@@ -702,6 +702,15 @@ class SGLangHTTPEngine:
         await self.connect()
         if self._asleep:
             return
+        busy = sorted(rid for rid, flight in self._inflight.items() if flight.sent)
+        if busy:  # SGLang asserts an idle scheduler (weight_updater.py,
+            # release_memory_occupation) and its HTTP call then fails with no clear reason
+            raise EngineError(
+                f"{self.who}: sleep needs the server idle, but {len(busy)} request(s) of this "
+                f"engine are generating ({busy[:4]}); SGLang releases memory only when idle "
+                "(srt/managers/scheduler_components/weight_updater.py): let them finish or "
+                "pause('abort') first"
+            )
         tags = list(_SLEEP_TAGS[level])
         await self._call("POST", "/release_memory_occupation", {"tags": tags})
         self._sleep_tags, self._asleep = tags, True
