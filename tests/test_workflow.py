@@ -212,11 +212,17 @@ def test_cancel_stops_within_two_seconds_and_leaves_no_thread() -> None:
 def test_ctrl_c_stops_a_running_pipeline() -> None:
     """Ctrl-C ends a pipeline whose source never ends: the process raises KeyboardInterrupt
     out of run_sync and exits. It takes about 0.4 s on an idle box and 2.4 s with 8 busy
-    processes on 2 cores; the 60 s wait is a safety net against a hang, not a measure."""
+    processes on 2 cores; the 60 s wait is a safety net against a hang, not a measure. (Two
+    fresh-clone runs here hung it: launched with `nohup make test &`, the child inherited
+    SIGINT ignored; the script now restores the default handler.)"""
     script = textwrap.dedent(
         """
-        import itertools, sys, time, torch
+        import itertools, signal, sys, time, torch
         from asyncflow_core.workflow import Pipeline, Source, Task
+
+        # as a terminal starts it: a test run launched in the background (`make test &`)
+        # hands its children SIGINT ignored, and Python then leaves it ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         def forever():
             for i in itertools.count():
