@@ -1393,3 +1393,20 @@ def test_sleep_with_requests_generating_is_refused_clearly() -> None:
         await engine.wake_up()
 
     run(body)
+
+
+def test_in_process_seed_refused_without_deterministic_inference() -> None:
+    """SGLangEngine reads the same flag from the engine's server_args."""
+
+    async def main() -> None:
+        fake = FakeSGLangEngine()
+        fake.tokenizer_manager.server_args.enable_deterministic_inference = False
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        with pytest.raises(EngineError, match="--enable-deterministic-inference"):
+            await engine.generate(req("seeded", 3, seed=1))
+        assert not fake.generate_calls
+        assert (await engine.generate(req("plain", 3))).tokens
+        await engine.close()
+        await fake.ref.close()
+
+    asyncio.run(main())

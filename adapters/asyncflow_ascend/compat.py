@@ -23,8 +23,9 @@ INSTALL = (
 _CANN_LIBS = ("libhccl", "libascend", "libacl", "libge_runner", "libgraph", "libruntime")
 
 VLLM_ASCEND = ("0.26.0rc1", "0.27")
-"""The vllm-ascend releases the vLLM adapter's NPU wiring follows: 0.26.0rc1, the newest on
-PyPI, which runs vLLM 0.26.0 with torch 2.10.0 and torch-npu 2.10.0.post4 (its own pins)."""
+"""The vllm-ascend releases the vLLM adapter's NPU wiring follows: 0.26.0rc1, which runs vLLM
+0.26.0 with torch 2.10.0 and torch-npu 2.10.0.post4 (its own pins). Later lines (0.27.1rc1 to
+0.30.0rc2) were release candidates only on PyPI in 2026-11, and are not followed yet."""
 
 
 def release(version: str) -> tuple[int, int] | None:

@@ -45,3 +45,11 @@ def require_sglang(*, check: bool = True) -> ModuleType:
     if check:
         check_sglang_version(str(getattr(sglang, "__version__", "0")))
     return sglang
+
+
+SEEDS_IGNORED = (
+    "this SGLang server ignores sampling_seed: it builds per-request seeds only with "
+    "--enable-deterministic-inference (srt/sampling/sampling_batch_info.py, "
+    "SamplingBatchInfo.from_schedule_batch); restart it with that flag, or send no seed"
+)
+"""Why a seeded request is refused by a server without ``--enable-deterministic-inference``."""

@@ -45,7 +45,13 @@ from asyncflow_core.errors import AsyncFlowError, EngineError
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_core.weightsync import GroupWire
 
-from .compat import INSTALL, NO_INFLIGHT_LOAD, SAMPLING_MASK_MAX_TOKENS, require_sglang
+from .compat import (
+    INSTALL,
+    NO_INFLIGHT_LOAD,
+    SAMPLING_MASK_MAX_TOKENS,
+    SEEDS_IGNORED,
+    require_sglang,
+)
 from .group import DEFAULT_GROUP_NAME
 from .http import (
     _SLEEP_TAGS,
@@ -163,6 +169,8 @@ class SGLangEngine:
         )
         backend = getattr(args, "sampling_backend", None)
         self._sampling_backend = backend if isinstance(backend, str) else None
+        # without it SGLang ignores sampling_seed (sampling_batch_info.py)
+        self._seeds_ignored = getattr(args, "enable_deterministic_inference", None) is False
         config_value = getattr(tm, "config_value", None)
         raw = config_value("weight_version") if callable(config_value) else None
         self._version: Version = parse_version(raw, who=self.who)
@@ -207,6 +215,10 @@ class SGLangEngine:
         req = check_request(self.who, request, in_flight=self._inflight)
         if self._closed:
             raise EngineError(f"{self.who}: the engine is closed")
+        if req.params.seed is not None and self._seeds_ignored:
+            raise EngineError(
+                f"{self.who}: request {req.request_id!r} has a seed, but {SEEDS_IGNORED}"
+            )
         mask = wants_sampling_mask(
             req,
             who=self.who,

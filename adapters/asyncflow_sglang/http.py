@@ -118,6 +118,7 @@ from .compat import (
     INSTALL_CLIENT,
     NO_INFLIGHT_LOAD,
     SAMPLING_MASK_MAX_TOKENS,
+    SEEDS_IGNORED,
     check_sglang_version,
 )
 from .group import DEFAULT_GROUP_NAME
@@ -370,13 +371,6 @@ def read_output(
                 raise malformed(f"weight-version span {span!r:.60}")
     versions = versions_from_spans(spans, len(tokens), fallback=base, who=who)
     return assemble(request, tokens, logprobs, versions, reason, who=who)
-
-
-SEEDS_IGNORED = (
-    "this SGLang server ignores sampling_seed: it builds per-request seeds only with "
-    "--enable-deterministic-inference (srt/sampling/sampling_batch_info.py, "
-    "SamplingBatchInfo.from_schedule_batch); restart it with that flag, or send no seed"
-)
 
 
 _NORMAL_AUTH_ROUTES = frozenset({"/generate", "/server_info", "/get_server_info", "/model_info"})

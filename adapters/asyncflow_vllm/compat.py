@@ -2,8 +2,9 @@
 another release is installed (or served).
 
 Two lines: vLLM 0.33 (``TESTED``, the ``[vllm]`` extra's pin, CUDA), and vLLM 0.26
-(``ASCEND``), the release vllm-ascend 0.26.0rc1 runs on Ascend NPUs (the newest vllm-ascend on
-PyPI). 0.26 lacks some of 0.33's API; the adapters find out which by looking (``Features``)
+(``ASCEND``), the release vllm-ascend 0.26.0rc1 runs on Ascend NPUs (when this was written,
+2026-11, PyPI had 0.27.1rc1 to 0.30.0rc2 as release candidates only; a move follows the first
+final release). 0.26 lacks some of 0.33's API; the adapters find out which by looking (``Features``)
 and say what that costs in their docstrings: no per-token weight-version spans, no version
 label on the engine, an unpacked-only init of the weight transfer.
 """
