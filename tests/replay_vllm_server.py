@@ -124,6 +124,15 @@ MISSING_IN_026 = frozenset(
 )
 """Routes vLLM 0.26.0's server does not have (``entrypoints/serve/dev/rlhf/api_router.py``)."""
 
+LAYERS_UNUSABLE = (
+    "generation during a weight-update session: start_weight_update moved the layers to the "
+    "meta device for a layerwise reload (distributed/weight_transfer/nccl_engine.py, "
+    "model_executor/model_loader/reload/layerwise.py); pause generation first"
+)
+"""What the replay (and the fake AsyncLLM) answer when a request would step on the layers of
+an open weight-update session (vLLM would fail inside the model)."""
+
+
 SCALE_OUT_ROUTES = frozenset({"/inference/v1/generate"})
 """The scale-out routes this replay serves: vLLM 0.33 answers them 403 unless ``vllm serve``
 runs with ``--enable-scale-out`` or ``--tokens-only`` (``entrypoints/scale_out/factories.py``)."""
@@ -578,6 +587,8 @@ class ReplayVLLMServer:
         except (TypeError, ValueError) as exc:
             raise _error(400, f"bad sampling_params: {exc}") from exc
         internal = PREFIX + str(rid)
+        if self.group is not None and self.group.updating and not self.engine.paused:
+            raise _error(500, LAYERS_UNUSABLE)  # a step during a weight-update session
         self.prefix.admit()
         try:
             future = self.engine.submit(GenerationRequest(internal, tuple(tokens), params))
@@ -816,6 +827,11 @@ class ReplayVLLMServer:
 
     async def _start_update(self, request: web.Request) -> Any:
         group = self._need_group()
+        # NCCLWeightTransferEngine.start_weight_update moves the layers to the meta device
+        # for a layerwise reload (nccl_engine.py -> model_loader/reload/layerwise.py): a
+        # request still stepping would run on them, so the replay fails it, as vLLM would
+        if self.engine.running and not self.engine.paused:
+            raise _error(500, LAYERS_UNUSABLE)
         group.staged = []
         group.updating = True
         return {"message": "Weight update started"}

@@ -47,7 +47,12 @@ from asyncflow_vllm.worker_ext import (
     decode_weights,
     encode_weights,
 )
-from replay_vllm_server import FirstTokenFreeze, PrefixCacheModel, receive_packed
+from replay_vllm_server import (
+    LAYERS_UNUSABLE,
+    FirstTokenFreeze,
+    PrefixCacheModel,
+    receive_packed,
+)
 
 from asyncflow_core.errors import (
     ConfigError,
@@ -224,6 +229,7 @@ class FakeAsyncLLM:
         self.pending: list[tuple[str, torch.Tensor]] = []
         self.prefix = PrefixCacheModel()  # the prefix cache's weight bookkeeping
         self.packed_bytes: int | None = None
+        self.updating = False  # between start_weight_update and finish_weight_update
         self.paused_mode: str | None = None
         self.corrupt: Any = None  # a function that spoils outputs (malformed-answer tests)
 
@@ -233,6 +239,8 @@ class FakeAsyncLLM:
         self.calls.append(("generate", (prompt, sampling_params, request_id)))
         if self.paused_mode in ("abort", "wait"):
             raise RuntimeError("RetryableRequestError: the engine is paused")
+        if self.updating and not self.ref.paused:
+            raise RuntimeError(LAYERS_UNUSABLE)
         self.prefix.admit()
         sp = sampling_params
         request = GenerationRequest(
@@ -325,7 +333,10 @@ class FakeAsyncLLM:
 
     async def start_weight_update(self) -> None:
         self.calls.append(("start_weight_update", ()))
+        if self.ref.running and not self.ref.paused:  # see replay_vllm_server.LAYERS_UNUSABLE
+            raise RuntimeError(LAYERS_UNUSABLE)
         self.staged = []
+        self.updating = True
 
     async def update_weights(self, request: WeightTransferUpdateRequest) -> None:
         info = request.update_info
@@ -353,6 +364,7 @@ class FakeAsyncLLM:
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(("finish_weight_update", weight_version))
         staged, self.staged = self.staged, []
+        self.updating = False
         version = self.ref.weight_version if weight_version is None else int(weight_version)
         await self.ref.load_weights(staged, version)
         if staged:
@@ -1166,5 +1178,35 @@ def test_ipc_weight_sync_checks_its_engine_and_sender(monkeypatch: pytest.Monkey
                 await lazy.update(WeightBucket(("w",), (torch.ones(2),)))
         finally:
             await close(engine)
+
+    asyncio.run(main())
+
+
+def test_a_weight_update_session_while_generating_unpaused_fails_in_the_fake() -> None:
+    """The fake is no looser than vLLM: opening a weight-update session while a request is
+    stepping (not paused) fails, since vLLM's layers are on the meta device then; paused
+    first, it goes through."""
+
+    async def main() -> None:
+        adapter = make_adapter()
+        fake = adapter.engine
+        try:
+            task = asyncio.ensure_future(
+                adapter.generate(
+                    GenerationRequest("busy", (1, 2, 3), SamplingParams(max_tokens=40, seed=1))
+                )
+            )
+            while fake.ref.running == 0:  # until the fake submitted it
+                await asyncio.sleep(0)
+            await fake.ref.wait_for_tokens("busy", 1)  # holds its next step for us
+            with pytest.raises(RuntimeError, match="meta device"):
+                await adapter.begin_weight_update()
+            await adapter.pause("keep")
+            await adapter.begin_weight_update()
+            await adapter.commit_weights(1)
+            await adapter.resume()
+            assert 1 in (await task).versions
+        finally:
+            await close(adapter)
 
     asyncio.run(main())
