@@ -17,6 +17,14 @@ except RuntimeError as _exc:  # torch loads installed device extensions (torch_n
         "), or, to run without NPUs, uninstall torch-npu or set TORCH_DEVICE_BACKEND_AUTOLOAD=0"
     ) from _exc
 
+from asyncflow_core.agent import (
+    AgentLoop,
+    GenerationClient,
+    Trajectory,
+    TrajectoryLimitReached,
+    TrajectoryLimits,
+    Turn,
+)
 from asyncflow_core.controller import Controller
 from asyncflow_core.errors import (
     AsyncFlowError,
@@ -127,6 +135,7 @@ __all__ = [
     "NO_VERSION",
     "AdmissionController",
     "AdmissionStats",
+    "AgentLoop",
     "AsyncFlowError",
     "BadRequestError",
     "Batch",
@@ -148,6 +157,7 @@ __all__ = [
     "EngineGroupWeightSync",
     "EngineUnavailableError",
     "FieldSchema",
+    "GenerationClient",
     "GenerationRequest",
     "GenerationResult",
     "GroupReceiver",
@@ -203,6 +213,10 @@ __all__ = [
     "Tracer",
     "TrainEngine",
     "TrainMetrics",
+    "Trajectory",
+    "TrajectoryLimitReached",
+    "TrajectoryLimits",
+    "Turn",
     "UnknownFieldError",
     "UnknownPartitionError",
     "UnknownRowError",
