@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,26 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(script: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    """Each example runs to the end (seconds here; 120 s is a safety net). One run of
+    custom_engine.py hung once in a fresh-clone run on a loaded box and never again in 14
+    reruns: on a hang the child dumps every thread's stack (faulthandler, on SIGABRT) into the
+    failure, so the next one says where."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler prints all threads, then it dies
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"{script.name} hung for 120 s; its threads:\n{err[-8000:]}")
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
 
 
 def test_cli_selfcheck_streams_every_row() -> None:
