@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from asyncflow_core.enginekit import resume_after
 from asyncflow_core.errors import AsyncFlowError, BadRequestError, ConfigError, EngineError
 from asyncflow_core.protocols import (
     GenerationRequest,
@@ -273,12 +274,7 @@ class GenerationClient:
                 # aborted at a weight sync: resume from the prefix on the new weights, keeping
                 # each token's version (partial rollout), or start the turn over
                 if self.partial_rollout:
-                    request = replace(
-                        request,
-                        resume_tokens=result.tokens,
-                        resume_logprobs=result.logprobs,
-                        resume_versions=result.versions,
-                    )
+                    request = resume_after(request, result)
         finally:
             self.router.finish(rid)
         if tuple(result.prompt_tokens) != prompt:

@@ -18,6 +18,7 @@ that each maps the engine onto the ``InferenceEngine`` protocol the same way:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import math
 from collections.abc import Container, Iterable, Sequence
@@ -198,6 +199,17 @@ def abort_ids(who: str, request_ids: object) -> list[str]:
             "wrap a single id in a list"
         )
     return [rid for rid in dict.fromkeys(request_ids) if isinstance(rid, str)]
+
+
+def resume_after(request: GenerationRequest, aborted: GenerationResult) -> GenerationRequest:
+    """``request`` continued after ``aborted`` (partial rollout): the same request carrying the
+    tokens, log-probs and versions generated so far, which the engine keeps and goes on from."""
+    return dataclasses.replace(
+        request,
+        resume_tokens=aborted.tokens,
+        resume_logprobs=aborted.logprobs,
+        resume_versions=aborted.versions,
+    )
 
 
 def continuation(request: GenerationRequest) -> tuple[list[int], int]:

@@ -64,6 +64,7 @@ from typing import Any, Literal
 
 import torch
 
+from asyncflow_core.enginekit import resume_after
 from asyncflow_core.errors import ConfigError
 from asyncflow_core.protocols import (
     Batch,
@@ -547,12 +548,7 @@ class RLJob:
                 # aborted at a sync: resume from the prefix (partial rollout) or start over;
                 # a paused engine holds the new request until it resumes
                 if cfg.partial_rollout:
-                    request = replace(
-                        request,
-                        resume_tokens=result.tokens,
-                        resume_logprobs=result.logprobs,
-                        resume_versions=result.versions,
-                    )
+                    request = resume_after(request, result)
         finally:
             self._inflight.pop(rid, None)
             self.router.finish(rid)
