@@ -15,7 +15,8 @@ micro-batches the same way.
   over micro-batches with the weights the gradients used.
 * ``worker_thread`` is the single-thread executor a trainer runs its torch work on.
 * ``AdamWTrainer`` is the whole single-process training loop (AdamW, micro-batches weighted
-  by response tokens, clipping, export, checkpoints) over one hook, ``_response_logprobs``:
+  by the response tokens they train (``TokenRows.trained_tokens``), clipping, export,
+  checkpoints) over one hook, ``_response_logprobs``:
   the reference trainer and ``asyncflow_hf.HFTrainEngine`` are that loop over their models.
   ``write_checkpoint`` / ``read_checkpoint`` are its checkpoint files.
 
@@ -45,6 +46,7 @@ from torch import Tensor
 
 from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
 from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
+from asyncflow_core.rl import LOSS_MASK
 from asyncflow_core.sampling import OFF_SUPPORT_METRIC, row_sampling, sampled_logprobs
 from asyncflow_core.weightsync import bucketize
 
@@ -178,8 +180,10 @@ def unique_named_tensors(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class TokenRows:
-    """A batch's prompt and response tokens, right-padded, with their lengths, and each row's
-    sampling settings (``asyncflow_core.sampling``)."""
+    """A batch's prompt and response tokens, right-padded, with their lengths, each row's
+    sampling settings (``asyncflow_core.sampling``) and, for multi-turn rows, the loss mask
+    (``asyncflow_core.rl.LOSS_MASK``: True on the response tokens the policy generated;
+    None: every real response token trains)."""
 
     prompt: Tensor  # [B, P] long
     plen: Tensor  # [B]
@@ -188,6 +192,7 @@ class TokenRows:
     temperature: Tensor  # [B] float32
     top_k: Tensor  # [B] int64
     top_p: Tensor  # [B] float32
+    loss_mask: Tensor | None = None  # [B, R] bool
 
     def __len__(self) -> int:
         return int(self.prompt.shape[0])
@@ -201,11 +206,20 @@ class TokenRows:
             self.temperature[start:stop],
             self.top_k[start:stop],
             self.top_p[start:stop],
+            None if self.loss_mask is None else self.loss_mask[start:stop],
         )
 
     @property
     def response_tokens(self) -> int:
         return int(self.rlen.sum())
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the loss counts (all real ones, or those the loss mask marks): a
+        micro-batch's share of the step's gradient is its share of these."""
+        if self.loss_mask is None:
+            return self.response_tokens
+        return int(self.loss_mask.sum())
 
     @property
     def tokens(self) -> int:
@@ -245,7 +259,9 @@ class TokenRows:
         )
         k = torch.arange(self.response.shape[1], device=device).unsqueeze(0)
         real = k < self.rlen.to(device).unsqueeze(1)
-        return torch.where(real, out, torch.zeros_like(out)), int((off & real).sum())
+        trained = real if self.loss_mask is None else real & self.loss_mask.to(device)
+        # off-support tokens are counted where they train: a tool's output is no sample
+        return torch.where(real, out, torch.zeros_like(out)), int((off & trained).sum())
 
 
 def token_field(batch: Batch, name: str, who: str) -> tuple[Tensor, Tensor]:
@@ -341,7 +357,42 @@ def token_rows(
                 f"ints in [0, {upper})"
             )
     temp, top_k, top_p = row_sampling(batch, b, who=who, temperature=temperature)
-    return TokenRows(prompt, plen, response, rlen, temp, top_k, top_p)
+    mask = _loss_mask(batch, rlen, response.shape[1], who)
+    return TokenRows(prompt, plen, response, rlen, temp, top_k, top_p, mask)
+
+
+def _loss_mask(batch: Batch, rlen: Tensor, width: int, who: str) -> Tensor | None:
+    """The batch's ``loss_mask`` field as bool ``[B, width]`` (False beyond each row's
+    response), or None without the field; a row whose mask is not one 0/1 per response token
+    raises ``EngineError``."""
+    if LOSS_MASK not in batch.data:
+        return None
+    value = batch.data[LOSS_MASK]
+    if isinstance(value, Tensor) and value.is_nested:
+        value = list(value.unbind())
+    b = int(rlen.shape[0])
+    if isinstance(value, Tensor) and value.dim() == 2 and value.shape[0] == b:
+        given = batch.lengths.get(LOSS_MASK)
+        widths = rlen if given is None else torch.as_tensor(given).reshape(-1).long()
+        rows = [value[i, : int(widths[i])] for i in range(b)]
+    elif isinstance(value, list | tuple) and len(value) == b:
+        rows = [torch.as_tensor(v).reshape(-1) for v in value]
+    else:
+        raise EngineError(
+            f"{who}: {LOSS_MASK!r} must hold one row per response (a [B, R] tensor or a list of "
+            f"1-D tensors), got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}"
+        )
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        n = int(rlen[i])
+        if row.numel() != n or bool(((row != 0) & (row != 1)).any()):
+            raise EngineError(
+                f"{who}: {LOSS_MASK!r} row {i} must be {n} values of 0 or 1 (one per response "
+                f"token, 1 on generated tokens), got {row.numel()} values "
+                f"{row.tolist()[:8]}{'...' if row.numel() > 8 else ''}"
+            )
+        mask[i, :n] = row.to(torch.bool)
+    return mask
 
 
 def slice_batch(who: str, batch: Batch, start: int, stop: int) -> Batch:
@@ -639,7 +690,7 @@ class AdamWTrainer(ThreadedTrainer):
         if b == 0:
             raise EngineError(f"{self.name}: train_step got an empty batch; pass at least 1 row")
         parts = self._split(batch, b)  # validates every field before any compute
-        total = rows.response_tokens
+        total = rows.trained_tokens
         params = [p for p in self.model.parameters() if p.requires_grad]
         loss_sum = 0.0
         off_support = 0
@@ -647,7 +698,7 @@ class AdamWTrainer(ThreadedTrainer):
         self._optimizer.zero_grad(set_to_none=True)
         try:
             for start, stop, part in parts:
-                tokens = int(rows.rlen[start:stop].sum())
+                tokens = rows.part(start, stop).trained_tokens
                 weight = tokens / total if total else (stop - start) / b
                 if weight == 0:
                     continue

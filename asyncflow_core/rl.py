@@ -60,6 +60,14 @@ Conventions
   here). ``batch.lengths["response"]`` marks the real tokens (every column counts without it);
   padded positions are replaced by 0 before any arithmetic, so their values (even NaN/inf) never
   reach the loss, its gradient or the metrics.
+* **Multi-turn rows** (``asyncflow_core.agent``): the response holds every token after the
+  first prompt, tool and user tokens included, and the ``loss_mask`` field (``LOSS_MASK``: one
+  0/1 per response token, 1 exactly on the tokens the policy generated) marks the ones that
+  train. Every loss here counts only those: ``response_mask`` is the real tokens *and* the
+  loss mask, so token-mean is the mean over generated tokens, and a tool's output never
+  reaches the loss, its gradient or the metrics. A row without the field trains on every
+  response token (single-turn). Advantages stay per row (the GRPO/RLOO group logic is the
+  same).
 * Batch fields (behaviour/proximal/reference log-probs, advantages, weights) are detached: only
   ``logprobs`` carries gradient.
 * Aggregation: ``"token-mean"`` (default; every kept response token of the micro-batch weighs the
@@ -97,6 +105,9 @@ REF_LOGPROBS = "ref_logprobs"
 """Field: per-token log-probs under the reference policy (for the KL penalty)."""
 ADVANTAGE = "advantage"
 """Field: one advantage per row ``[B]`` or per token ``[B, T]``."""
+LOSS_MASK = "loss_mask"
+"""Field: per response token, 1 where the policy generated it (trained), 0 on tokens it did not
+(a multi-turn row's tool, environment and user tokens); absent: every response token trains."""
 
 MAX_LOG_RATIO = 20.0
 """Log-ratios are clamped to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp``."""
@@ -182,25 +193,50 @@ def _work_dtype(logprobs: torch.Tensor) -> torch.dtype:
 
 
 def response_mask(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Bool ``[B, T]``: True at the response tokens of each row, from
-    ``batch.lengths["response"]`` (all True without it)."""
+    """Bool ``[B, T]``: True at the response tokens of each row that train: the real tokens
+    (``batch.lengths["response"]``, or in layout "list"/"nested" each row's ``response``
+    length; all True without either) that the ``loss_mask`` field, when the batch has one,
+    marks 1 (the tokens the policy generated)."""
     who = "response_mask"
     b, t = _shape(logprobs, batch, who)
     lengths = batch.lengths.get("response")
+    if lengths is None:  # layout "list"/"nested": each row's own response tensor says
+        lengths = _row_lengths(batch.data.get("response"))
     if lengths is None:
-        return torch.ones(b, t, dtype=torch.bool, device=logprobs.device)
-    n = torch.as_tensor(lengths).reshape(-1).to(device=logprobs.device, dtype=torch.long)
-    if n.numel() != b:
+        real = torch.ones(b, t, dtype=torch.bool, device=logprobs.device)
+    else:
+        n = torch.as_tensor(lengths).reshape(-1).to(device=logprobs.device, dtype=torch.long)
+        if n.numel() != b:
+            raise BadRequestError(
+                f"{who}: lengths['response'] has {n.numel()} entries but logprobs has {b} rows"
+            )
+        if n.numel() and (int(n.min()) < 0 or int(n.max()) > t):
+            raise BadRequestError(
+                f"{who}: lengths['response'] ranges over [{int(n.min())}, {int(n.max())}] but "
+                f"logprobs [B, T] = [{b}, {t}] has only {t} token columns; compute logprobs over "
+                "the padded response width"
+            )
+        real = torch.arange(t, device=logprobs.device).unsqueeze(0) < n.unsqueeze(1)
+    if LOSS_MASK not in batch:
+        return real
+    hint = "1 on each response token the policy generated, 0 elsewhere"
+    mask = _token_field(batch, LOSS_MASK, logprobs, torch.float32, who, hint)
+    values = mask.masked_fill(~real, 0.0)
+    if bool(((values != 0) & (values != 1)).any()):
+        row, col = (int(x) for x in ((values != 0) & (values != 1)).nonzero()[0])
         raise BadRequestError(
-            f"{who}: lengths['response'] has {n.numel()} entries but logprobs has {b} rows"
+            f"{who}: {LOSS_MASK}[{row}, {col}] = {float(values[row, col])}; give {hint}"
         )
-    if n.numel() and (int(n.min()) < 0 or int(n.max()) > t):
-        raise BadRequestError(
-            f"{who}: lengths['response'] ranges over [{int(n.min())}, {int(n.max())}] but logprobs"
-            f" [B, T] = [{b}, {t}] has only {t} token columns; compute logprobs over the padded "
-            "response width"
-        )
-    return torch.arange(t, device=logprobs.device).unsqueeze(0) < n.unsqueeze(1)
+    return real & (values == 1)
+
+
+def _row_lengths(value: object) -> torch.Tensor | None:
+    """The lengths of a per-row token field in layout "list" or "nested" (None otherwise)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        value = list(value.unbind())
+    if isinstance(value, list | tuple) and all(isinstance(v, torch.Tensor) for v in value):
+        return torch.tensor([int(v.shape[0]) if v.dim() else 1 for v in value], dtype=torch.long)
+    return None
 
 
 def _token_field(
@@ -651,22 +687,19 @@ def policy_gradient_loss(
 
     ``logprobs``: ``[B, T]`` current-policy log-probs of the response tokens; ``batch`` needs an
     ``advantage`` field (one value per row) and ``lengths["response"]`` (tokens per row; all
-    ``T`` tokens count without it)."""
+    ``T`` tokens count without it); a ``loss_mask`` field limits the mean to the tokens it
+    marks (``response_mask``)."""
     if "advantage" not in batch:
         raise BadRequestError(
             f"policy_gradient_loss needs an 'advantage' field; the batch has {sorted(batch.data)}"
         )
     adv = torch.as_tensor(batch["advantage"], dtype=logprobs.dtype).reshape(-1)
-    b, t = logprobs.shape[0], logprobs.shape[1]
+    b = logprobs.shape[0]
     if adv.numel() != b:
         raise BadRequestError(
             f"policy_gradient_loss: {adv.numel()} advantages for {b} rows of logprobs"
         )
-    lengths = batch.lengths.get("response")
-    if lengths is None:
-        mask = torch.ones(b, t, dtype=logprobs.dtype)
-    else:
-        mask = (torch.arange(t).unsqueeze(0) < lengths.reshape(-1, 1)).to(logprobs.dtype)
+    mask = response_mask(logprobs, batch).to(logprobs.dtype)
     tokens = mask.sum().clamp(min=1.0)
     loss = -(adv.unsqueeze(1) * logprobs * mask).sum() / tokens
     return loss, {"pg_loss": float(loss.detach()), "advantage_mean": float(adv.mean())}
@@ -677,6 +710,7 @@ __all__ = [
     "AGGREGATIONS",
     "BEHAVIOUR_LOGPROBS",
     "KL_ESTIMATORS",
+    "LOSS_MASK",
     "MAX_LOG_RATIO",
     "PROX_LOGPROBS",
     "REF_LOGPROBS",

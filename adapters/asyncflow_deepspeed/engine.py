@@ -486,7 +486,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         except EngineError as e:
             error, rows = e, _EMPTY
         agreed = self._gather_floats(
-            [1.0 if error else 0.0, rows.response_tokens, len(rows), rows.tokens, len(parts)]
+            [1.0 if error else 0.0, rows.trained_tokens, len(rows), rows.tokens, len(parts)]
         )
         bad = _failed_ranks(agreed[:, 0])
         if bad:
@@ -512,7 +512,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
                 if i < len(parts):
                     start, stop, part = parts[i]
                     sub = rows.part(start, stop)
-                    weight = sub.response_tokens / total if total else (stop - start) / total_rows
+                    weight = sub.trained_tokens / total if total else (stop - start) / total_rows
                 if weight > 0:
                     logprobs, off = self._response_logprobs(sub)
                     off_support += off
