@@ -9,6 +9,7 @@ model does (and raises ``MissingExtraError`` naming the extra when it is absent)
 from __future__ import annotations
 
 from asyncflow_hf.assets import build_tokenizer, gsm8k_rows, make_model_folder, write_gsm8k_jsonl
+from asyncflow_hf.chat import HFChatFormat
 from asyncflow_hf.compat import TESTED, require_transformers
 from asyncflow_hf.data import Prompt, load_prompts, render_prompt
 from asyncflow_hf.inference import HFInferenceEngine
@@ -27,6 +28,7 @@ from asyncflow_hf.train import HFTrainEngine
 __all__ = [
     "TESTED",
     "TINY",
+    "HFChatFormat",
     "HFInferenceEngine",
     "HFTrainEngine",
     "Prompt",
