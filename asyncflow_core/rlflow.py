@@ -58,14 +58,15 @@ import asyncio
 import contextlib
 import functools
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
+from asyncflow_core.agent import AgentLoop, GenerationClient, Trajectory, TrajectoryLimits
 from asyncflow_core.enginekit import resume_after
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.errors import BadRequestError, ConfigError
 from asyncflow_core.protocols import (
     Batch,
     Candidates,
@@ -88,6 +89,7 @@ from asyncflow_core.protocols import (
     inflight_load_refusal,
 )
 from asyncflow_core.rl import (
+    LOSS_MASK,
     PROX_LOGPROBS,
     DecoupledPPOLoss,
     PPOClipLoss,
@@ -116,6 +118,7 @@ _LEASE_S = 24 * 3600.0
 """Leases of the job's tasks: a long generation (or a slow simulated one) must never be handed
 to a second worker; a worker that dies takes the whole in-process job with it anyway."""
 _SYNCS = ("blocking", "staged", "inflight")
+_NO_LIMITS = TrajectoryLimits()  # the defaults (a frozen value, shared)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,12 @@ class RLConfig:
     drop_stale: bool = True
     """Drop samples older than η at the update (keeps the staleness law exact)."""
     partition: str = "rl"
+    trajectory_limits: TrajectoryLimits = _NO_LIMITS
+    """Agent jobs only: turns, total tokens and tokens per turn of each trajectory."""
+    max_restarts: int = 2
+    """Agent jobs only: how many times a trajectory that became too stale to be trained
+    before its next turn is regenerated from its prompt (``asyncflow_core.agent``); after
+    that it is finished and the update drops it (counted in ``dropped``)."""
 
     @property
     def batch_size(self) -> int:
@@ -155,9 +164,13 @@ class RLConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name} must be an int >= 1, got {v!r}")
-        s = self.staleness
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            problems.append(f"staleness (η) must be an int >= 0, got {s!r}")
+        for name, label in (("staleness", "staleness (η)"), ("max_restarts", "max_restarts")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                problems.append(f"{label} must be an int >= 0, got {v!r}")
+        limits: object = self.trajectory_limits
+        if not isinstance(limits, TrajectoryLimits):
+            problems.append(f"trajectory_limits must be a TrajectoryLimits, got {limits!r}")
         c = self.rollout_concurrency
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             problems.append(f"rollout_concurrency must be an int >= 1 or None, got {c!r}")
@@ -356,9 +369,49 @@ def _check_loss_fields(loss_fn: LossFn, config: RLConfig) -> None:
         )
 
 
+def _sample_cell(sample: object, group: int) -> dict[str, Any]:
+    """An agent job's sample as a store cell (a JSON-able dict)."""
+    if not isinstance(sample, Mapping):
+        raise BadRequestError(
+            f"sample {group} is a {type(sample).__name__}; an agent job's prompts yield samples "
+            "as dicts (e.g. {'messages': [...], ...the fields its reward or tools need})"
+        )
+    return dict(sample)
+
+
+def _agent_metrics(stats: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per-step figures of the trained trajectories: mean turns, tool calls and tool errors
+    per trajectory, restarts in all."""
+    n = max(len(stats), 1)
+    return {
+        "agent_turns": sum(float(s.get("turns", 0)) for s in stats) / n,
+        "agent_tool_calls": sum(float(s.get("tool_calls", 0)) for s in stats) / n,
+        "agent_tool_errors": sum(float(s.get("tool_errors", 0)) for s in stats) / n,
+        "agent_restarts": float(sum(int(s.get("restarts", 0)) for s in stats)),
+    }
+
+
 class RLJob:
     """An RL job on the streaming store. ``prompts`` yields prompt token sequences (consumed
-    lazily, one per group); ``reward_fn(prompt, response) -> float``. ``run()`` syncs the
+    lazily, one per group); ``reward_fn(prompt, response) -> float``.
+
+    **Agent jobs** (``agent=``, an ``asyncflow_core.agent.AgentLoop``): ``prompts`` yields
+    *samples* instead, JSON-able dicts (messages, the fields a reward or a tool needs), and
+    the rollout runs the loop once per sample and row of its group, each trajectory on a
+    ``GenerationClient`` (sticky to one engine, ``config.trajectory_limits``, partial rollout
+    inside a turn, per-turn trace spans). A trajectory is stored as ``prompt`` (its tokens
+    before the first generated one), ``response`` (everything after: assistant, tool, user
+    tokens), ``logprobs`` (0 where not generated), ``loss_mask`` (1 exactly on the generated
+    tokens: every loss in ``asyncflow_core.rl`` trains those only) and ``agent`` (its
+    ``Trajectory.stats()`` plus ``restarts``); its staleness tag is the versions of its
+    generated tokens (the oldest counts). The reward is the loop's (``Trajectory.reward``)
+    unless ``reward_fn`` is given, which then scores ``(prompt, response)`` as usual. A
+    trajectory that became too stale to train before its next turn is regenerated
+    (``RLConfig.max_restarts``). Per step, ``metrics.extra`` gains ``agent_turns``,
+    ``agent_tool_calls``, ``agent_tool_errors`` (means per trajectory) and
+    ``agent_restarts`` (sum).
+
+    ``run()`` syncs the
     rollout engines to the trainer's version if they differ, trains ``config.steps`` optimizer
     steps from there and returns an ``RLResult`` (see the module docstring's *Versions*; a
     second ``run()`` trains ``config.steps`` more). ``loss_fn`` is the update's objective
@@ -372,9 +425,10 @@ class RLJob:
         self,
         config: RLConfig,
         engines: RLEngines,
-        prompts: Iterable[Sequence[int]],
-        reward_fn: RewardFn,
+        prompts: Iterable[Sequence[int]] | Iterable[Mapping[str, Any]],
+        reward_fn: RewardFn | None = None,
         *,
+        agent: AgentLoop | None = None,
         loss_fn: LossFn = policy_gradient_loss,
         tracer: Tracer | None = None,
         store: DataStore | None = None,
@@ -383,6 +437,16 @@ class RLJob:
         config.validate()
         if not engines.rollout:
             raise ConfigError("RLEngines.rollout is empty: give at least one InferenceEngine")
+        if agent is not None and not isinstance(agent, AgentLoop):
+            raise ConfigError(
+                f"agent must be an AgentLoop (an object with async run(sample, client) -> "
+                f"Trajectory), got {type(agent).__name__}"
+            )
+        if reward_fn is None and agent is None:
+            raise ConfigError(
+                "RLJob needs a reward_fn(prompt, response) -> float, or an agent loop whose "
+                "trajectories carry their reward"
+            )
         if config.reference_logprobs and engines.reference is None:
             raise ConfigError(
                 "reference_logprobs=True needs RLEngines.reference (a TrainEngine holding the "
@@ -403,6 +467,9 @@ class RLJob:
         self.engines = engines
         self.prompts = prompts
         self.reward_fn = reward_fn
+        self.agent = agent
+        self.restarts = 0
+        """Agent jobs: trajectories regenerated because they became too stale (this run)."""
         self.loss_fn = loss_fn
         self.on_step = on_step
         self.tracer = tracer
@@ -446,25 +513,45 @@ class RLJob:
         # a time while they keep up, many per call (fewer store round trips) once behind
         per_call = cfg.batch_size
         whole_groups = functools.partial(GroupSampler, cfg.n, greedy=True)
-        tasks = [
-            Task(
+        if self.agent is None:
+            source = Source("prompts", ("prompt",), self._feed, resource="feeder")
+            rollout = Task(
                 "rollout", self._rollout, consumes=("prompt",),
                 produces=("response", "logprobs", *SAMPLING_FIELDS), batch_size=cfg.n,
-                workers=concurrency,
-                layout="list", resource=rollout_res, lease_s=_LEASE_S,
-            ),
-            Task(
-                "reward", self._reward, consumes=("prompt", "response"), produces=("reward",),
-                batch_size=per_call, sampler=whole_groups, layout="list", resource="reward",
-            ),
+                workers=concurrency, layout="list", resource=rollout_res, lease_s=_LEASE_S,
+            )  # fmt: skip
+        else:
+            # the loop's task spans a whole trajectory, tool calls included; its generated
+            # turns are the spans on the rollout resource (GenerationClient), so time spent
+            # in tools is a rollout bubble
+            source = Source("samples", ("sample",), self._feed, resource="feeder")
+            produces = ["prompt", "response", "logprobs", LOSS_MASK, *SAMPLING_FIELDS, "agent"]
+            if self.reward_fn is None:
+                produces.append("reward")
+            rollout = Task(
+                "rollout", self._rollout_agents, consumes=("sample",), produces=tuple(produces),
+                batch_size=cfg.n, workers=concurrency, layout="list",
+                resource="devices" if coloc else "agent", lease_s=_LEASE_S,
+            )  # fmt: skip
+            update_consumes += [LOSS_MASK, "agent"]
+        tasks = [rollout]
+        if self.reward_fn is not None:
+            tasks.append(
+                Task(
+                    "reward", self._reward, consumes=("prompt", "response"),
+                    produces=("reward",), batch_size=per_call, sampler=whole_groups,
+                    layout="list", resource="reward",
+                )
+            )  # fmt: skip
+        tasks.append(
             Task(
                 "advantage", self._advantage, consumes=("reward",), produces=("advantage",),
                 batch_size=per_call, sampler=whole_groups, resource="reward",
-            ),
-        ]  # fmt: skip
+            )
+        )  # fmt: skip
         if cfg.reference_logprobs:
             tasks.insert(
-                2,
+                len(tasks) - 1,
                 Task(
                     "reference", self._reference,
                     consumes=("prompt", "response", *SAMPLING_FIELDS),
@@ -482,7 +569,7 @@ class RLJob:
         )  # fmt: skip
         in_flight = (cfg.staleness + 2) * cfg.batch_size + concurrency * cfg.n
         return Pipeline(
-            Source("prompts", ("prompt",), self._feed, resource="feeder"),
+            source,
             tasks,
             partition=cfg.partition,
             capacity=Capacity(max_rows=in_flight),
@@ -493,6 +580,11 @@ class RLJob:
     async def _feed(self) -> AsyncIterator[TaskOutput]:
         n = self.config.n
         for group, prompt in enumerate(self.prompts):
+            if self.agent is not None:
+                sample = _sample_cell(prompt, group)
+                await self.admission.admit(n)
+                yield TaskOutput({"sample": [sample] * n}, tags=[Tags(group=group)] * n)
+                continue
             await self.admission.admit(n)  # the pipeline traces this as the source's wait
             tensor = torch.as_tensor(list(prompt), dtype=torch.long)
             yield TaskOutput({"prompt": [tensor] * n}, tags=[Tags(group=group)] * n)
@@ -553,7 +645,105 @@ class RLJob:
             self._inflight.pop(rid, None)
             self.router.finish(rid)
 
+    async def _rollout_agents(self, batch: Batch) -> TaskOutput:
+        """One group of trajectories: the agent loop once per row, concurrently."""
+        await self.gate.enter()
+        try:
+            await self._safe_point()
+            group = batch.tags[0].group if batch.tags else None
+            jobs = [
+                asyncio.ensure_future(self._trajectory(sample, group, k))
+                for k, sample in enumerate(batch["sample"])
+            ]
+            try:
+                done = await asyncio.gather(*jobs)
+            except BaseException:
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                raise
+        except BaseException:
+            self.admission.cancel(len(batch))
+            raise
+        finally:
+            self.gate.leave()
+        self.admission.finish(len(batch))
+        self.generated += len(batch)
+        columns: dict[str, list[Any]] = {
+            "prompt": [], "response": [], "logprobs": [], LOSS_MASK: [], "agent": [], "reward": []
+        }  # fmt: skip
+        tags = []
+        for trajectory, restarts in done:
+            p = trajectory.prompt_length
+            columns["prompt"].append(torch.tensor(trajectory.tokens[:p], dtype=torch.long))
+            columns["response"].append(torch.tensor(trajectory.tokens[p:], dtype=torch.long))
+            logprobs = torch.tensor(trajectory.logprobs[p:], dtype=torch.float32)
+            columns["logprobs"].append(logprobs)
+            columns[LOSS_MASK].append(torch.tensor(trajectory.loss_mask[p:], dtype=torch.uint8))
+            columns["agent"].append({**trajectory.stats(), "restarts": restarts})
+            reward = trajectory.reward
+            columns["reward"].append(math.nan if reward is None else float(reward))
+            generated = {v for v, m in zip(trajectory.versions, trajectory.loss_mask, strict=True)
+                         if m}  # fmt: skip
+            tags.append(Tags(versions=tuple(sorted(generated)), tokens=len(trajectory.tokens) - p))
+        if self.reward_fn is not None:
+            del columns["reward"]
+        columns.update(sampling_columns([self.config.sampling] * len(done)))
+        return TaskOutput(columns, tags=tags)
+
+    async def _trajectory(
+        self, sample: dict[str, Any], group: int | str | None, k: int
+    ) -> tuple[Trajectory, int]:
+        """Run the loop on one sample (regenerating a trajectory that became too stale to be
+        trained, ``max_restarts`` times at most); the trajectory and its restarts."""
+        cfg = self.config
+        assert self.agent is not None
+        restarts = 0
+        while True:
+            self._rid += 1
+            sampling = cfg.sampling
+            if sampling.seed is not None:  # distinct per trajectory and turn
+                sampling = replace(
+                    sampling, seed=sampling.seed + self._rid * cfg.trajectory_limits.max_turns
+                )
+            client = GenerationClient(
+                self.engines.rollout, self.router, f"g{group}.{k}.{self._rid}",
+                sampling=sampling, limits=cfg.trajectory_limits,
+                partial_rollout=cfg.partial_rollout, closing=lambda: self._closing,
+                too_stale=self._too_stale if cfg.drop_stale else None, tracer=self.tracer,
+                resource="devices" if cfg.mode == "colocated" else "rollout",
+                inflight=self._inflight,
+            )  # fmt: skip
+            trajectory = await self.agent.run(dict(sample), client)
+            if not isinstance(trajectory, Trajectory):
+                raise BadRequestError(
+                    f"the agent loop {type(self.agent).__name__} returned "
+                    f"{type(trajectory).__name__}, not a Trajectory (return client.trajectory())"
+                )
+            trajectory.validate()
+            if not trajectory.tokens:
+                raise BadRequestError(
+                    f"the agent loop {type(self.agent).__name__} returned an empty trajectory; "
+                    "add the prompt (client.add(ids, role='prompt')) and generate"
+                )
+            if self.reward_fn is None and trajectory.reward is None:
+                raise BadRequestError(
+                    f"the agent loop {type(self.agent).__name__} returned a trajectory without "
+                    "a reward and the job has no reward_fn; score it in the loop "
+                    "(client.trajectory(reward=...)) or give RLJob a reward_fn"
+                )
+            if trajectory.ended != "stale" or restarts >= cfg.max_restarts or self._closing:
+                return trajectory, restarts
+            restarts += 1
+            self.restarts += 1
+
+    def _too_stale(self, version: Version) -> bool:
+        """A trajectory whose oldest generated token has ``version`` would be dropped by the
+        update (more than η versions behind the trainer)."""
+        return self.engines.trainer.weight_version - version > self.config.staleness
+
     def _reward(self, batch: Batch) -> dict[str, list[float]]:
+        assert self.reward_fn is not None  # the task exists only with one
         prompts, responses = batch["prompt"], batch["response"]
         return {
             "reward": [
@@ -613,6 +803,8 @@ class RLJob:
         reward = float(rewards.nanmean()) if failed < len(rewards) else math.nan
         if failed:
             metrics = replace(metrics, extra={**metrics.extra, "reward_failed": float(failed)})
+        if "agent" in batch:
+            metrics = replace(metrics, extra={**metrics.extra, **_agent_metrics(batch["agent"])})
         record = StepRecord(
             version, self._now(), len(batch), tokens, max(stale, default=0), metrics, reward
         )
@@ -783,6 +975,7 @@ class RLJob:
         self.gate = _Gate()
         self.steps = []
         self.generated = 0
+        self.restarts = 0
 
     async def run(self) -> RLResult:
         loop = asyncio.get_running_loop()

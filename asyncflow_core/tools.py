@@ -187,29 +187,33 @@ class ToolRunner:
     metrics: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        names = [t.name for t in self.tools]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ConfigError(f"ToolRunner: tool names must be unique, got {dupes} twice")
+        self._by_name = _by_name(self.tools)
         if isinstance(self.max_concurrency, bool) or self.max_concurrency < 1:
             raise ConfigError(
                 f"ToolRunner: max_concurrency must be an int >= 1, got {self.max_concurrency!r}"
             )
         if not 0 < self.timeout_s < math.inf:
             raise ConfigError(f"ToolRunner: timeout_s must be > 0, got {self.timeout_s!r}")
-        self._by_name = {t.name: t for t in self.tools}
         self._limit = asyncio.Semaphore(self.max_concurrency)
 
-    async def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        """Run ``calls`` (concurrently, within the limit); results in the calls' order."""
-        return list(await asyncio.gather(*(self.run_one(c) for c in calls)))
+    async def run(
+        self, calls: Sequence[ToolCall], tools: Sequence[Tool] | None = None
+    ) -> list[ToolResult]:
+        """Run ``calls`` (concurrently, within the limit); results in the calls' order.
+        ``tools``: this trajectory's own tools instead of the runner's (e.g. tools holding
+        per-sample state), under the same limit, timeout and counts."""
+        by_name = self._by_name if tools is None else _by_name(tools)
+        return list(await asyncio.gather(*(self._run(c, by_name) for c in calls)))
 
-    async def run_one(self, call: ToolCall) -> ToolResult:
+    async def run_one(self, call: ToolCall, tools: Sequence[Tool] | None = None) -> ToolResult:
+        return await self._run(call, self._by_name if tools is None else _by_name(tools))
+
+    async def _run(self, call: ToolCall, by_name: Mapping[str, Tool]) -> ToolResult:
         self.metrics["calls"] += 1
-        tool = self._by_name.get(call.name)
+        tool = by_name.get(call.name)
         if tool is None:
             return self._failed(
-                call, "unknown_tool", f"no tool named {call.name!r}; tools: {sorted(self._by_name)}"
+                call, "unknown_tool", f"no tool named {call.name!r}; tools: {sorted(by_name)}"
             )
         problem = schema_problem(tool.parameters, call.arguments)
         if problem is not None:
@@ -231,6 +235,14 @@ class ToolRunner:
     def _failed(self, call: ToolCall, kind: ToolError, message: str) -> ToolResult:
         self.metrics[f"error_{kind}"] += 1
         return ToolResult(call, f"error: {message}", ok=False, error=kind)
+
+
+def _by_name(tools: Sequence[Tool]) -> dict[str, Tool]:
+    names = [t.name for t in tools]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"ToolRunner: tool names must be unique, got {dupes} twice")
+    return {t.name: t for t in tools}
 
 
 async def _answer(tool: Tool, arguments: Mapping[str, Any]) -> str:
