@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,bench-trl,vllm-client,sglang-client,ray]" "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,bench-trl,vllm-client,sglang-client,serve,ray]" "$(TORCH_PIN)"
 	$(PIP) install --quiet --no-deps -e ./conformance
 	# The real torch_npu wheel, unpacked beside the venv (never on its path: with it, CANN
 	# missing, `import torch` fails): tests put it on a child's PYTHONPATH to check the
@@ -38,7 +38,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf tools
+	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf adapters/asyncflow_serve tools
 
 RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py
 

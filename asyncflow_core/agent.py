@@ -349,19 +349,33 @@ class GenerationClient:
             cap = min(cap, limits.max_turn_tokens)
         return min(cap, room)
 
-    async def generate(self, **meta: Any) -> GenerationResult:
-        """Generate the next assistant turn from the whole context and append it."""
+    async def generate(
+        self, *, max_tokens: int | None = None, seed: int | None = None, **meta: Any
+    ) -> GenerationResult:
+        """Generate the next assistant turn from the whole context and append it.
+        ``max_tokens`` lowers this turn's cap (never past the limits); ``seed`` replaces the
+        sampling seed for this turn (the turn index is still added)."""
         if not self._tokens:
             raise BadRequestError(
                 f"{self.trajectory_id}: nothing to generate from; add(prompt, role='prompt')"
             )
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise BadRequestError(
+                f"{self.trajectory_id}: max_tokens must be an int >= 1, got {max_tokens!r}"
+            )
         cap = self._turn_budget()
+        if max_tokens is not None:
+            cap = min(cap, max_tokens)
         turn = self._assistant_turns
         rid = f"{self.trajectory_id}.t{turn}"
         prompt = tuple(self._tokens)
         name = self.router.route(rid, len(prompt) + cap, self.trajectory_id)
         engine = self.engines[int(name)]
         params = replace(self.sampling, max_tokens=cap)
+        if seed is not None:
+            params = replace(params, seed=seed)
         if params.seed is not None:
             params = replace(params, seed=params.seed + turn)
         request = GenerationRequest(rid, prompt, params, group=self.trajectory_id)
