@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from asyncflow_conformance.agent import AgentLoopConformance
     from asyncflow_conformance.datastore import DataStoreConformance, FakeClock, StoreFactory
     from asyncflow_conformance.engines import (
         InferenceEngineConformance,
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from asyncflow_conformance.workflow import WorkflowCase, WorkflowConformance
 
 _EXPORTS = {
+    "AgentLoopConformance": "asyncflow_conformance.agent",
     "DataStoreConformance": "asyncflow_conformance.datastore",
     "FakeClock": "asyncflow_conformance.datastore",
     "StoreFactory": "asyncflow_conformance.datastore",
@@ -41,6 +43,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AgentLoopConformance",
     "DataStoreConformance",
     "DataStoreStateMachine",
     "EnginePairConformance",

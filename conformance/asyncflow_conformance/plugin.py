@@ -148,14 +148,27 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
-    """One line per DataStore backend under test, with the optional abilities it declares."""
+    """One line per DataStore backend and agent loop under test, with what they declare."""
     datastore = sys.modules.get("asyncflow_conformance.datastore")
-    if datastore is None:  # no conformance class was collected
-        return []
+    agent = sys.modules.get("asyncflow_conformance.agent")
     lines: dict[type, str] = {}
     for item in items:
         cls = getattr(item, "cls", None)
-        if cls is None or cls in lines or not issubclass(cls, datastore.DataStoreConformance):
+        if cls is None or cls in lines:
             continue
-        lines[cls] = f"asyncflow-conformance: DataStore backend {cls.describe_backend()}"
+        if datastore is not None and issubclass(cls, datastore.DataStoreConformance):
+            lines[cls] = f"asyncflow-conformance: DataStore backend {cls.describe_backend()}"
+        elif agent is not None and issubclass(cls, agent.AgentLoopConformance):
+            lines[cls] = f"asyncflow-conformance: agent loop {cls.describe_backend()}"
     return list(lines.values())
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """What the agent-loop laws saw (turns, tool errors, agreement, abort points)."""
+    agent = sys.modules.get("asyncflow_conformance.agent")
+    if agent is None or not agent.REPORT:
+        return
+    terminalreporter.section("asyncflow-conformance: agent loops")
+    for name, lines in agent.REPORT.items():
+        for line in lines:
+            terminalreporter.write_line(f"{name}.{line}")
