@@ -416,6 +416,7 @@ class GenerationClient:
         )
         self._assistant_turns += 1
         self.engine_names.append(name)
+        self.ended = None  # a limit met before (a refused add) did not end it after all
         return result
 
     @contextlib.contextmanager

@@ -24,15 +24,16 @@ Face tokenizer's own chat template).
 
 **The minimal template** (ChatML-like, tool calls in Hermes style)::
 
-    <|im_start|>system\\n{system content}[\\n]tools: {name}, {name}<|im_end|>\\n
+    <|im_start|>system\\n{system content}[\\n]tools: {name}({arg}, ...), ...<|im_end|>\\n
     <|im_start|>user\\n{content}<|im_end|>\\n
     <|im_start|>assistant\\n{content}<tool_call>{"name": N, "arguments": A}</tool_call><|im_end|>\\n
     <|im_start|>tool\\n<tool_response>{content}</tool_response><|im_end|>\\n
     <|im_start|>assistant\\n                      <- the generation prompt
 
 (``N``: the tool's name, ``A``: its arguments as a JSON object.) The system turn appears when
-the messages have one or ``tools`` are given (tools are listed by
-name: small models cannot afford JSON schemas in their context); an assistant turn ends with
+the messages have one or ``tools`` are given; tools are listed by signature, ``name(arg, ...)``
+from their JSON schema's properties (small models cannot afford whole schemas in their
+context); an assistant turn ends with
 ``<|im_end|>``, which is the stop token, and the ``\\n`` after it belongs to the next turn (it is
 the first token of ``followup``). Roles other than ``system``/``user``/``assistant``/``tool`` are
 rendered as written (``<|im_start|>environment\\n...``).
@@ -210,7 +211,7 @@ class MinimalChatFormat:
         self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
     ) -> str:
         msgs = check_messages(messages, "MinimalChatFormat.prompt")
-        names = [_tool_name(t) for t in tools or ()]
+        names = [_tool_signature(t) for t in tools or ()]
         if names:
             listing = "tools: " + ", ".join(names)
             if msgs and msgs[0]["role"] == "system":
@@ -243,7 +244,8 @@ class MinimalChatFormat:
         return split_tool_blocks(self.decode(ids))
 
 
-def _tool_name(tool: Mapping[str, Any]) -> str:
+def _tool_signature(tool: Mapping[str, Any]) -> str:
+    """``name(arg, ...)`` of an OpenAI-style tool schema (its parameters' property names)."""
     fn = tool.get("function") if isinstance(tool, Mapping) else None
     name = fn.get("name") if isinstance(fn, Mapping) else None
     if not isinstance(name, str) or not name:
@@ -251,7 +253,10 @@ def _tool_name(tool: Mapping[str, Any]) -> str:
             f"a tool schema must be {{'type': 'function', 'function': {{'name': ..., ...}}}}, "
             f"got {tool!r:.120}"
         )
-    return name
+    params = fn.get("parameters") if isinstance(fn, Mapping) else None
+    props = params.get("properties") if isinstance(params, Mapping) else None
+    args = ", ".join(props) if isinstance(props, Mapping) else ""
+    return f"{name}({args})"
 
 
 __all__ = [

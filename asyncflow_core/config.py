@@ -9,7 +9,8 @@ table (with a "did you mean"), a bad value names the expected type or the allowe
 Nothing is modified in place, so a rejected override leaves the config as it was.
 
 Override values are TOML values (``3e-4``, ``true``, ``"text"``, ``[1, 2]``); a value that is
-not valid TOML is taken as a bare string, so ``mode=async`` works without quotes.
+not valid TOML is taken as a bare string, so ``mode=async`` works without quotes. A table with
+a ``name`` key takes a plain value as its name: ``task=lookup`` is ``task.name=lookup``.
 ``to_toml(cfg)`` writes a config back (``None`` fields are left out: they mean "default").
 """
 
@@ -142,6 +143,10 @@ def _merge(cfg: T, data: Mapping[str, Any], *, prefix: str, where: str, check: b
             raise ConfigError(f"{where}unknown key {full!r}{hint}; valid keys here: {valid}")
         current = getattr(cfg, name)
         if dataclasses.is_dataclass(current) and not isinstance(current, type):
+            if not isinstance(value, Mapping) and "name" in {
+                f.name for f in dataclasses.fields(current)
+            }:
+                value = {"name": value}  # `task=lookup` is short for `task.name=lookup`
             changes[name] = _merge(current, value, prefix=f"{full}.", where=where)
         else:
             changes[name] = _coerce(value, hints[name], full, where)

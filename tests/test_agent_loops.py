@@ -35,7 +35,7 @@ from asyncflow_core.protocols import GenerationRequest, GenerationResult, Sampli
 from asyncflow_core.rl import LOSS_MASK, policy_gradient_loss
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob
 from asyncflow_core.scheduling import RequestRouter
-from asyncflow_core.tools import ToolRunner
+from asyncflow_core.tools import ToolRunner, tool_schema
 from asyncflow_core.trace import Tracer
 
 CHAT = chat_format()
@@ -107,8 +107,7 @@ def test_the_oracle_solves_lookup_in_two_turns_token_in_token_out() -> None:
     assert t.stats()["tool_errors"] == 0
     roles = [turn.role for turn in t.turns]
     assert roles == ["prompt", "assistant", "tool", "assistant"]
-    schema = [{"type": "function", "function": {"name": "lookup"}}]
-    prompt = CHAT.prompt(s["messages"], schema)
+    prompt = CHAT.prompt(s["messages"], [tool_schema(PhoneBook(s["book"]))])
     turn1 = [*TOK.encode(call(s["person"])), STOP]
     follow = CHAT.followup([{"role": "tool", "content": s["book"][s["person"]]}])
     turn2 = [*TOK.encode(s["book"][s["person"]]), STOP]
@@ -182,14 +181,17 @@ def test_a_cut_turn_and_an_overflow_end_the_trajectory() -> None:
     t = asyncio.run(cut())
     assert t.ended == "length" and t.stats()["turns"] == 1 and t.reward == 0.0
 
+    s = sample()
+    prompt = CHAT.prompt(s["messages"], [tool_schema(PhoneBook(s["book"]))])
+    room = len(prompt) + len(TOK.encode(call(s["person"]))) + 1 + 2  # the call, not the answer
+
     async def overflow() -> tuple[Trajectory, GenerationClient]:
-        # room for the prompt and the call, not for the tool's answer
-        c = client(ScriptedEngine(oracle), limits=TrajectoryLimits(max_total_tokens=30))
-        return await lookup_loop().run(sample(), c), c
+        c = client(ScriptedEngine(oracle), limits=TrajectoryLimits(max_total_tokens=room))
+        return await lookup_loop().run(s, c), c
 
     t, c = asyncio.run(overflow())
     assert t.ended == "max_total_tokens" and [x.role for x in t.turns] == ["prompt", "assistant"]
-    assert len(t.tokens) <= 30 and c.ended == "max_total_tokens"
+    assert len(t.tokens) <= room and c.ended == "max_total_tokens"
 
     async def refused_add() -> None:
         c = client(ScriptedEngine(oracle), limits=TrajectoryLimits(max_total_tokens=4))

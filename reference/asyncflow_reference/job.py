@@ -44,6 +44,7 @@ from typing import Any, Literal, TextIO
 import torch
 
 from asyncflow_core import registry
+from asyncflow_core.agent import ToolAgentLoop, TrajectoryLimits
 from asyncflow_core.config import load_config, to_toml
 from asyncflow_core.errors import ConfigError, TaskFailedError
 from asyncflow_core.platform import Platform, get_platform, select_platform
@@ -57,9 +58,13 @@ from asyncflow_core.protocols import (
     SamplingParams,
     TrainEngine,
 )
-from asyncflow_core.rl import DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
+from asyncflow_core.rl import LOSS_MASK, DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult, StepRecord
+from asyncflow_core.tools import ToolRunner
 from asyncflow_core.trace import Tracer
+from asyncflow_reference import agentic
+from asyncflow_reference.agentic import TASKS as AGENT_TASKS
+from asyncflow_reference.agentic import LookupTask, chat_format
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_reference.tasks import DigitTask, TaskName
@@ -72,15 +77,21 @@ LossName = Literal["pg", "ppo", "decoupled-ppo"]
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TaskSection:
-    """The verifiable task and the format warm-up."""
+    """The verifiable task and the format warm-up: a digit task (``reverse``, ``sort``,
+    ``add``: ``asyncflow_reference.tasks``) or an agentic one, over several turns with a tool
+    (``clock``, ``lookup``: ``asyncflow_reference.agentic``; for ``lookup``, ``digits`` is the
+    phone numbers' length). ``--set task=clock`` is short for ``--set task.name=clock``."""
 
-    name: TaskName = "reverse"
+    name: TaskName | Literal["clock", "lookup"] = "reverse"
     digits: int = 3
     warmup_steps: int = 60
     warmup_batch: int = 128
 
     def validate(self) -> None:
-        DigitTask(self.name, self.digits)  # raises ConfigError naming the field
+        if self.name == "lookup":
+            LookupTask(self.digits)  # raises ConfigError naming the field
+        elif self.name != "clock":
+            DigitTask(self.name, self.digits)  # raises ConfigError naming the field
         if self.warmup_steps < 0 or self.warmup_batch < 1:
             raise ConfigError(
                 f"task.warmup_steps must be >= 0 and task.warmup_batch >= 1, got "
@@ -207,6 +218,38 @@ class RLSection:
 
 
 @dataclass(frozen=True)
+class AgentSection:
+    """Agentic tasks only (``task.name = "clock"`` or ``"lookup"``): the trajectories' limits,
+    the tools and stale trajectories."""
+
+    max_turns: int = 3
+    """Assistant turns per trajectory."""
+    max_total_tokens: int = 96
+    """Tokens of a whole trajectory (prompt, tool answers and generated turns); also the
+    model's context length. Context that would pass it ends the trajectory (never cut)."""
+    max_turn_tokens: int = 16
+    """Generated tokens per turn; a turn cut there ends the trajectory."""
+    tool_timeout_s: float = 10.0
+    tool_concurrency: int = 64
+    """Tool calls running at once across all trajectories."""
+    max_restarts: int = 2
+    """Times a trajectory that became too stale to train before its next turn is
+    regenerated from its prompt (``RLConfig.max_restarts``)."""
+
+    def validate(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "max_turn_tokens", "tool_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"agent.max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.tool_timeout_s > 0:
+            raise ConfigError(f"agent.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+
+    def limits(self) -> TrajectoryLimits:
+        return TrajectoryLimits(self.max_turns, self.max_total_tokens, self.max_turn_tokens)
+
+
+@dataclass(frozen=True)
 class RuntimeSection:
     """Where the job runs. ``local``: one process (the store in memory, each engine on a
     thread of its own; ``breakpoint()`` works anywhere). ``ray`` (the ``[ray]`` extra): the
@@ -269,6 +312,7 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)
     rl: RLSection = field(default_factory=RLSection)
+    agent: AgentSection = field(default_factory=AgentSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
 
     def validate(self) -> None:
@@ -303,14 +347,26 @@ class RunConfig:
                 f"runtime.kind = 'ray' runs the digits workload only so far (workload "
                 f"{workload!r} has not been tried on Ray); use runtime.kind = 'local'"
             )
-        if workload == "digits":
+        if workload in ("digits", "agent"):
             m, d = self.model, self.data
             if m.path or m.name or m.trust_remote_code or d != DataSection() or self.reward:
                 raise ConfigError(
                     "model.path, model.name, model.trust_remote_code, data.* and reward apply "
-                    "to workload = 'hf' (a Hugging Face model); the digits workload trains the "
-                    "reference model on task.*"
+                    f"to workload = 'hf' (a Hugging Face model); the {workload} workload trains "
+                    "the reference model on task.*"
                 )
+        agentic = self.task.name in AGENT_TASKS
+        if workload in ("digits", "agent") and (workload == "agent") != agentic:
+            raise ConfigError(
+                f"workload {workload!r} and task.name = {self.task.name!r} do not go together: "
+                f"the agent workload runs task.name = {' or '.join(map(repr, AGENT_TASKS))}, "
+                "the digits workload the others (leave workload = 'auto')"
+            )
+        if workload != "agent" and self.agent != AgentSection():
+            raise ConfigError(
+                "agent.* apply to the agentic tasks (task.name = 'clock' or 'lookup'); the "
+                f"{workload} workload is single-turn"
+            )
         if not self.reward_timeout_s > 0:
             raise ConfigError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         if t.zero_stage not in (0, 1, 2, 3):
@@ -331,7 +387,9 @@ class RunConfig:
         if self.workload != "auto":
             registry.get("workload", self.workload)  # an unknown name fails here
             return self.workload
-        return "hf" if self.model.path or self.model.name else "digits"
+        if self.model.path or self.model.name:
+            return "hf"
+        return "agent" if self.task.name in AGENT_TASKS else "digits"
 
     def engine_names(self) -> tuple[str, str]:
         """``(rollout.engine, train.engine)`` resolved (``auto``: the workload's), each
@@ -365,6 +423,11 @@ class RunConfig:
         return chosen
 
     def task_spec(self) -> DigitTask:
+        if self.task.name in AGENT_TASKS:
+            raise ConfigError(
+                f"task.name = {self.task.name!r} is an agentic task, not a digit task "
+                "(AgentWorkload)"
+            )
         return DigitTask(self.task.name, self.task.digits)
 
     def model_config(self) -> ModelConfig:
@@ -387,7 +450,13 @@ class RunConfig:
         """The RL loop's config, with ``sampling`` (the workload's; default: the digit
         task's for ``digits``, ``data.max_tokens`` for other workloads)."""
         if sampling is None:
-            if self.workload_name() == "digits":
+            if self.workload_name() == "agent":
+                r = self.rollout
+                sampling = SamplingParams(
+                    max_tokens=self.agent.max_turn_tokens, temperature=r.temperature,
+                    top_p=r.top_p, top_k=r.top_k, stop_token_ids=chat_format().stop_token_ids,
+                )  # fmt: skip
+            elif self.workload_name() == "digits":
                 sampling = self.sampling()
             else:
                 r = self.rollout
@@ -404,6 +473,7 @@ class RunConfig:
             sync_every=1 if colocated else rl.sync_every, partial_rollout=rl.partial_rollout,
             mode=rl.mode, sampling=sampling,
             proximal_logprobs=self.train.loss == "decoupled-ppo",
+            trajectory_limits=self.agent.limits(), max_restarts=self.agent.max_restarts,
         )  # fmt: skip
 
     def loss_fn(self) -> LossFn:
@@ -560,9 +630,12 @@ async def run(
         sampling = workload.sampling(r.temperature, r.top_p, r.top_k)
         async with _placed(cfg, model, threads, platform) as (engines, trainer, store, where):
             tracer = Tracer()
+            agent_loop = getattr(workload, "agent_loop", None)
             job = RLJob(
                 cfg.rl_config(sampling), RLEngines(engines, trainer), workload.prompts(cfg.seed),
-                workload.reward, loss_fn=cfg.loss_fn(), tracer=tracer, on_step=on_step,
+                None if callable(agent_loop) else workload.reward,
+                agent=agent_loop() if callable(agent_loop) else None, loss_fn=cfg.loss_fn(),
+                tracer=tracer, on_step=on_step,
                 store=store,
             )  # fmt: skip
             result = await job.run()
@@ -580,7 +653,7 @@ async def run(
     summary = _summarize(
         cfg, workload.label, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform
     )
-    summary = replace(summary, runtime=where, extra=extra)
+    summary = replace(summary, runtime=where, extra={**extra, **_agent_figures(result)})
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
     return RunOutput(summary, result, out)
@@ -634,6 +707,106 @@ class DigitsWorkload:
 
     async def finish(self, trainer: TrainEngine, out_dir: Path | None) -> dict[str, Any]:
         return {}
+
+
+class AgentWorkload:
+    """The agentic reference workload: a ``TransformerLM`` learns an agentic task
+    (``asyncflow_reference.agentic``: ``clock``, ``lookup``) through ``ToolAgentLoop`` over
+    the minimal chat template, after a warm-up that teaches the tool-call syntax with random
+    arguments and answers only. Evaluated greedily before and after RL (reward, exact, tool
+    use, turns), and after RL with the tool taken away."""
+
+    rollout_engine = "torch"
+    train_engine = "torch"
+
+    def __init__(self, cfg: RunConfig, out_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        name = cfg.task.name
+        self.task: agentic.AgentTask = (
+            LookupTask(cfg.task.digits) if name == "lookup" else agentic.ClockTask()
+        )
+        self.chat = chat_format()
+        self.label = f"lookup-{cfg.task.digits}" if name == "lookup" else name
+        self.runner = ToolRunner(
+            [], max_concurrency=cfg.agent.tool_concurrency, timeout_s=cfg.agent.tool_timeout_s
+        )
+        self.evaluations: dict[str, dict[str, float]] = {}
+
+    def model_config(self) -> ModelConfig:
+        m = self.cfg.model
+        return ModelConfig(
+            vocab_size=self.chat.tokenizer.vocab_size,  # type: ignore[attr-defined]
+            d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff,
+            max_seq_len=self.cfg.agent.max_total_tokens, init_std=m.init_std,
+        )  # fmt: skip
+
+    async def initial_model(self) -> TransformerLM:
+        cfg = self.cfg
+        model = TransformerLM(self.model_config(), seed=cfg.seed)
+        if cfg.task.warmup_steps:
+            trainer = TorchTrainEngine(model, lr=cfg.train.lr, seed=cfg.seed, name="warm-up")
+            rng = random.Random(cfg.seed + 1)
+            try:
+                for _ in range(cfg.task.warmup_steps):
+                    examples = self.task.warmup_examples(self.chat, rng, cfg.task.warmup_batch)
+                    await trainer.train_step(_masked_batch(examples), policy_gradient_loss)
+                model = trainer.model
+            finally:
+                await trainer.close()
+        if cfg.eval_prompts:  # where RL starts from, greedy
+            engine = TorchInferenceEngine(model, max_batch=cfg.rollout.max_batch, seed=cfg.seed)
+            try:
+                self.evaluations["before"] = await self._evaluate(engine, True)
+            finally:
+                await engine.close()
+        return model
+
+    def prompts(self, seed: int) -> Iterator[dict[str, Any]]:
+        return self.task.samples(seed)
+
+    def reward(self, prompt: Sequence[int], response: Sequence[int]) -> float:
+        raise ConfigError("an agentic workload is scored by its agent loop, not by reward()")
+
+    def agent_loop(self) -> ToolAgentLoop:
+        return ToolAgentLoop(self.chat, self.runner, tools=self.task.tools, reward=self.task.reward)
+
+    def sampling(self, temperature: float, top_p: float, top_k: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.cfg.agent.max_turn_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, stop_token_ids=self.chat.stop_token_ids,
+        )  # fmt: skip
+
+    async def _evaluate(self, engine: InferenceEngine, tools: bool) -> dict[str, float]:
+        a = self.cfg.agent
+        return await agentic.evaluate(
+            self.task, engine, self.cfg.eval_prompts, 10_000_019 + self.cfg.seed, tools=tools,
+            limits=a.limits(), max_tokens=a.max_turn_tokens,
+        )  # fmt: skip
+
+    async def evaluate(
+        self, engine: InferenceEngine, prompts: int, seed: int
+    ) -> tuple[float, float]:
+        after = await self._evaluate(engine, True)
+        self.evaluations["after"] = after
+        self.evaluations["no_tools"] = await self._evaluate(engine, False)
+        return after["reward"], after["exact"]
+
+    async def finish(self, trainer: TrainEngine, out_dir: Path | None) -> dict[str, Any]:
+        return {"eval": self.evaluations, "tool_calls": dict(self.runner.metrics)}
+
+
+def _masked_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Batch:
+    """Supervised rows from ``(tokens, loss_mask)`` examples: advantage 1 (the loss is the
+    negative log-likelihood of the masked-in tokens), the first token as the prompt."""
+    return Batch(
+        tuple(range(len(examples))),
+        {
+            "prompt": [torch.tensor(tokens[:1]) for tokens, _ in examples],
+            "response": [torch.tensor(tokens[1:]) for tokens, _ in examples],
+            LOSS_MASK: [torch.tensor(mask[1:]) for _, mask in examples],
+            "advantage": torch.ones(len(examples)),
+        },
+    )
 
 
 def torch_rollout(model: Any, *, cfg: RunConfig, index: int, threads: int) -> TorchInferenceEngine:
@@ -779,6 +952,20 @@ def _summarize(
     )
 
 
+def _agent_figures(result: RLResult) -> dict[str, Any]:
+    """Per-trajectory turns, tool calls and tool errors over the first and last 10% of the
+    steps of an agent job (none for a single-turn job)."""
+    steps = [s.metrics.extra for s in result.steps if "agent_turns" in s.metrics.extra]
+    if not steps:
+        return {}
+    figures: dict[str, Any] = {}
+    for key in ("turns", "tool_calls", "tool_errors"):
+        values = [e[f"agent_{key}"] for e in steps]
+        figures[key] = [_window_mean(values, first=True), _window_mean(values, first=False)]
+    figures["restarts"] = int(sum(e.get("agent_restarts", 0.0) for e in steps))
+    return {"agent": figures}
+
+
 def _write_run_folder(
     out: Path, cfg: RunConfig, summary: RunSummary, tracer: Tracer, result: RLResult
 ) -> None:
@@ -843,6 +1030,7 @@ def format_summary(s: RunSummary) -> str:
     ]
     if s.eval_reward is not None and s.eval_exact is not None:
         rows.append(("greedy eval", f"reward {s.eval_reward:.3f}, exact {s.eval_exact:.1%}"))
+    rows += _agent_rows(s.extra)
     rows += [
         ("bubble ratio", ", ".join(f"{k} {v:.2f}" for k, v in s.bubble_ratio.items())),
         ("staleness histogram", ", ".join(f"{k}: {v}" for k, v in s.staleness_hist.items())),
@@ -850,6 +1038,35 @@ def format_summary(s: RunSummary) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _agent_rows(extra: dict[str, Any]) -> list[tuple[str, str]]:
+    """Summary rows of an agent job: turns and tool calls per trajectory during training,
+    greedy evaluations before and after RL and without tools, the curriculum."""
+    rows: list[tuple[str, str]] = []
+    agent = extra.get("agent")
+    if agent:
+        (t0, t1), (c0, c1), (e0, e1) = agent["turns"], agent["tool_calls"], agent["tool_errors"]
+        rows.append(
+            ("turns / tool calls per traj", f"{t0:.2f} / {c0:.2f} → {t1:.2f} / {c1:.2f} "
+             f"(tool errors {e0:.2f} → {e1:.2f}, restarts {agent['restarts']})")
+        )  # fmt: skip
+    evals = extra.get("eval") or {}
+
+    def show(e: dict[str, float]) -> str:
+        return (
+            f"reward {e['reward']:.3f}, exact {e['exact']:.1%}, tool use {e['tool_use']:.0%}, "
+            f"turns {e['turns']:.2f}"
+        )
+
+    for key, label in (("before", "greedy eval before RL"), ("no_tools", "after, tools off")):
+        if key in evals:
+            rows.append((label, show(evals[key])))
+    if "after" in evals:
+        rows.insert(
+            len(rows) - ("no_tools" in evals), ("greedy eval after RL", show(evals["after"]))
+        )
+    return rows
 
 
 class StepProgress:
@@ -932,7 +1149,9 @@ def main_job(args: Any) -> int:
         return 2
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     rl = cfg.rl_config()
-    if cfg.workload_name() == "digits":
+    if cfg.task.name == "clock":
+        what = "clock"
+    elif cfg.workload_name() in ("digits", "agent"):
         what = f"{cfg.task.name}-{cfg.task.digits}"
     else:
         what = f"{cfg.workload_name()} {cfg.model.path or cfg.model.name or ''}".strip()
@@ -960,6 +1179,8 @@ def main_job(args: Any) -> int:
 
 
 __all__ = [
+    "AgentSection",
+    "AgentWorkload",
     "DataSection",
     "DigitsWorkload",
     "ModelSection",
