@@ -578,6 +578,13 @@ class AdamWTrainer(ThreadedTrainer):
     ``TrainMetrics.extra``: the loss function's metrics (token-weighted means),
     ``micro_batches`` and ``logprobs_off_support`` (``OFF_SUPPORT_METRIC``).
 
+    **Learning rate.** ``lr``, reached linearly over the first ``lr_warmup_steps`` steps this
+    trainer takes (``lr * k / lr_warmup_steps`` at its ``k``-th; 0: ``lr`` from the first). A
+    fresh AdamW's first steps move every weight by about ``lr`` whatever the size of its
+    gradient, which can flip a decision the policy had already learnt (measured: an agent's
+    rate of calling its tool fell from 75% to 1% in one step of a new trainer at ``lr`` 2e-3);
+    a warm-up gives the moment estimates time to form. A checkpoint load counts as warmed up.
+
     **Weights** travel under ``state_dict`` names, each tensor once (``unique_named_tensors``:
     a tied LM head under the embedding's name), snapshotted on the worker thread.
     **Checkpoints**: ``write_checkpoint`` files with ``meta = {format: checkpoint_format,
@@ -602,8 +609,15 @@ class AdamWTrainer(ThreadedTrainer):
         micro_batch_size: int,
         temperature: float,
         seed: int,
+        lr_warmup_steps: int = 0,
     ) -> None:
         self.lr = check_number(who, "lr", lr)
+        if not is_int(lr_warmup_steps) or lr_warmup_steps < 0:
+            raise ConfigError(
+                f"{who}: lr_warmup_steps must be an int >= 0, got {lr_warmup_steps!r}"
+            )
+        self.lr_warmup_steps = int(lr_warmup_steps)
+        self._steps_taken = 0
         self.weight_decay = check_number(who, "weight_decay", weight_decay, zero_ok=True)
         if (
             not isinstance(betas, tuple | list)
@@ -646,6 +660,12 @@ class AdamWTrainer(ThreadedTrainer):
     @property
     def weight_version(self) -> Version:
         return self._version
+
+    def _current_lr(self) -> float:
+        """The learning rate of the next step (``lr_warmup_steps``, class docstring)."""
+        if self._steps_taken >= self.lr_warmup_steps:
+            return self.lr
+        return self.lr * (self._steps_taken + 1) / self.lr_warmup_steps
 
     async def close(self) -> None:
         """Stop the worker thread (after the call in progress)."""
@@ -715,7 +735,11 @@ class AdamWTrainer(ThreadedTrainer):
                     f"{self.name}: the gradient norm is {grad_norm}; the step was skipped and "
                     "nothing changed (check the loss and the learning rate)"
                 )
+            lr = self._current_lr()
+            for group in self._optimizer.param_groups:
+                group["lr"] = lr
             self._optimizer.step()
+            self._steps_taken += 1
         finally:
             self._optimizer.zero_grad(set_to_none=True)
         self._version += 1
@@ -784,6 +808,7 @@ class AdamWTrainer(ThreadedTrainer):
             for n, t in own:  # in place: a tied tensor is one object, so both ends follow
                 t.copy_(weights[n])
         self._version = version
+        self._steps_taken = max(self._steps_taken, self.lr_warmup_steps)  # moments restored
 
 
 __all__ = [

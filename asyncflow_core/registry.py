@@ -174,10 +174,11 @@ def get(kind: Kind, name: str) -> Callable[..., Any]:
 
 def trainer_options(cfg: Any) -> dict[str, Any]:
     """The options every trainer of the main job is built with, from its ``RunConfig``
-    (``train.lr``, ``weight_decay``, ``max_grad_norm``, ``micro_batch_size``, ``seed`` and
-    the rollout's ``temperature``): a trainer factory passes them on."""
+    (``train.lr``, ``weight_decay``, ``max_grad_norm``, ``micro_batch_size``, ``seed``, the
+    rollout's ``temperature`` and, when it is not 0, ``lr_warmup_steps``): a trainer factory
+    passes them on."""
     t = cfg.train
-    return {
+    options = {
         "lr": t.lr,
         "weight_decay": t.weight_decay,
         "max_grad_norm": t.max_grad_norm,
@@ -185,6 +186,10 @@ def trainer_options(cfg: Any) -> dict[str, Any]:
         "seed": cfg.seed,
         "temperature": cfg.rollout.temperature,
     }
+    warmup = cfg.lr_warmup_steps() if callable(getattr(cfg, "lr_warmup_steps", None)) else 0
+    if warmup:  # only then: a trainer without the option is not handed it
+        options["lr_warmup_steps"] = warmup
+    return options
 
 
 def is_failed_reward(value: float) -> bool:

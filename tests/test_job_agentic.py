@@ -76,3 +76,21 @@ def test_task_shorthand_and_agent_keys_are_checked() -> None:
         load_config(RunConfig, None, ["task=clock", "runtime.kind=ray"])
     with pytest.raises(ConfigError, match="do not go together"):
         load_config(RunConfig, None, ["task=clock", "workload=digits"])
+
+
+def test_the_agentic_tasks_warm_the_learning_rate_up() -> None:
+    from asyncflow_core import registry
+
+    clock = load_config(RunConfig, None, ["task=clock"])
+    assert clock.lr_warmup_steps() == 20
+    assert registry.trainer_options(clock)["lr_warmup_steps"] == 20
+    digits = load_config(RunConfig, None, [])
+    assert digits.lr_warmup_steps() == 0 and "lr_warmup_steps" not in registry.trainer_options(
+        digits
+    )
+    assert (
+        load_config(RunConfig, None, ["task=clock", "train.lr_warmup_steps=0"]).lr_warmup_steps()
+        == 0
+    )
+    with pytest.raises(ConfigError, match="lr_warmup_steps applies to the torch and hf"):
+        load_config(RunConfig, None, ["task=clock", "train.engine=deepspeed"])

@@ -16,7 +16,7 @@ import torch
 from asyncflow_reference.engines import TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.errors import BadRequestError, EngineError
+from asyncflow_core.errors import BadRequestError, ConfigError, EngineError
 from asyncflow_core.protocols import Batch, LossFn
 from asyncflow_core.rl import (
     LOSS_MASK,
@@ -178,3 +178,26 @@ def test_a_trainer_refuses_a_mask_that_does_not_fit() -> None:
             await trainer.close()
 
     asyncio.run(main())
+
+
+def test_the_learning_rate_warms_up_over_the_first_steps() -> None:
+    """AdamW's first step moves each weight by about lr (its update is the gradient's sign):
+    with lr_warmup_steps=4 the first step moves by lr/4, the fourth by the full lr."""
+    batch = _batch([([1, 2], [3, 4, 5], None), ([2], [5, 6, 7], None)])
+
+    async def moves(warmup: int, steps: int) -> float:
+        trainer = TorchTrainEngine(MODEL, lr=LR, seed=3, lr_warmup_steps=warmup)
+        try:
+            for _ in range(steps - 1):
+                await trainer.train_step(batch, policy_gradient_loss)
+            before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            await trainer.train_step(batch, policy_gradient_loss)
+            after = trainer.model.state_dict()
+            return max(float((after[k] - before[k]).abs().max()) for k in before) / LR
+        finally:
+            await trainer.close()
+
+    assert 0.9 < asyncio.run(moves(0, 1)) < 1.1
+    assert 0.2 < asyncio.run(moves(4, 1)) < 0.3
+    with pytest.raises(ConfigError, match="lr_warmup_steps must be an int >= 0"):
+        TorchTrainEngine(MODEL, lr_warmup_steps=-1)

@@ -114,6 +114,7 @@ class HFTrainEngine(AdamWTrainer):
         dtype: Literal["fp32", "bf16"] = "fp32",
         gradient_checkpointing: bool = False,
         seed: int = 0,
+        lr_warmup_steps: int = 0,
         trust_remote_code: bool = False,
         name: str = "hf-trainer",
         threads: int | None = None,
@@ -131,6 +132,7 @@ class HFTrainEngine(AdamWTrainer):
             micro_batch_size=micro_batch_size,
             temperature=temperature,
             seed=seed,
+            lr_warmup_steps=lr_warmup_steps,
         )
         if dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{who}: dtype must be 'fp32' or 'bf16', got {dtype!r}")

@@ -873,8 +873,8 @@ class TorchTrainEngine(AdamWTrainer):
     """Trains a ``TransformerLM`` with AdamW (``asyncflow_core.lmtrain.AdamWTrainer``).
 
     ``TorchTrainEngine(model_or_config, *, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
-    max_grad_norm=1.0, micro_batch_size=32, seed=0, temperature=1.0, name=...,
-    threads=None)``: a ``ModelConfig`` builds a model initialised from ``seed`` (the same
+    max_grad_norm=1.0, micro_batch_size=32, seed=0, lr_warmup_steps=0, temperature=1.0,
+    name=..., threads=None)``: a ``ModelConfig`` builds a model initialised from ``seed`` (the same
     weights as a ``TorchInferenceEngine`` built from that config and seed); a model is
     deep-copied (CPU, fp32). ``max_grad_norm=None`` disables clipping (the norm is still
     reported). ``threads`` as for ``TorchInferenceEngine``.
@@ -935,6 +935,7 @@ class TorchTrainEngine(AdamWTrainer):
         max_grad_norm: float | None = 1.0,
         micro_batch_size: int = 32,
         seed: int = 0,
+        lr_warmup_steps: int = 0,
         temperature: float = 1.0,
         name: str = "torch-trainer",
         threads: int | None = None,
@@ -950,6 +951,7 @@ class TorchTrainEngine(AdamWTrainer):
             micro_batch_size=micro_batch_size,
             temperature=temperature,
             seed=seed,
+            lr_warmup_steps=lr_warmup_steps,
         )
         self.model = _take_model(model_or_config, self.seed, who).train().requires_grad_(True)
         self.config: ModelConfig = self.model.config
