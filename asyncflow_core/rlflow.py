@@ -58,9 +58,9 @@ import asyncio
 import contextlib
 import functools
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -103,6 +103,7 @@ from asyncflow_core.trace import Tracer
 from asyncflow_core.weightsync import InProcessWeightSync, StagedUpdate, _pause, _resume
 from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
+_T = TypeVar("_T")
 Mode = Literal["async", "colocated"]
 SyncStrategy = Literal["blocking", "staged", "inflight"]
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
@@ -590,14 +591,33 @@ class RLJob:
             yield TaskOutput({"prompt": [tensor] * n}, tags=[Tags(group=group)] * n)
 
     async def _rollout(self, batch: Batch) -> TaskOutput:
+        group = batch.tags[0].group if batch.tags else None
+        results = await self._group(
+            batch, lambda: [self._generate(tuple(p.tolist()), group) for p in batch["prompt"]]
+        )
+        return TaskOutput(
+            {
+                "response": [torch.tensor(r.tokens, dtype=torch.long) for r in results],
+                "logprobs": [torch.tensor(r.logprobs, dtype=torch.float32) for r in results],
+                **sampling_columns([self.config.sampling] * len(results)),
+            },
+            tags=[
+                Tags(versions=tuple(sorted(set(r.versions))), tokens=len(r.tokens)) for r in results
+            ],
+        )
+
+    async def _group(
+        self, batch: Batch, work: Callable[[], list[Coroutine[Any, Any, _T]]]
+    ) -> list[_T]:
+        """Run one group's generations (``work()``) through the gate, after the staged
+        weights' safe point, all at once; one failing (or the task cancelled) stops its
+        siblings and frees the group's admission slots. Counts the group as generated."""
         await self.gate.enter()
         try:
             await self._safe_point()
-            prompts = [tuple(p.tolist()) for p in batch["prompt"]]
-            group = batch.tags[0].group if batch.tags else None
-            jobs = [asyncio.ensure_future(self._generate(p, group)) for p in prompts]
+            jobs = [asyncio.ensure_future(w) for w in work()]
             try:
-                results = await asyncio.gather(*jobs)
+                results = list(await asyncio.gather(*jobs))
             except BaseException:
                 for job in jobs:  # one failed (or we were cancelled): stop its siblings
                     job.cancel()
@@ -610,16 +630,7 @@ class RLJob:
             self.gate.leave()
         self.admission.finish(len(batch))
         self.generated += len(batch)
-        return TaskOutput(
-            {
-                "response": [torch.tensor(r.tokens, dtype=torch.long) for r in results],
-                "logprobs": [torch.tensor(r.logprobs, dtype=torch.float32) for r in results],
-                **sampling_columns([self.config.sampling] * len(results)),
-            },
-            tags=[
-                Tags(versions=tuple(sorted(set(r.versions))), tokens=len(r.tokens)) for r in results
-            ],
-        )
+        return results
 
     async def _generate(self, prompt: tuple[int, ...], group: int | str | None) -> GenerationResult:
         cfg = self.config
@@ -647,28 +658,11 @@ class RLJob:
 
     async def _rollout_agents(self, batch: Batch) -> TaskOutput:
         """One group of trajectories: the agent loop once per row, concurrently."""
-        await self.gate.enter()
-        try:
-            await self._safe_point()
-            group = batch.tags[0].group if batch.tags else None
-            jobs = [
-                asyncio.ensure_future(self._trajectory(sample, group, k))
-                for k, sample in enumerate(batch["sample"])
-            ]
-            try:
-                done = await asyncio.gather(*jobs)
-            except BaseException:
-                for job in jobs:
-                    job.cancel()
-                await asyncio.gather(*jobs, return_exceptions=True)
-                raise
-        except BaseException:
-            self.admission.cancel(len(batch))
-            raise
-        finally:
-            self.gate.leave()
-        self.admission.finish(len(batch))
-        self.generated += len(batch)
+        group = batch.tags[0].group if batch.tags else None
+        samples = batch["sample"]
+        done = await self._group(
+            batch, lambda: [self._trajectory(s, group, k) for k, s in enumerate(samples)]
+        )
         columns: dict[str, list[Any]] = {
             "prompt": [], "response": [], "logprobs": [], LOSS_MASK: [], "agent": [], "reward": []
         }  # fmt: skip
