@@ -74,6 +74,8 @@ def test_task_shorthand_and_agent_keys_are_checked() -> None:
         load_config(RunConfig, None, ["task=nope"])
     with pytest.raises(ConfigError, match="has not been tried on Ray"):
         load_config(RunConfig, None, ["task=clock", "runtime.kind=ray"])
+    with pytest.raises(ConfigError, match="does not run agentic tasks yet"):
+        load_config(RunConfig, None, ["task=clock", "model.name=tiny-qwen2"])
     with pytest.raises(ConfigError, match="do not go together"):
         load_config(RunConfig, None, ["task=clock", "workload=digits"])
 

@@ -361,6 +361,12 @@ class RunConfig:
                     "the reference model on task.*"
                 )
         agentic = self.task.name in AGENT_TASKS
+        if agentic and workload not in ("digits", "agent"):
+            raise ConfigError(
+                f"task.name = {self.task.name!r} runs on the reference model (the agent "
+                f"workload); the {workload} workload does not run agentic tasks yet (an agent "
+                "loop over a Hugging Face model is composed in Python: docs/agents.md)"
+            )
         if workload in ("digits", "agent") and (workload == "agent") != agentic:
             raise ConfigError(
                 f"workload {workload!r} and task.name = {self.task.name!r} do not go together: "
