@@ -87,7 +87,10 @@ def test_decoupled_ppo_gets_proximal_logprobs(tmp_path: Path) -> None:
         ("rl.mode=sync", "rl.mode must be one of 'async', 'colocated', got 'sync'"),
         ("train.loss=sft", "train.loss must be one of 'pg', 'ppo', 'decoupled-ppo'"),
         ("rl.stalenes=2", "unknown key 'rl.stalenes' (did you mean 'rl.staleness'?)"),
-        ("task.name=mul", "task.name must be one of 'reverse', 'sort', 'add', got 'mul'"),
+        (
+            "task.name=mul",
+            "task.name must be one of 'reverse', 'sort', 'add', 'clock', 'lookup', got 'mul'",
+        ),
         ("task.digits=9", "task digits must be in 1..8, got 9"),
         ("rl.sync_every=3", "raise staleness to >= 2 or lower sync_every"),
         ("rollout.temperature=0", "rollout.temperature must be > 0"),

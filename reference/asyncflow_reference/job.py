@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, Literal, TextIO, cast
 
 import torch
 
@@ -82,7 +82,7 @@ class TaskSection:
     (``clock``, ``lookup``: ``asyncflow_reference.agentic``; for ``lookup``, ``digits`` is the
     phone numbers' length). ``--set task=clock`` is short for ``--set task.name=clock``."""
 
-    name: TaskName | Literal["clock", "lookup"] = "reverse"
+    name: Literal["reverse", "sort", "add", "clock", "lookup"] = "reverse"
     digits: int = 3
     warmup_steps: int = 60
     warmup_batch: int = 128
@@ -453,7 +453,7 @@ class RunConfig:
                 f"task.name = {self.task.name!r} is an agentic task, not a digit task "
                 "(AgentWorkload)"
             )
-        return DigitTask(self.task.name, self.task.digits)
+        return DigitTask(cast(TaskName, self.task.name), self.task.digits)
 
     def model_config(self) -> ModelConfig:
         t = self.task_spec()
