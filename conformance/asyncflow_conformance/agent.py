@@ -867,19 +867,8 @@ class AgentLoopConformance(_Suite):
             assert isinstance(law.sync, WeightSync), (
                 f"make_sync() returned {type(law.sync).__name__}, not a WeightSync"
             )
-        sync = law.sync
-        if not law.synced:
-            await self._wait(sync.init(), "init()")
-            law.synced = True
-        await self._wait(sync.start(), "start()")
-        iterator = law.trainer.export_weights(self.bucket_bytes).__aiter__()
-        while True:
-            try:
-                bucket = await self._wait(iterator.__anext__(), "export_weights: next bucket")
-            except StopAsyncIteration:
-                break
-            await self._wait(sync.update(bucket), "update(bucket)")
-        await self._wait(sync.finish(version), f"finish({version})")
+        await self._transfer(law.sync, law.trainer, version, self.bucket_bytes, init=not law.synced)
+        law.synced = True
         assert law.engine.weight_version == version, (
             f"after the sync to version {version} the engine reports {law.engine.weight_version}"
         )

@@ -262,6 +262,30 @@ class _Suite:
     async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
         return await bounded(awaitable, self.timeout_s, what)
 
+    async def _transfer(
+        self,
+        sync: WeightSync,
+        trainer: TrainEngine,
+        version: Version,
+        bucket_bytes: int,
+        *,
+        init: bool,
+    ) -> None:
+        """One weight sync of ``trainer``'s weights as ``version``: ``init()`` (when ``init``),
+        ``start()``, ``update`` with every bucket of ``export_weights``, ``finish(version)``,
+        each under the suite's timeout."""
+        if init:
+            await self._wait(sync.init(), "init()")
+        await self._wait(sync.start(), "start()")
+        iterator = trainer.export_weights(bucket_bytes).__aiter__()
+        while True:
+            try:
+                bucket = await self._wait(iterator.__anext__(), "export_weights: next bucket")
+            except StopAsyncIteration:
+                break
+            await self._wait(sync.update(bucket), "update(bucket)")
+        await self._wait(sync.finish(version), f"finish({version})")
+
     async def _expect_error(self, awaitable: Awaitable[Any], what: str) -> AsyncFlowError:
         """``awaitable`` must raise an ``AsyncFlowError`` subclass with a message."""
         try:

@@ -331,19 +331,10 @@ class EnginePairConformance(_Suite):
         await self._wait(pair.trainer.train_step(batch, policy_gradient_loss), "train_step()")
         version: Version = pair.trainer.weight_version
         assert version == before + 1, f"train_step took the version from {before} to {version}"
-        sync = pair.sync
-        if not pair.synced:
-            await self._wait(sync.init(), "init()")
-            pair.synced = True
-        await self._wait(sync.start(), "start()")
-        iterator = pair.trainer.export_weights(self.bucket_bytes).__aiter__()
-        while True:
-            try:
-                bucket = await self._wait(iterator.__anext__(), "export_weights: next bucket")
-            except StopAsyncIteration:
-                break
-            await self._wait(sync.update(bucket), "update(bucket)")
-        await self._wait(sync.finish(version), f"finish({version})")
+        await self._transfer(
+            pair.sync, pair.trainer, version, self.bucket_bytes, init=not pair.synced
+        )
+        pair.synced = True
         assert pair.engine.weight_version == version, (
             f"after the sync to version {version} the engine reports {pair.engine.weight_version}"
         )
