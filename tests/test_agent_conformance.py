@@ -12,7 +12,7 @@ Both run laws 1 ``[model]``, 2 and 4 on the REAL reference engine and trainer: a
 model (``turn_ending_model``: random weights, plus a bias towards the stop token so that turns
 end by themselves and the endpoint's agent holds multi-turn conversations). A random model
 does not write tool calls, so the laws about tool turns (1 ``[tools]``, 3, 5 and the job law)
-run on ``ScriptedEngine``, a scripted policy: it calls ``lookup`` for the person asked about
+run on ``scripted_engine``, a scripted policy: it calls ``lookup`` for the person asked about
 (spelling the name letter by letter, as BPE models often do, so that a re-tokenisation shows),
 writes a call that does not parse when told to, and answers with the tool's digits. The tools
 fail on purpose: ``FailingBook`` raises, or hangs until the loop's tool timeout
@@ -31,12 +31,12 @@ import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 import torch
 from asyncflow_conformance import AgentLoopConformance
-from asyncflow_conformance.agent import ToolFailure
+from asyncflow_conformance.agent import ScriptedPolicy, ToolFailure
 from asyncflow_reference.agentic import PhoneBook, PieceTokenizer, chat_format
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
@@ -50,7 +50,7 @@ from asyncflow_core.agent import (
     TrajectoryLimits,
     Turn,
 )
-from asyncflow_core.protocols import Batch, GenerationRequest, GenerationResult
+from asyncflow_core.protocols import Batch
 from asyncflow_core.rl import LOSS_MASK, policy_gradient_loss
 from asyncflow_core.tools import ToolResult, ToolRunner
 
@@ -134,33 +134,10 @@ def scripted_turn(context: str, failure: ToolFailure | None) -> list[int]:
     return [*TOK.encode(answer), STOP]
 
 
-class ScriptedEngine:
-    """An ``InferenceEngine`` (with ``load_weights``, so ``RLJob`` can sync it) whose turn is
-    ``scripted_turn`` of the decoded context, cut at ``max_tokens``, log-prob -0.5 per token,
-    at its weight version. It stands for a policy that calls tools; it is not a model."""
-
-    def __init__(self, failure: ToolFailure | None) -> None:
-        self.failure = failure
-        self.weight_version = 0
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        ids = scripted_turn(TOK.decode(request.prompt_tokens), self.failure)
-        ids = [*request.resume_tokens, *ids[len(request.resume_tokens) :]]
-        cap = request.params.max_tokens
-        finish: Literal["stop", "length"] = "stop" if len(ids) <= cap else "length"
-        ids = ids[:cap]
-        k = len(request.resume_tokens)
-        return GenerationResult(
-            request.request_id, request.prompt_tokens, tuple(ids),
-            (*request.resume_logprobs, *(-0.5,) * (len(ids) - k)),
-            (*request.resume_versions, *(self.weight_version,) * (len(ids) - k)), finish,
-        )  # fmt: skip
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        return None
-
-    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        self.weight_version = version
+def scripted_engine(failure: ToolFailure | None) -> ScriptedPolicy:
+    """The tool policy: ``scripted_turn`` of the decoded context. It stands for a policy that
+    calls tools; it is not a model."""
+    return ScriptedPolicy(lambda request: scripted_turn(TOK.decode(request.prompt_tokens), failure))
 
 
 class FailingBook(PhoneBook):
@@ -207,8 +184,8 @@ class ToolLoopBackend(AgentLoopConformance):
     def make_trainer(self) -> TorchTrainEngine:
         return TorchTrainEngine(turn_ending_model(), seed=0, lr=1e-2, threads=1)
 
-    def make_tool_policy(self, tool_failure: ToolFailure | None) -> ScriptedEngine:
-        return ScriptedEngine(tool_failure)
+    def make_tool_policy(self, tool_failure: ToolFailure | None) -> ScriptedPolicy:
+        return scripted_engine(tool_failure)
 
     def sample(self, index: int) -> Mapping[str, Any]:
         return lookup_sample(index)

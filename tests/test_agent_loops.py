@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from asyncflow_conformance.agent import ScriptedPolicy
 from asyncflow_reference.agentic import LookupTask, PhoneBook, chat_format
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
@@ -31,7 +32,7 @@ from asyncflow_core.agent import (
 )
 from asyncflow_core.chat import MinimalChatFormat
 from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, SamplingParams
+from asyncflow_core.protocols import SamplingParams
 from asyncflow_core.rl import LOSS_MASK, policy_gradient_loss
 from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob
 from asyncflow_core.scheduling import RequestRouter
@@ -44,28 +45,12 @@ STOP = CHAT.stop_token_ids[0]
 TASK = LookupTask()
 
 
-class ScriptedEngine:
-    """An ``InferenceEngine`` whose turn is ``policy(context text)``: the text's tokens plus the
-    stop token (or cut at ``max_tokens``), log-prob -0.5 each, at its weight version."""
-
-    def __init__(self, policy: Callable[[str], str]) -> None:
-        self.policy = policy
-        self.weight_version = 0
-        self.requests: list[GenerationRequest] = []
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        self.requests.append(request)
-        ids = [*TOK.encode(self.policy(TOK.decode(request.prompt_tokens))), STOP]
-        cap = request.params.max_tokens
-        finish = "stop" if len(ids) <= cap else "length"
-        ids = ids[:cap]
-        return GenerationResult(
-            request.request_id, request.prompt_tokens, tuple(ids), (-0.5,) * len(ids),
-            (self.weight_version,) * len(ids), finish,
-        )  # fmt: skip
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        return None
+def ScriptedEngine(policy: Callable[[str], str]) -> ScriptedPolicy:
+    """A test engine whose turn is ``policy(context text)``: the text's tokens plus the stop
+    token (``ScriptedPolicy``: cut at ``max_tokens``, log-prob -0.5 each, at its version)."""
+    return ScriptedPolicy(
+        lambda request: [*TOK.encode(policy(TOK.decode(request.prompt_tokens))), STOP]
+    )
 
 
 def call(person: str, tool: str = "lookup") -> str:

@@ -4,7 +4,7 @@ tokenizer's own chat template (``HFChatFormat`` over the tokenizer built offline
 batching) and scored by ``HFTrainEngine`` on a tiny random Qwen2.
 
 The random model writes no tool calls, so the laws that need tool turns (the mask with tools,
-tool output never trained on, failing tools) run on ``HFScriptedEngine``: a policy that calls
+tool output never trained on, failing tools) run on ``hf_scripted_engine``: a policy that calls
 ``lookup`` with the person asked about and then copies the tool's answer, in the tokenizer's
 tokens. The mask, log-prob and resume laws run on the real engines."""
 
@@ -13,22 +13,25 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers")
 
-from asyncflow_conformance.agent import AgentLoopConformance, ToolFailure  # noqa: E402
+from asyncflow_conformance.agent import (  # noqa: E402
+    AgentLoopConformance,
+    ScriptedPolicy,
+    ToolFailure,
+)
 from asyncflow_hf import HFChatFormat, HFInferenceEngine, HFTrainEngine  # noqa: E402
 from asyncflow_hf.assets import build_tokenizer  # noqa: E402
 from asyncflow_hf.models import load_causal_lm, tiny_config  # noqa: E402
 from asyncflow_reference.agentic import PhoneBook  # noqa: E402
 
 from asyncflow_core.agent import ToolAgentLoop, Trajectory, TrajectoryLimits  # noqa: E402
-from asyncflow_core.protocols import GenerationRequest, GenerationResult  # noqa: E402
+from asyncflow_core.protocols import GenerationRequest  # noqa: E402
 from asyncflow_core.tools import ToolRunner  # noqa: E402
 
 TOKENIZER = build_tokenizer()
@@ -71,48 +74,31 @@ class FailingBook(PhoneBook):
         return await super().call(arguments)
 
 
-class HFScriptedEngine:
-    """A scripted policy in the HF tokenizer's tokens (log-prob -0.5 each, at its version):
-    the first turn calls ``lookup`` for the person asked about (or writes a block that does
-    not parse, for ``malformed``), later turns copy the last tool answer."""
-
-    def __init__(self, failure: ToolFailure | None) -> None:
-        self.failure = failure
-        self.weight_version = 0
-        self.stop = CHAT.stop_token_ids[-1]
-
-    def _turn(self, context: str) -> list[int]:
-        if "<tool_response>" not in context and context.count("<|im_start|>assistant") <= 1:
-            if self.failure == "malformed":
-                text = "<tool_call>{not json</tool_call>"
-            else:
-                person = re.findall(r"number of (\w+)\?", context)[-1]
-                text = '<tool_call>{"name": "lookup", "arguments": {"person": "%s"}}</tool_call>'
-                text %= person
+def hf_scripted_turn(context: str, failure: ToolFailure | None) -> list[int]:
+    """The tool policy's turn in the HF tokenizer's tokens: the first turn calls ``lookup``
+    for the person asked about (or writes a block that does not parse, for ``malformed``),
+    later turns copy the last tool answer."""
+    if "<tool_response>" not in context and context.count("<|im_start|>assistant") <= 1:
+        if failure == "malformed":
+            text = "<tool_call>{not json</tool_call>"
         else:
-            answers = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", context, re.S)
-            text = answers[-1] if answers and answers[-1].isdigit() else "000"
-        return [*TOKENIZER.encode(text, add_special_tokens=False), self.stop]
+            person = re.findall(r"number of (\w+)\?", context)[-1]
+            text = '<tool_call>{"name": "lookup", "arguments": {"person": "%s"}}</tool_call>'
+            text %= person
+    else:
+        answers = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", context, re.S)
+        text = answers[-1] if answers and answers[-1].isdigit() else "000"
+    return [*TOKENIZER.encode(text, add_special_tokens=False), CHAT.stop_token_ids[-1]]
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+
+def hf_scripted_engine(failure: ToolFailure | None) -> ScriptedPolicy:
+    """A scripted policy in the HF tokenizer's tokens (not a model)."""
+
+    def turn(request: GenerationRequest) -> list[int]:
         context = TOKENIZER.decode(list(request.prompt_tokens), skip_special_tokens=False)
-        ids = self._turn(context)
-        ids = [*request.resume_tokens, *ids[len(request.resume_tokens) :]]
-        cap = request.params.max_tokens
-        finish: Literal["stop", "length"] = "stop" if len(ids) <= cap else "length"
-        ids = ids[:cap]
-        k = len(request.resume_tokens)
-        return GenerationResult(
-            request.request_id, request.prompt_tokens, tuple(ids),
-            (*request.resume_logprobs, *(-0.5,) * (len(ids) - k)),
-            (*request.resume_versions, *(self.weight_version,) * (len(ids) - k)), finish,
-        )  # fmt: skip
+        return hf_scripted_turn(context, failure)
 
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        return None
-
-    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        self.weight_version = version
+    return ScriptedPolicy(turn)
 
 
 class TestHFToolAgentLoop(AgentLoopConformance):
@@ -134,8 +120,8 @@ class TestHFToolAgentLoop(AgentLoopConformance):
     def make_trainer(self) -> HFTrainEngine:
         return HFTrainEngine(tiny_qwen2(1), lr=1e-2, micro_batch_size=8)
 
-    def make_tool_policy(self, tool_failure: ToolFailure | None) -> HFScriptedEngine:
-        return HFScriptedEngine(tool_failure)
+    def make_tool_policy(self, tool_failure: ToolFailure | None) -> ScriptedPolicy:
+        return hf_scripted_engine(tool_failure)
 
     def sample(self, index: int) -> Mapping[str, Any]:
         return sample(index)

@@ -148,6 +148,7 @@ __all__ = [
     "AgentRecorder",
     "LoopRaised",
     "RecordingAgentEngine",
+    "ScriptedPolicy",
     "ServedTurn",
     "ToolFailure",
     "check_ownership",
@@ -169,6 +170,43 @@ POLICIES: tuple[Policy, ...] = ("model", "tools")
 
 REPORT: dict[str, list[str]] = {}
 """What each conformance class's laws saw, by class name (``report_lines``)."""
+
+
+class ScriptedPolicy:
+    """An ``InferenceEngine`` whose turns are written by ``turn(request)`` (token ids, the
+    stop token included), for ``make_tool_policy``: a policy that calls the loop's tools when
+    the model cannot write a call yet. It is a script, not a model: every token gets log-prob
+    ``logprob`` and the engine's ``weight_version``; a turn longer than ``max_tokens`` is cut
+    (``"length"``); a resumed request keeps its prefix; ``load_weights`` only sets the
+    version (so ``RLJob`` can sync it)."""
+
+    def __init__(
+        self, turn: Callable[[GenerationRequest], Sequence[int]], *, logprob: float = -0.5
+    ) -> None:
+        self.turn = turn
+        self.logprob = logprob
+        self.weight_version: Version = 0
+        self.requests: list[GenerationRequest] = []
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self.requests.append(request)
+        k = len(request.resume_tokens)
+        ids = [*request.resume_tokens, *list(self.turn(request))[k:]]
+        cap = request.params.max_tokens
+        finish: Literal["stop", "length"] = "stop" if len(ids) <= cap else "length"
+        ids = ids[:cap]
+        new = len(ids) - k
+        return GenerationResult(
+            request.request_id, request.prompt_tokens, tuple(ids),
+            (*request.resume_logprobs, *(self.logprob,) * new),
+            (*request.resume_versions, *(self.weight_version,) * new), finish,
+        )  # fmt: skip
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        return None
+
+    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        self.weight_version = version
 
 
 class LoopRaised(AssertionError):
