@@ -47,6 +47,7 @@ would merge them, so a whole trajectory of either task is ~30 tokens (a generate
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import random
@@ -171,9 +172,27 @@ class AgentTask(Protocol):
     ) -> list[tuple[list[int], list[int]]]: ...
 
 
-def _reward_of(task: AgentTask, sample: Mapping[str, Any], final: AssistantMessage | None) -> float:
-    """A task's ``ToolAgentLoop`` reward: ``score`` of the final answer's text."""
-    return task.score(sample, None if final is None else final.content)[0]
+class _Task(abc.ABC):
+    """What the tasks share: an endless sample stream and the loop's reward, from each
+    task's ``sample`` and ``score``."""
+
+    @abc.abstractmethod
+    def sample(self, rng: random.Random) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def score(self, sample: Mapping[str, Any], answer: str | None) -> tuple[float, bool]: ...
+
+    def samples(self, seed: int = 0) -> Iterator[dict[str, Any]]:
+        """Endless samples from ``seed``."""
+        rng = random.Random(seed)
+        while True:
+            yield self.sample(rng)
+
+    def reward(
+        self, sample: Mapping[str, Any], final: AssistantMessage | None, trajectory: Trajectory
+    ) -> float:
+        """The ``ToolAgentLoop`` reward: ``score`` of the final answer's text."""
+        return self.score(sample, None if final is None else final.content)[0]
 
 
 def _digit_score(want: str, got: str | None, shape: str) -> tuple[float, bool]:
@@ -237,16 +256,11 @@ class Clock:
         return self.now
 
 
-class ClockTask:
+class ClockTask(_Task):
     """The ``clock`` task (module docstring)."""
 
     def sample(self, rng: random.Random) -> dict[str, Any]:
         return {"messages": [{"role": "user", "content": "time now?"}], "now": _time(rng)}
-
-    def samples(self, seed: int = 0) -> Iterator[dict[str, Any]]:
-        rng = random.Random(seed)
-        while True:
-            yield self.sample(rng)
 
     def tools(self, sample: Mapping[str, Any]) -> list[Clock]:
         return [Clock(sample["now"])]
@@ -254,12 +268,6 @@ class ClockTask:
     def score(self, sample: Mapping[str, Any], answer: str | None) -> tuple[float, bool]:
         """``(reward, exact)`` of a final answer (None: the model never answered)."""
         return _digit_score(sample["now"], answer, r"\d\d:\d\d")
-
-    def reward(
-        self, sample: Mapping[str, Any], final: AssistantMessage | None, trajectory: Trajectory
-    ) -> float:
-        """The ``ToolAgentLoop`` reward: ``score`` of the final answer's text."""
-        return _reward_of(self, sample, final)
 
     def warmup_examples(
         self, chat: MinimalChatFormat, rng: random.Random, n: int
@@ -307,7 +315,7 @@ class PhoneBook:
 
 
 @dataclass(frozen=True, slots=True)
-class LookupTask:
+class LookupTask(_Task):
     """The ``lookup`` task (module docstring): ``digits`` digits per number (1-6)."""
 
     digits: int = 3
@@ -328,11 +336,6 @@ class LookupTask:
             "book": book,
         }
 
-    def samples(self, seed: int = 0) -> Iterator[dict[str, Any]]:
-        rng = random.Random(seed)
-        while True:
-            yield self.sample(rng)
-
     def _number(self, rng: random.Random) -> str:
         return "".join(rng.choice("0123456789") for _ in range(self.digits))
 
@@ -342,12 +345,6 @@ class LookupTask:
     def score(self, sample: Mapping[str, Any], answer: str | None) -> tuple[float, bool]:
         """``(reward, exact)`` of a final answer (None: the model never answered)."""
         return _digit_score(sample["book"][sample["person"]], answer, r"\d+")
-
-    def reward(
-        self, sample: Mapping[str, Any], final: AssistantMessage | None, trajectory: Trajectory
-    ) -> float:
-        """The ``ToolAgentLoop`` reward: ``score`` of the final answer's text."""
-        return _reward_of(self, sample, final)
 
     def warmup_examples(
         self, chat: MinimalChatFormat, rng: random.Random, n: int
