@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the main job: async GRPO on the reference engines (CPU), with a run folder",
         description="Asynchronous RL on the pure-PyTorch reference engines: a tiny model learns "
         "a built-in verifiable task. Writes config.toml, metrics.jsonl, trace.json, "
-        "summary.json and PNG plots to the run folder.",
+        "summary.json, PNG plots and checkpoints/ to the run folder; SIGTERM writes a "
+        "checkpoint and stops (continue with --resume).",
     )
     run.add_argument("--config", default=None, metavar="FILE", help="a TOML config file")
     run.add_argument(
@@ -99,6 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="override one config key, e.g. --set rl.staleness=2 (repeatable; see --keys)",
     )  # fmt: skip
     run.add_argument("--out", default=None, metavar="DIR", help="run folder (runs/<timestamp>)")
+    run.add_argument(
+        "--resume", default=None, metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest checkpoint, with its config.toml "
+        "(--set may change rl.steps, eval_prompts, threads, checkpoint.*, rollout.engines, "
+        "rollout.max_batch, train.process, runtime.*)",
+    )  # fmt: skip
     run.add_argument("--keys", action="store_true", help="list every config key and exit")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument(

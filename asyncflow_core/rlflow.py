@@ -57,16 +57,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
+import json
 import math
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 
 from asyncflow_core.agent import AgentLoop, GenerationClient, Trajectory, TrajectoryLimits
+from asyncflow_core.checkpoint import Checkpoints, failpoint
 from asyncflow_core.enginekit import resume_after
-from asyncflow_core.errors import BadRequestError, ConfigError
+from asyncflow_core.errors import BadRequestError, CheckpointError, ConfigError
 from asyncflow_core.protocols import (
     Batch,
     Candidates,
@@ -85,6 +89,7 @@ from asyncflow_core.protocols import (
     TrainEngine,
     TrainMetrics,
     Version,
+    WeightBucket,
     WeightSync,
     inflight_load_refusal,
 )
@@ -154,6 +159,9 @@ class RLConfig:
     """Agent jobs only: how many times a trajectory that became too stale to be trained
     before its next turn is regenerated from its prompt (``asyncflow_core.agent``); after
     that it is finished and the update drops it (counted in ``dropped``)."""
+    checkpoint_every: int = 0
+    """With ``RLJob(checkpoints=...)``: write a checkpoint after every this many optimizer
+    steps (0: only after the last step and when ``RLJob.checkpoint()`` is called)."""
 
     @property
     def batch_size(self) -> int:
@@ -165,7 +173,11 @@ class RLConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{name} must be an int >= 1, got {v!r}")
-        for name, label in (("staleness", "staleness (η)"), ("max_restarts", "max_restarts")):
+        for name, label in (
+            ("staleness", "staleness (η)"),
+            ("max_restarts", "max_restarts"),
+            ("checkpoint_every", "checkpoint_every"),
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 problems.append(f"{label} must be an int >= 0, got {v!r}")
@@ -250,6 +262,36 @@ class StepRecord:
     max_staleness: int
     metrics: TrainMetrics
     reward_mean: float = math.nan
+    groups: tuple[int | str, ...] = ()
+    """The prompt groups this step trained (``Tags.group``)."""
+
+    def as_json(self) -> dict[str, Any]:
+        """The record as JSON values (``from_json`` reads it back)."""
+        m = self.metrics
+        return {
+            "version": self.version, "end_s": self.end_s, "samples": self.samples,
+            "tokens": self.tokens, "max_staleness": self.max_staleness,
+            "reward_mean": None if math.isnan(self.reward_mean) else self.reward_mean,
+            "groups": list(self.groups),
+            "metrics": {
+                "version": m.version, "loss": m.loss, "grad_norm": m.grad_norm,
+                "samples": m.samples, "tokens": m.tokens, "extra": dict(m.extra),
+            },
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StepRecord:
+        m = d["metrics"]
+        reward = d.get("reward_mean")
+        return cls(
+            int(d["version"]), float(d["end_s"]), int(d["samples"]), int(d["tokens"]),
+            int(d["max_staleness"]),
+            TrainMetrics(
+                int(m["version"]), float(m["loss"]), float(m["grad_norm"]), int(m["samples"]),
+                int(m["tokens"]), {str(k): float(v) for k, v in m.get("extra", {}).items()},
+            ),
+            math.nan if reward is None else float(reward), tuple(d.get("groups", ())),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +340,109 @@ class RLResult:
     @property
     def max_staleness(self) -> int:
         return max((s.max_staleness for s in self.steps), default=0)
+
+
+JOB_STATE_FORMAT = "asyncflow-rljob/1"
+JOB_STATE_FILE = "job.json"
+TRAINER_FOLDER = "trainer"
+
+
+@dataclass(frozen=True)
+class JobState:
+    """An ``RLJob``'s checkpointed state (``job.json`` of a checkpoint folder, beside the
+    trainer's own files in ``trainer/``). ``version``: the trainer's weight version at the
+    checkpoint; ``origin``: its version when the job's first run started (so ``version −
+    origin`` steps are done). ``fed``: prompts taken from the prompt stream so far (a resumed
+    job skips that many); ``pending``: ``(group, prompt)`` of every group fed but neither
+    trained nor dropped as stale at the checkpoint (a resumed job feeds them again first).
+    ``steps``: every step record since ``origin``. Counters (``dropped``, ``generated``,
+    ``restarts``) and ``wall_s`` are totals since ``origin``. ``staleness`` and
+    ``batch_size``: the config the admission state was counted with; a resumed job starts
+    its admission bound at ``version`` with nothing in flight (every in-flight row is
+    regenerated)."""
+
+    version: Version
+    origin: Version
+    fed: int
+    pending: tuple[tuple[int | str, Any], ...]
+    steps: tuple[StepRecord, ...]
+    dropped: int
+    generated: int
+    restarts: int
+    wall_s: float
+    staleness: int
+    batch_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "format": JOB_STATE_FORMAT, "version": self.version, "origin": self.origin,
+            "fed": self.fed, "pending": [[g, p] for g, p in self.pending],
+            "steps": [s.as_json() for s in self.steps], "dropped": self.dropped,
+            "generated": self.generated, "restarts": self.restarts, "wall_s": self.wall_s,
+            "staleness": self.staleness, "batch_size": self.batch_size, "extra": self.extra,
+        }  # fmt: skip
+
+    @classmethod
+    def read(cls, folder: str | Path) -> JobState:
+        """The state in checkpoint ``folder``; ``CheckpointError`` naming what is wrong (no
+        such file, not JSON, another format, a missing or bad field)."""
+        path = Path(folder) / JOB_STATE_FILE
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{str(folder)!r} is not a job checkpoint: it has no {JOB_STATE_FILE} (give a "
+                "checkpoint folder written by RLJob.checkpoint, e.g. RUN/checkpoints/step-N)"
+            ) from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{str(path)!r} is not readable JSON: {e}") from e
+        if not isinstance(d, dict) or d.get("format") != JOB_STATE_FORMAT:
+            found = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise CheckpointError(
+                f"{str(path)!r}: format {found!r}, expected {JOB_STATE_FORMAT!r} (a checkpoint "
+                "of another program or version)"
+            )
+        try:
+            state = cls(
+                version=int(d["version"]), origin=int(d["origin"]), fed=int(d["fed"]),
+                pending=tuple((g, p) for g, p in d["pending"]),
+                steps=tuple(StepRecord.from_json(s) for s in d["steps"]),
+                dropped=int(d["dropped"]), generated=int(d["generated"]),
+                restarts=int(d["restarts"]), wall_s=float(d["wall_s"]),
+                staleness=int(d["staleness"]), batch_size=int(d["batch_size"]),
+                extra=dict(d.get("extra") or {}),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{str(path)!r}: a missing or bad field ({e!r})") from e
+        if (
+            state.version < state.origin
+            or state.fed < 0
+            or state.version - state.origin != len(state.steps)
+        ):
+            raise CheckpointError(
+                f"{str(path)!r} is inconsistent: version {state.version}, origin "
+                f"{state.origin}, {len(state.steps)} step records, fed {state.fed}"
+            )
+        return state
+
+
+def _jsonable_prompt(prompt: object, group: int | str) -> Any:
+    """A prompt (token ids, or an agent job's sample dict) as JSON values, for a checkpoint."""
+    if isinstance(prompt, Mapping):
+        value: Any = dict(prompt)
+    elif isinstance(prompt, torch.Tensor):
+        value = [int(t) for t in prompt.tolist()]
+    else:
+        value = [int(t) for t in prompt]  # type: ignore[attr-defined]
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"the prompt of group {group!r} cannot be checkpointed: it is not JSON-able ({e}); "
+            "a job with checkpoints needs prompts of token ids or JSON-able sample dicts"
+        ) from e
+    return value
 
 
 class _Gate:
@@ -370,7 +515,7 @@ def _check_loss_fields(loss_fn: LossFn, config: RLConfig) -> None:
         )
 
 
-def _sample_cell(sample: object, group: int) -> dict[str, Any]:
+def _sample_cell(sample: object, group: int | str) -> dict[str, Any]:
     """An agent job's sample as a store cell (a JSON-able dict)."""
     if not isinstance(sample, Mapping):
         raise BadRequestError(
@@ -434,6 +579,7 @@ class RLJob:
         tracer: Tracer | None = None,
         store: DataStore | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         config.validate()
         if not engines.rollout:
@@ -475,6 +621,18 @@ class RLJob:
         self.on_step = on_step
         self.tracer = tracer
         self.store = store
+        self.checkpoints = checkpoints
+        self.history: list[StepRecord] = []
+        """Step records of earlier runs (or of the checkpoint this job resumed from)."""
+        self._origin: Version | None = None  # the trainer's version at the first run
+        self._prior = (0, 0, 0, 0.0)  # dropped, generated, restarts, wall_s before this run
+        self._fed = 0  # prompts taken from the stream (group ids are 0 .. _fed - 1)
+        self._skip = 0  # prompts a resumed job skips (taken before the checkpoint)
+        self._refeed: list[tuple[int | str, Any]] = []  # a resumed job's pending groups
+        self._open: dict[int | str, Any] = {}  # fed, neither trained nor dropped
+        self._generated_min: dict[int | str, Version] = {}  # generated, oldest version
+        self._lock = asyncio.Lock()  # an update and a checkpoint never overlap
+        self._ended: float | None = None  # the last run's wall seconds, once it ended
         self._start: Version = 0  # the trainer's version when run() started
         # replaced at each run() by one counting from that run's start version
         self.admission = AdmissionController(config.batch_size, config.staleness)
@@ -578,9 +736,29 @@ class RLJob:
         )
 
     # -- the tasks -----------------------------------------------------------------------------
+    def _stream(self) -> Iterable[tuple[int | str, Any]]:
+        """``(group, prompt)`` in feeding order: a resumed job's pending groups, then the
+        prompt stream from where the checkpoint left it (its first ``fed`` prompts skipped)."""
+        refeed, self._refeed = self._refeed, []
+        yield from refeed
+        stream = iter(self.prompts)
+        if self._skip:
+            skipped = sum(1 for _ in itertools.islice(stream, self._skip))
+            if skipped < self._skip:
+                raise CheckpointError(
+                    f"the prompt stream ended after {skipped} prompts, but the checkpoint "
+                    f"resumed from had taken {self._skip}: resume with the same prompts"
+                )
+            self._skip = 0
+        for prompt in stream:
+            group = self._fed
+            self._fed += 1
+            yield group, prompt
+
     async def _feed(self) -> AsyncIterator[TaskOutput]:
         n = self.config.n
-        for group, prompt in enumerate(self.prompts):
+        for group, prompt in self._stream():
+            self._open[group] = prompt
             if self.agent is not None:
                 sample = _sample_cell(prompt, group)
                 await self.admission.admit(n)
@@ -595,6 +773,7 @@ class RLJob:
         results = await self._group(
             batch, lambda: [self._generate(tuple(p.tolist()), group) for p in batch["prompt"]]
         )
+        self._generated(group, [v for r in results for v in r.versions])
         return TaskOutput(
             {
                 "response": [torch.tensor(r.tokens, dtype=torch.long) for r in results],
@@ -683,7 +862,13 @@ class RLJob:
         if self.reward_fn is not None:
             del columns["reward"]
         columns.update(sampling_columns([self.config.sampling] * len(done)))
+        self._generated(group, [v for t in tags for v in t.versions])
         return TaskOutput(columns, tags=tags)
+
+    def _generated(self, group: int | str | None, versions: Sequence[Version]) -> None:
+        """Note a group's generation finished, with the oldest version among its tokens."""
+        if group is not None and versions:
+            self._generated_min[group] = min(versions)
 
     async def _trajectory(
         self, sample: dict[str, Any], group: int | str | None, k: int
@@ -772,6 +957,10 @@ class RLJob:
         return {"advantage": advantage}
 
     async def _update(self, batch: Batch) -> None:
+        async with self._lock:
+            await self._update_locked(batch)
+
+    async def _update_locked(self, batch: Batch) -> None:
         cfg = self.config
         trainer = self.engines.trainer
         before = trainer.weight_version
@@ -785,6 +974,9 @@ class RLJob:
                 lengths[PROX_LOGPROBS] = lengths["response"]
             batch = Batch(batch.rows, {**batch.data, PROX_LOGPROBS: prox}, lengths, batch.tags)
         metrics = await trainer.train_step(batch, self.loss_fn)
+        failpoint("update.step")
+        groups = tuple(dict.fromkeys(t.group for t in batch.tags if t.group is not None))
+        self._trained(groups, metrics.version)
         lengths = batch.lengths
         tokens = sum(int(lengths[f].sum()) for f in ("prompt", "response") if f in lengths)
         version = metrics.version
@@ -800,8 +992,9 @@ class RLJob:
         if "agent" in batch:
             metrics = replace(metrics, extra={**metrics.extra, **_agent_metrics(batch["agent"])})
         record = StepRecord(
-            version, self._now(), len(batch), tokens, max(stale, default=0), metrics, reward
-        )
+            version, self._now(), len(batch), tokens, max(stale, default=0), metrics, reward,
+            groups,
+        )  # fmt: skip
         self.steps.append(record)
         if self.tracer is not None:
             values: dict[str, float] = {k: v for k, v in metrics.extra.items() if k != "step"}
@@ -813,8 +1006,91 @@ class RLJob:
             self.tracer.metric(step=version, **values)
         if self.on_step is not None:
             self.on_step(record)
+        every = cfg.checkpoint_every
+        if self.checkpoints is not None and (done >= cfg.steps or (every and done % every == 0)):
+            await self._write_checkpoint()
         if done >= cfg.steps:
             self.pipeline.stop()
+
+    def _trained(self, groups: Sequence[int | str], version: Version) -> None:
+        """Close the groups a step trained, and those it made too stale to train ever (the
+        update's sampler drops them: their oldest token is more than η versions behind)."""
+        for g in groups:
+            self._open.pop(g, None)
+            self._generated_min.pop(g, None)
+        if self.config.drop_stale:
+            eta = self.config.staleness
+            for g, oldest in list(self._generated_min.items()):
+                if version - oldest > eta:
+                    self._open.pop(g, None)
+                    del self._generated_min[g]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state(self) -> JobState:
+        """The job's state now (what a checkpoint holds besides the trainer's files)."""
+        cfg = self.config
+        dropped, generated, restarts, wall_s = self._prior
+        version = self.engines.trainer.weight_version
+        origin = self._start if self._origin is None else self._origin
+        return JobState(
+            version=version, origin=origin, fed=self._fed,
+            pending=tuple((g, _jsonable_prompt(p, g)) for g, p in self._open.items())
+            + tuple(self._refeed),
+            steps=tuple(self.history) + tuple(self.steps),
+            dropped=dropped + self._sampler.dropped, generated=generated + self.generated,
+            restarts=restarts + self.restarts, wall_s=wall_s + self._elapsed(),
+            staleness=cfg.staleness, batch_size=cfg.batch_size,
+        )  # fmt: skip
+
+    async def checkpoint(self) -> Path:
+        """Write a checkpoint now (between optimizer steps: it waits for one in progress)
+        into ``checkpoints``; returns its folder. E.g. on SIGTERM, before the job stops."""
+        if self.checkpoints is None:
+            raise ConfigError("RLJob.checkpoint() needs RLJob(checkpoints=Checkpoints(folder))")
+        async with self._lock:
+            return await self._write_checkpoint()
+
+    async def _write_checkpoint(self) -> Path:
+        assert self.checkpoints is not None
+        state = self.state()
+        trainer = self.engines.trainer
+
+        async def fill(folder: Path) -> None:
+            t0 = self._now()
+            await trainer.save_checkpoint(str(folder / TRAINER_FOLDER))
+            (folder / JOB_STATE_FILE).write_text(json.dumps(state.as_json()) + "\n")
+            if self.tracer is not None:
+                self.tracer.record(
+                    "checkpoint", "checkpoint", t0, self._now(), resource="trainer",
+                    version=state.version,
+                )  # fmt: skip
+
+        return await self.checkpoints.write(state.version, fill)
+
+    async def resume(self, folder: str | Path) -> JobState:
+        """Continue from checkpoint ``folder`` (written by ``checkpoint`` or by the job's
+        ``checkpoint_every``): the trainer loads its state (weights, optimizer, version), the
+        step records and counters continue, and the next ``run()`` feeds the groups that were
+        pending at the checkpoint first, then the prompt stream after the prompts it had
+        taken. Give this job the same prompt stream (it skips the first ``fed``) and
+        ``config.steps`` = the steps still to do. Call it before ``run()``."""
+        if self._origin is not None or self.steps:
+            raise ConfigError("RLJob.resume() must come before the job's first run()")
+        state = JobState.read(folder)
+        trainer = self.engines.trainer
+        await trainer.load_checkpoint(str(Path(folder) / TRAINER_FOLDER))
+        if trainer.weight_version != state.version:
+            raise CheckpointError(
+                f"{str(folder)!r}: the trainer loaded version {trainer.weight_version}, but the "
+                f"job state is at version {state.version}: the folder's trainer/ and job.json "
+                "do not belong together"
+            )
+        self._origin = state.origin
+        self._fed = self._skip = state.fed
+        self._refeed = list(state.pending)
+        self.history = list(state.steps)
+        self._prior = (state.dropped, state.generated, state.restarts, state.wall_s)
+        return state
 
     # -- weight sync ---------------------------------------------------------------------------
     def _load_targets(self, why: str = "") -> list[SupportsLoadWeights]:
@@ -857,19 +1133,29 @@ class RLJob:
         then ``finish`` (span "load": the targets load the weights)."""
         t0 = self._now()
         await transport.start()
-        async for bucket in self.engines.trainer.export_weights(self.config.bucket_bytes):
+        async for bucket in self._buckets():
             await transport.update(bucket)
         self._span("transfer", "rollout" if send_exposed else "trainer", t0, send_exposed, version)
         t1 = self._now()
         await transport.finish(version)
         self._span("load", "rollout" if load_exposed else "trainer", t1, load_exposed, version)
 
+    async def _buckets(self) -> AsyncIterator[WeightBucket]:
+        """The trainer's weights in buckets (the ``sync.transfer`` failpoint after the
+        first: a crash in the middle of a sync)."""
+        first = True
+        async for bucket in self.engines.trainer.export_weights(self.config.bucket_bytes):
+            yield bucket
+            if first:
+                failpoint("sync.transfer")
+                first = False
+
     async def _sync(self, version: Version) -> None:
         cfg = self.config
         if cfg.weight_sync == "staged":  # into the host buffer; swapped at a safe point
             staged = self._staged_update()
             t0 = self._now()
-            await staged.sync(self.engines.trainer.export_weights(cfg.bucket_bytes), version)
+            await staged.sync(self._buckets(), version)
             self._span("transfer", "trainer", t0, False, version)
             self.admission.set_version(version)
             return
@@ -896,6 +1182,15 @@ class RLJob:
                 self.gate.open()
         self.admission.set_version(version)
 
+    async def sync_rollout(self) -> None:
+        """Bring every rollout engine to the trainer's weights and version, as ``run()`` does
+        before it admits anything (nothing is transferred when they are there already); e.g.
+        to evaluate a resumed trainer's policy without training."""
+        self._start = self.engines.trainer.weight_version
+        if self._origin is None:
+            self._origin = self._start
+        await self._initial_sync()
+
     async def _initial_sync(self) -> None:
         """Bring every rollout engine to the start version before anything is admitted. The
         engines tag each token with their own version, so an engine left behind a trainer that
@@ -921,7 +1216,7 @@ class RLJob:
         if cfg.weight_sync == "staged":
             staged = self._staged_update()
             t0 = self._now()
-            await staged.sync(self.engines.trainer.export_weights(cfg.bucket_bytes), version)
+            await staged.sync(self._buckets(), version)
             self._span("transfer", "rollout", t0, True, version)
             await self._safe_point()  # the swap, at once: no group is running to finish first
         else:
@@ -960,8 +1255,20 @@ class RLJob:
 
     # -- running -------------------------------------------------------------------------------
     def _begin(self, start: Version) -> None:
-        """Per-run state: a run counts its steps, admissions and drops from ``start``."""
+        """Per-run state: a run counts its steps, admissions and drops from ``start``; the
+        previous run's records and counters go to the job's history."""
         cfg = self.config
+        if self._origin is None:
+            self._origin = start
+        if self.steps or self.generated:
+            dropped, generated, restarts, wall_s = self._prior
+            self.history += self.steps
+            self._prior = (
+                dropped + self._sampler.dropped, generated + self.generated,
+                restarts + self.restarts, wall_s + self._elapsed(),
+            )  # fmt: skip
+        self._open.clear()
+        self._generated_min.clear()
         self._start = start
         self.admission = AdmissionController(cfg.batch_size, cfg.staleness, start_version=start)
         self._sampler.admission = self.admission
@@ -973,9 +1280,10 @@ class RLJob:
 
     async def run(self) -> RLResult:
         loop = asyncio.get_running_loop()
+        self._begin(self.engines.trainer.weight_version)  # counts the last run's wall first
         self._t0 = loop.time()
+        self._ended = None
         self._closing = False
-        self._begin(self.engines.trainer.weight_version)
         try:
             await self._initial_sync()
             synced_s = loop.time() - self._t0
@@ -985,6 +1293,7 @@ class RLJob:
             await self._abort_inflight()
             if self._sleeping:  # colocated: hand the engines back awake (no sync after the end)
                 await self._wake()
+            self._ended = loop.time() - self._t0
         return RLResult(
             self.config, tuple(self.steps), synced_s + result.wall_s, self._sampler.dropped,
             self.generated, result, self.tracer,
@@ -1003,6 +1312,12 @@ class RLJob:
         self._inflight.clear()
 
     # -- helpers -------------------------------------------------------------------------------
+    def _elapsed(self) -> float:
+        """Loop seconds since the current (or last) run started; until it ended."""
+        if self._ended is not None:
+            return self._ended
+        return asyncio.get_running_loop().time() - self._t0 if self._t0 else 0.0
+
     def _now(self) -> float:
         if self.tracer is not None:
             return self.tracer.now()

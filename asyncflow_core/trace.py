@@ -148,6 +148,12 @@ class Tracer:
         """Seconds since the tracer started (the time base of every span)."""
         return self._clock() - self.t0
 
+    def continue_at(self, t: float) -> None:
+        """Move the time base so that ``now()`` reads ``t`` seconds: a trace read back with
+        ``load`` (e.g. a checkpoint's) then continues where it stopped instead of overlapping
+        its own past."""
+        self.t0 = self._clock() - t
+
     def add(self, span: Span) -> None:
         with self._lock:
             self._spans.append(span)
@@ -316,11 +322,15 @@ class Tracer:
             json.dump(self.chrome_trace(), f, default=_jsonable, separators=(",", ":"))
         return path
 
-    def write_metrics_jsonl(self, path: str | Path) -> Path:
-        """Write one JSON object per metric record: ``{"t": ..., "step": ..., **values}``."""
+    def write_metrics_jsonl(self, path: str | Path, *, start: int = 0) -> Path:
+        """Write one JSON object per metric record: ``{"t": ..., "step": ..., **values}``.
+        ``start`` > 0 appends the records from that index on (a log kept up to date step by
+        step)."""
         path = Path(path)
-        with _open(path, "w") as f:
-            for m in self.metrics:
+        with self._lock:
+            records = self._metrics[start:]
+        with _open(path, "a" if start else "w") as f:
+            for m in records:
                 f.write(json.dumps(m.as_json(), default=_jsonable) + "\n")
         return path
 

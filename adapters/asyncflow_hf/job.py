@@ -207,6 +207,14 @@ class HFWorkload:
         return tuple(sorted({int(i) for i in ids}))
 
     # ---- Workload ----------------------------------------------------------------------------
+    async def fresh_model(self) -> Any:
+        """The model before any training (a resumed run loads its weights next)."""
+        cfg = self.cfg
+        return load_causal_lm(
+            self.model_source, who=WHO, seed=cfg.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )  # fmt: skip
+
     async def initial_model(self) -> Any:
         cfg = self.cfg
         model = load_causal_lm(

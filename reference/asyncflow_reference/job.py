@@ -14,7 +14,19 @@ prints a summary table and writes a run folder:
 ``summary.json``       the headline figures (see ``RunSummary``)
 ``reward.png``         the reward curve (with the ``plot`` extra: matplotlib)
 ``timeline.png``       where the time went, per resource
+``checkpoints/``       ``step-N/`` folders: the trainer's files, the job state, the trace so far
 ===================== ========================================================================
+
+**Checkpoints and resume.** The run checkpoints after every ``checkpoint.every`` steps, after
+the last one, and on SIGTERM (then it exits with status 0 and says how to resume); each
+checkpoint is written atomically and the newest ``checkpoint.keep`` are kept.
+``asyncflow run --resume RUN_DIR`` continues from the newest complete checkpoint, with the
+run's own ``config.toml``; only ``RESUME_KEYS`` may change with ``--set`` (e.g. ``rl.steps``
+to train longer). What a resumed run guarantees (``asyncflow_core.rlflow.RLJob.resume``):
+every optimizer step is applied once (the trainer continues from the checkpoint's version;
+steps taken after it died with the run), groups trained or dropped as stale before the
+checkpoint are never fed again, groups in flight at the checkpoint are regenerated first, then
+the prompt stream continues where it was; ``metrics.jsonl`` and the trace continue.
 
 The configuration is ``RunConfig``: typed sections overridable from a TOML file and
 ``--set section.key=value`` (``asyncflow_core.config``); ``asyncflow run --keys`` lists every key.
@@ -34,6 +46,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -44,9 +57,11 @@ from typing import Any, Literal, TextIO, cast
 import torch
 
 from asyncflow_core import registry
+from asyncflow_core import trace as tracing
 from asyncflow_core.agent import ToolAgentLoop, TrajectoryLimits
-from asyncflow_core.config import load_config, to_toml
-from asyncflow_core.errors import ConfigError, TaskFailedError
+from asyncflow_core.checkpoint import Checkpoints
+from asyncflow_core.config import keys, load_config, to_toml
+from asyncflow_core.errors import CheckpointError, ConfigError, TaskFailedError
 from asyncflow_core.platform import Platform, get_platform, select_platform
 from asyncflow_core.process import ProcessTrainEngine
 from asyncflow_core.protocols import (
@@ -59,9 +74,10 @@ from asyncflow_core.protocols import (
     TrainEngine,
 )
 from asyncflow_core.rl import LOSS_MASK, DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult, StepRecord
+from asyncflow_core.rlflow import JobState, RLConfig, RLEngines, RLJob, RLResult, StepRecord
 from asyncflow_core.tools import ToolRunner
 from asyncflow_core.trace import Tracer
+from asyncflow_core.workflow import PipelineResult
 from asyncflow_reference import agentic
 from asyncflow_reference.agentic import TASKS as AGENT_TASKS
 from asyncflow_reference.agentic import LookupTask, chat_format
@@ -287,6 +303,34 @@ class RuntimeSection:
 
 
 @dataclass(frozen=True)
+class CheckpointSection:
+    """Checkpoints in the run folder's ``checkpoints/``, for ``asyncflow run --resume
+    RUN_DIR``: after every ``every`` optimizer steps (0: none on the way), after the last
+    step, and on SIGTERM; the newest ``keep`` are kept."""
+
+    every: int = 10
+    keep: int = 3
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(
+                f"checkpoint.every must be >= 0 (0: no periodic ones), got {self.every}"
+            )
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+RESUME_KEYS = (
+    "rl.steps", "eval_prompts", "threads", "checkpoint.every", "checkpoint.keep",
+    "rollout.engines", "rollout.max_batch", "train.process", "runtime.kind", "runtime.address",
+    "runtime.storage_units",
+)  # fmt: skip
+"""The config keys ``asyncflow run --resume`` lets ``--set`` change: how long to train, where
+and on how many processes. Every other key shapes the model, the data order, the optimizer
+(whose state the checkpoint holds) or the objective, so it stays the run's."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything ``asyncflow run`` does. ``threads``: torch threads per engine (0 = auto:
     async gives rollout and training one core each; colocated gives each phase every core)."""
@@ -319,10 +363,12 @@ class RunConfig:
     rl: RLSection = field(default_factory=RLSection)
     agent: AgentSection = field(default_factory=AgentSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def validate(self) -> None:
         t = self.train
         self.runtime.validate()
+        self.checkpoint.validate()
         if t.kl_coef:
             raise ConfigError(
                 "train.kl_coef > 0 needs a reference policy, which the main job does not run; "
@@ -499,6 +545,7 @@ class RunConfig:
             mode=rl.mode, sampling=sampling,
             proximal_logprobs=self.train.loss == "decoupled-ppo",
             trajectory_limits=self.agent.limits(), max_restarts=self.agent.max_restarts,
+            checkpoint_every=self.checkpoint.every,
         )  # fmt: skip
 
     def loss_fn(self) -> LossFn:
@@ -563,6 +610,78 @@ class RunOutput:
     summary: RunSummary
     result: RLResult
     out_dir: Path | None
+
+
+class RunPreempted(Exception):
+    """``run(preemptible=True)`` got SIGTERM: it wrote ``checkpoint`` (after ``steps`` steps
+    in all) and the run folder's trace and metrics so far, and stopped."""
+
+    def __init__(self, checkpoint: Path, steps: int) -> None:
+        super().__init__(f"preempted after {steps} steps; checkpoint {checkpoint}")
+        self.checkpoint = checkpoint
+        self.steps = steps
+
+
+RUN_STATE_FILE = "run.json"
+TRACE_FILE = "trace.json.gz"
+
+
+def _checkpoint_extra(
+    folder: Path, *, tracer: Tracer, warmup_s: float, resumed_at: list[int]
+) -> None:
+    """The main job's files in each checkpoint: the trace so far, where its clock was, the
+    RNG states and the warm-up time (``run.json``)."""
+    tracer.write_chrome_trace(folder / TRACE_FILE)
+    state = {
+        "format": "asyncflow-run/1",
+        "trace_s": tracer.now(),
+        "warmup_s": warmup_s,
+        "resumed_at": resumed_at,
+        "rng": {"torch": torch.get_rng_state().tolist(), "python": random.getstate()},
+    }
+    (folder / RUN_STATE_FILE).write_text(json.dumps(state) + "\n")
+
+
+def _log_metrics(
+    record: StepRecord,
+    *,
+    tracer: Tracer,
+    path: Path,
+    then: Callable[[StepRecord], None] | None,
+) -> None:
+    """Append the step's metric record to the run folder's ``metrics.jsonl``."""
+    tracer.write_metrics_jsonl(path, start=len(tracer.metrics) - 1)
+    if then is not None:
+        then(record)
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _resume_point(cfg: RunConfig, out: Path) -> tuple[Path, JobState, dict[str, Any]]:
+    """The newest complete checkpoint of run folder ``out``, its job state and run state;
+    ``ConfigError`` when there is none or nothing is left to train."""
+    folder = Checkpoints(out / "checkpoints").latest()
+    if folder is None:
+        raise ConfigError(
+            f"--resume {out}: {out / 'checkpoints'} holds no complete checkpoint (the run died "
+            f"before its first one, every {cfg.checkpoint.every} steps); start it again"
+        )
+    state = JobState.read(folder)
+    done = state.version - state.origin
+    if cfg.rl.steps < done or (cfg.rl.steps == done and (out / "summary.json").exists()):
+        raise ConfigError(
+            f"--resume {out}: the run already trained {done} steps of rl.steps = "
+            f"{cfg.rl.steps}; to train longer, resume with --set rl.steps=N (N > {done})"
+        )
+    try:
+        run_state = json.loads((folder / RUN_STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume {out}: {folder / RUN_STATE_FILE} is not readable: {e}") from e
+    return folder, state, run_state
 
 
 def _window_mean(values: Sequence[float], first: bool) -> float:
@@ -634,36 +753,99 @@ async def run(
     out_dir: str | Path | None = None,
     *,
     on_step: Callable[[StepRecord], None] | None = None,
+    resume: bool = False,
+    preemptible: bool = False,
 ) -> RunOutput:
     """Build the workload's policy (and warm it up), train with RL, evaluate, let the
     workload finish (an HF policy is saved with ``save_pretrained``) and, with ``out_dir``,
-    write the run folder."""
+    write the run folder, checkpoints included (``cfg.checkpoint``). ``resume``: continue
+    the run in ``out_dir`` from its newest checkpoint (``cfg`` is its config, with only
+    ``RESUME_KEYS`` changed; a run that died after its last step but before its summary is
+    evaluated and summarised without training). ``preemptible``: on SIGTERM, write a
+    checkpoint and raise ``RunPreempted`` (installs a handler on the running loop; the main
+    thread only)."""
     cfg.validate()
+    out = Path(out_dir) if out_dir is not None else None
+    point = None
+    if resume:
+        if out is None:
+            raise ConfigError("run(resume=True) needs out_dir, the run folder to resume")
+        point = _resume_point(cfg, out)
     torch.manual_seed(cfg.seed)
     threads = _threads(cfg)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(to_toml(cfg))  # what --resume reads
     workload = make_workload(cfg, out)
     extra: dict[str, Any] = {}
+    preempted: list[Path] = []
     try:
         t0 = time.perf_counter()
-        model = await workload.initial_model()
-        warmup_s = time.perf_counter() - t0
+        fresh = getattr(workload, "fresh_model", None)
+        if point is not None and callable(fresh):  # its weights come from the checkpoint
+            model = await fresh()
+            warmup_s = float(point[2].get("warmup_s", 0.0))
+        else:
+            model = await workload.initial_model()
+            warmup_s = time.perf_counter() - t0
         platform = cfg.trainer_platform().name  # validated above; resolved once per run
         r = cfg.rollout
         sampling = workload.sampling(r.temperature, r.top_p, r.top_k)
+        rl_config = cfg.rl_config(sampling)
+        resumed_at: list[int] = []
+        left = cfg.rl.steps
+        if point is not None:
+            _, state, run_state = point
+            left = cfg.rl.steps - (state.version - state.origin)
+            rl_config = replace(rl_config, steps=max(left, 1))  # 0 left: no run() below
+            resumed_at = [*run_state.get("resumed_at", []), state.version]
         async with _placed(cfg, model, threads, platform) as (engines, trainer, store, where):
-            tracer = Tracer()
+            tracer = tracing.load(point[0] / TRACE_FILE) if point is not None else Tracer()
+            checkpoints = None
+            if out is not None:
+                checkpoints = Checkpoints(
+                    out / "checkpoints", keep=cfg.checkpoint.keep,
+                    extra=functools.partial(
+                        _checkpoint_extra, tracer=tracer, warmup_s=warmup_s,
+                        resumed_at=resumed_at,
+                    ),
+                )  # fmt: skip
+            step_hook = on_step
+            if out is not None:  # metrics.jsonl line by line (resumed: from the checkpoint's)
+                tracer.write_metrics_jsonl(out / "metrics.jsonl")
+                step_hook = functools.partial(
+                    _log_metrics, tracer=tracer, path=out / "metrics.jsonl", then=on_step
+                )
             agent_loop = getattr(workload, "agent_loop", None)
             job = RLJob(
-                cfg.rl_config(sampling), RLEngines(engines, trainer), workload.prompts(cfg.seed),
+                rl_config, RLEngines(engines, trainer), workload.prompts(cfg.seed),
                 None if callable(agent_loop) else workload.reward,
                 agent=agent_loop() if callable(agent_loop) else None, loss_fn=cfg.loss_fn(),
-                tracer=tracer, on_step=on_step,
-                store=store,
+                tracer=tracer, on_step=step_hook, store=store, checkpoints=checkpoints,
             )  # fmt: skip
-            result = await job.run()
+            if point is not None:
+                await job.resume(point[0])
+                _restore_rng(point[2]["rng"])
+                tracer.continue_at(float(point[2]["trace_s"]))
+            if left:
+                with _on_sigterm(job, preempted, enabled=preemptible):
+                    result = await job.run()
+            else:  # trained to the end before it died: evaluate and summarise
+                await job.sync_rollout()
+                result = RLResult(rl_config, (), 0.0, 0, 0, PipelineResult({}, 0.0), tracer)
+            if point is not None:  # the whole run's records and totals
+                state = point[1]
+                result = replace(
+                    result, steps=(*state.steps, *result.steps),
+                    wall_s=state.wall_s + result.wall_s, dropped=state.dropped + result.dropped,
+                    generated=state.generated + result.generated,
+                )  # fmt: skip
+            if preempted:
+                if out is not None:
+                    tracer.write_chrome_trace(out / "trace.json")
+                raise RunPreempted(preempted[0], len(result.steps))
             eval_reward = eval_exact = None
             if cfg.eval_prompts:
                 eval_reward, eval_exact = await workload.evaluate(
@@ -678,10 +860,39 @@ async def run(
     summary = _summarize(
         cfg, workload.label, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform
     )
-    summary = replace(summary, runtime=where, extra={**extra, **_agent_figures(result)})
+    extra = {**extra, **_agent_figures(result)}
+    if resumed_at:
+        extra["resumed_at"] = resumed_at
+    summary = replace(summary, runtime=where, extra=extra)
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
     return RunOutput(summary, result, out)
+
+
+@contextlib.contextmanager
+def _on_sigterm(job: RLJob, preempted: list[Path], *, enabled: bool) -> Iterator[None]:
+    """While the job runs: SIGTERM writes a checkpoint (after the step in progress), appends
+    its folder to ``preempted`` and stops the job."""
+    if not enabled:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def preempt() -> None:
+        preempted.append(await job.checkpoint())
+        job.pipeline.stop()
+
+    def on_term() -> None:
+        if not tasks:
+            print("asyncflow run: SIGTERM: writing a checkpoint, then stopping", file=sys.stderr)
+            tasks.append(loop.create_task(preempt()))
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def make_workload(cfg: RunConfig, out_dir: Path | None = None) -> registry.Workload:
@@ -708,6 +919,10 @@ class DigitsWorkload:
         self.cfg = cfg
         self.task = cfg.task_spec()
         self.label = f"{cfg.task.name}-{cfg.task.digits}"
+
+    async def fresh_model(self) -> TransformerLM:
+        """The model before the warm-up (a resumed run loads its weights next)."""
+        return TransformerLM(self.cfg.model_config(), seed=self.cfg.seed)
 
     async def initial_model(self) -> TransformerLM:
         cfg = self.cfg
@@ -764,6 +979,10 @@ class AgentWorkload:
             d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads, d_ff=m.d_ff,
             max_seq_len=self.cfg.agent.max_total_tokens, init_std=m.init_std,
         )  # fmt: skip
+
+    async def fresh_model(self) -> TransformerLM:
+        """The model before the warm-up (a resumed run loads its weights next)."""
+        return TransformerLM(self.model_config(), seed=self.cfg.seed)
 
     async def initial_model(self) -> TransformerLM:
         cfg = self.cfg
@@ -1151,28 +1370,63 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
+def _config_value(cfg: RunConfig, key: str) -> Any:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _resume_config(run_dir: Path, sets: Sequence[str]) -> RunConfig:
+    """The config of the run in ``run_dir`` with ``sets`` applied, refusing any change of a
+    key outside ``RESUME_KEYS``."""
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(
+            f"--resume {run_dir}: no config.toml there; give the folder an asyncflow run wrote "
+            "(its --out, e.g. runs/<timestamp>)"
+        )
+    base = load_config(RunConfig, str(saved), [])
+    cfg = load_config(RunConfig, str(saved), sets)
+    changed = [k for k in keys(cfg) if _config_value(cfg, k) != _config_value(base, k)]
+    refused = [k for k in changed if k not in RESUME_KEYS]
+    if refused:
+        raise ConfigError(
+            f"--resume: {', '.join(refused)} cannot change on resume (the checkpoint was "
+            f"trained with the run's value); these may: {', '.join(RESUME_KEYS)}"
+        )
+    return cfg
+
+
 def main_job(args: Any) -> int:
     """``asyncflow run``: exit 2 with a message on a bad config."""
-    from asyncflow_core.config import keys
-
     if args.keys:
         cfg = RunConfig()
         for key in keys(cfg):
-            value: Any = cfg
-            for part in key.split("."):
-                value = getattr(value, part)
-            print(f"{key} = {value!r}")
+            print(f"{key} = {_config_value(cfg, key)!r}")
         return 0
+    resume = getattr(args, "resume", None)
     try:
         sets = list(args.set or ())
         if getattr(args, "runtime", None):
             sets.append(f"runtime.kind={args.runtime}")
-        cfg = load_config(RunConfig, args.config, sets)
+        if resume:
+            if args.config or args.out:
+                raise ConfigError(
+                    "--resume RUN_DIR continues that run with its own config.toml, in that "
+                    "folder: drop --config and --out (change what may change with --set)"
+                )
+            cfg = _resume_config(Path(resume), sets)
+        else:
+            cfg = load_config(RunConfig, args.config, sets)
         cfg.validate()
     except ConfigError as e:
         print(f"asyncflow run: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if resume:
+        out = Path(resume)
+    else:
+        out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     rl = cfg.rl_config()
     if cfg.task.name == "clock":
         what = "clock"
@@ -1187,10 +1441,29 @@ def main_job(args: Any) -> int:
         f"samples; writing {out}/",
         file=sys.stderr,
     )
-    progress = StepProgress(cfg.rl.steps, sys.stderr, quiet=args.quiet)
+    done = 0
+    if resume:
+        try:
+            folder, state, _ = _resume_point(cfg, out)
+        except (ConfigError, CheckpointError) as e:
+            print(f"asyncflow run: {e}", file=sys.stderr)
+            return 2
+        done = state.version - state.origin
+        print(
+            f"asyncflow run: resuming from {folder} ({done} of {cfg.rl.steps} steps done)",
+            file=sys.stderr,
+        )
+    progress = StepProgress(cfg.rl.steps - done, sys.stderr, quiet=args.quiet)
     try:
-        output = asyncio.run(run(cfg, out, on_step=progress))
-    except ConfigError as e:  # a bad input found while building the run (nothing written)
+        output = asyncio.run(run(cfg, out, on_step=progress, resume=bool(resume), preemptible=True))
+    except RunPreempted as e:
+        print(
+            f"asyncflow run: stopped on SIGTERM after {e.steps} steps; checkpoint "
+            f"{e.checkpoint}; continue with: asyncflow run --resume {out}",
+            file=sys.stderr,
+        )
+        return 0
+    except (ConfigError, CheckpointError) as e:  # a bad input found while building the run
         print(f"asyncflow run: {e}", file=sys.stderr)
         return 2
     except TaskFailedError as e:  # the run stopped (e.g. a reward failing on every row)
@@ -1204,8 +1477,10 @@ def main_job(args: Any) -> int:
 
 
 __all__ = [
+    "RESUME_KEYS",
     "AgentSection",
     "AgentWorkload",
+    "CheckpointSection",
     "DataSection",
     "DigitsWorkload",
     "ModelSection",
@@ -1213,6 +1488,7 @@ __all__ = [
     "RolloutSection",
     "RunConfig",
     "RunOutput",
+    "RunPreempted",
     "RunSummary",
     "RuntimeSection",
     "StepProgress",
