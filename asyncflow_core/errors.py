@@ -118,6 +118,18 @@ class PeerRankError(EngineError):
     rank's error says why); this rank changed nothing."""
 
 
+class CheckpointError(EngineError):
+    """A checkpoint that cannot be loaded into this engine (missing or truncated files, another
+    format, model, layout or version); the engine is unchanged."""
+
+
+class CheckpointRefusedError(CheckpointError):
+    """A checkpoint whose manifest is missing, is not signed with this user's checkpoint key,
+    or no longer matches its files: AsyncFlow did not write it (or it changed since), and its
+    loader would unpickle it, which can run code. Nothing was read past the manifest; the
+    message names the opt-in for a checkpoint you trust (SECURITY.md)."""
+
+
 class WeightSyncError(AsyncFlowError):
     """A weight transfer was misused (wrong phase order, unknown parameter, shape mismatch)."""
 

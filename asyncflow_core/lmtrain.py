@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
+import hmac
 import json
 import math
 import operator
 import os
 import pickle
+import secrets
+import stat
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +48,13 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
+from asyncflow_core.errors import (
+    AsyncFlowError,
+    CheckpointError,
+    CheckpointRefusedError,
+    ConfigError,
+    EngineError,
+)
 from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
 from asyncflow_core.rl import LOSS_MASK
 from asyncflow_core.sampling import OFF_SUPPORT_METRIC, row_sampling, sampled_logprobs
@@ -525,9 +535,9 @@ def read_checkpoint(
     path: Path, *, who: str, format: str, writer: str
 ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
     """``(meta, weights, optimizer state)`` of a checkpoint ``write_checkpoint`` wrote with
-    ``meta["format"] == format``; ``EngineError`` saying it "is not readable" (missing,
+    ``meta["format"] == format``; ``CheckpointError`` saying it "is not readable" (missing,
     truncated, another format; pass a directory written by ``writer``) otherwise. Nothing is
-    unpickled beyond tensors and plain values (``weights_only=True``)."""
+    unpickled beyond tensors and plain values (safetensors, ``weights_only=True``)."""
     try:
         meta = json.loads((path / CHECKPOINT_META).read_text())
         if not isinstance(meta, dict) or meta.get("format") != format:
@@ -548,11 +558,212 @@ def read_checkpoint(
         safetensors.SafetensorError,
         AsyncFlowError,
     ) as exc:
-        raise EngineError(
+        raise CheckpointError(
             f"{who}: checkpoint {str(path)!r} is not readable ({type(exc).__name__}: {exc}); "
             f"pass a directory written by {writer}"
         ) from exc
     return meta, weights, optimizer
+
+
+# --------------------------------------------------------------------------------------------
+# Signed manifests: for checkpoints whose loader unpickles (DeepSpeed's)
+# --------------------------------------------------------------------------------------------
+CHECKPOINT_KEY_ENV = "ASYNCFLOW_CHECKPOINT_KEY"
+"""The environment variable that holds the checkpoint key (any text of 32 characters or more),
+for hosts that must share one key (several nodes, containers); else ``checkpoint_key_file()``."""
+_KEY_MIN_CHARS = 32
+_MAC_DOMAIN = b"asyncflow-checkpoint-manifest/1\0"
+_FILES = "files"
+_MAC = "hmac_sha256"
+
+
+def checkpoint_key_file() -> Path:
+    """Where this user's checkpoint key lives when ``ASYNCFLOW_CHECKPOINT_KEY`` is not set:
+    ``$XDG_CONFIG_HOME/asyncflow/checkpoint.key`` (an absolute ``XDG_CONFIG_HOME`` only, as the
+    XDG spec says), else ``~/.config/asyncflow/checkpoint.key``. Never inside a run folder."""
+    base = os.environ.get("XDG_CONFIG_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".config"
+    return root / "asyncflow" / "checkpoint.key"
+
+
+def checkpoint_key(*, who: str, create: bool) -> bytes | None:
+    """The key that signs checkpoint manifests: ``ASYNCFLOW_CHECKPOINT_KEY`` if set, else the
+    key file (``checkpoint_key_file()``), made with 32 random bytes (hex) and mode 0600 on
+    first use when ``create`` (else None when there is none). ``ConfigError`` for a key that
+    is too short, or a key file that someone else may read or write. The key itself is never
+    put in a message."""
+    env = os.environ.get(CHECKPOINT_KEY_ENV)
+    if env is not None:
+        if len(env.strip()) < _KEY_MIN_CHARS:
+            raise ConfigError(
+                f"{who}: {CHECKPOINT_KEY_ENV} is set but shorter than {_KEY_MIN_CHARS} "
+                "characters; set it to a long random value (python -c 'import secrets; "
+                "print(secrets.token_hex(32))') or unset it to use the key file "
+                f"{checkpoint_key_file()}"
+            )
+        return env.strip().encode()
+    path = checkpoint_key_file()
+    if create and not path.exists():
+        _create_key_file(path, who)
+    try:
+        info = path.stat()
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{who}: cannot read the checkpoint key file {str(path)!r} ({type(exc).__name__}); "
+            f"fix it or set {CHECKPOINT_KEY_ENV}"
+        ) from None
+    if os.name == "posix" and (info.st_mode & 0o077 or info.st_uid != os.getuid()):
+        raise ConfigError(
+            f"{who}: the checkpoint key file {str(path)!r} is not private to you (mode "
+            f"{stat.filemode(info.st_mode)}, owner uid {info.st_uid}); anyone who can read it "
+            f"can forge checkpoints: chown it and chmod 600 it, or delete it (a new key is made "
+            "on the next save; checkpoints signed with the old one are then refused)"
+        )
+    if len(text) < _KEY_MIN_CHARS:
+        raise ConfigError(
+            f"{who}: the checkpoint key file {str(path)!r} holds fewer than {_KEY_MIN_CHARS} "
+            "characters; delete it (a new key is made on the next save)"
+        )
+    return text.encode()
+
+
+def _create_key_file(path: Path, who: str) -> None:
+    """A new random key at ``path``, mode 0600, written whole before it appears under its name
+    (several ranks may race: the first link wins, the others read it)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as out:
+                out.write(secrets.token_hex(32) + "\n")
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"{who}: cannot create the checkpoint key file {str(path)!r} ({exc.strerror or exc}); "
+            f"set {CHECKPOINT_KEY_ENV} (the same value wherever the checkpoint is loaded)"
+        ) from None
+
+
+def _mac(key: bytes, body: Mapping[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(key, _MAC_DOMAIN + text.encode(), hashlib.sha256).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _folder_files(folder: Path, manifest: str) -> dict[str, Path]:
+    """Every entry under ``folder`` but the manifest, by its ``/``-separated relative path
+    (folders themselves left out; links and other non-files kept, for the check to refuse)."""
+    out: dict[str, Path] = {}
+    for entry in sorted(folder.rglob("*")):
+        rel = entry.relative_to(folder).as_posix()
+        if rel != manifest and (entry.is_symlink() or not entry.is_dir()):
+            out[rel] = entry
+    return out
+
+
+def sign_manifest(
+    folder: Path, meta: Mapping[str, Any], key: bytes, *, manifest: str
+) -> dict[str, Any]:
+    """``meta`` plus ``files`` (every file under ``folder`` but ``manifest``: its sha256 and
+    size) and ``hmac_sha256``, an HMAC-SHA256 with ``key`` over the rest: what
+    ``read_signed_manifest`` accepts. The caller writes it to ``folder / manifest``."""
+    files: dict[str, dict[str, Any]] = {}
+    for rel, entry in _folder_files(folder, manifest).items():
+        files[rel] = {"sha256": _sha256(entry), "size": entry.stat().st_size}
+    body = {**meta, _FILES: files}
+    return {**body, _MAC: _mac(key, body)}
+
+
+def read_signed_manifest(
+    folder: Path, *, manifest: str, who: str, trust: bool, opt_in: str
+) -> dict[str, Any]:
+    """The meta of the checkpoint in ``folder`` (its manifest without ``files`` and the MAC),
+    after checking, unless ``trust``, that the manifest is signed with this user's key and
+    that the folder holds exactly its files, each of its size and sha256. Nothing else in
+    the folder is opened. ``CheckpointRefusedError`` (naming ``opt_in``, the way to load a
+    checkpoint one trusts) when the check fails; ``CheckpointError`` when there is no such
+    folder or the manifest is not JSON."""
+    where = f"{who}: checkpoint {str(folder)!r}"
+    if not folder.is_dir():
+        raise CheckpointError(f"{where} is not readable (no such folder)")
+
+    def refuse(why: str) -> CheckpointRefusedError:
+        return CheckpointRefusedError(
+            f"{where} is refused: {why}. Its loader unpickles its files, which can run code, so "
+            f"AsyncFlow loads only checkpoints it wrote and signed with your checkpoint key "
+            f"(${CHECKPOINT_KEY_ENV} or {checkpoint_key_file()}; SECURITY.md). If you trust "
+            f"this checkpoint, load it with {opt_in}"
+        )
+
+    try:
+        raw = (folder / manifest).read_bytes()
+    except FileNotFoundError:
+        if trust:
+            raise CheckpointError(f"{where} is not readable (no {manifest})") from None
+        raise refuse(f"it has no manifest ({manifest})") from None
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot read {manifest} ({exc.strerror or exc})") from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        if trust:
+            raise CheckpointError(f"{where}: {manifest} is not JSON ({exc})") from None
+        raise refuse(f"its manifest {manifest} is not JSON") from None
+    if not isinstance(data, dict):
+        if trust:
+            raise CheckpointError(f"{where}: {manifest} holds a {type(data).__name__}")
+        raise refuse(f"its manifest {manifest} is not a JSON object")
+    meta = {k: v for k, v in data.items() if k not in (_FILES, _MAC)}
+    if trust:
+        return meta
+    key = checkpoint_key(who=who, create=False)
+    if key is None:
+        raise refuse(
+            f"there is no checkpoint key here (${CHECKPOINT_KEY_ENV} is unset and "
+            f"{checkpoint_key_file()} does not exist), so no checkpoint was signed here"
+        )
+    mac = data.get(_MAC)
+    body = {k: v for k, v in data.items() if k != _MAC}
+    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, body)):
+        raise refuse(
+            "its manifest is not signed with your checkpoint key (another user or "
+            "machine wrote it, or it was edited)"
+        )
+    files = data.get(_FILES)
+    if not isinstance(files, dict):
+        raise refuse("its manifest lists no files")
+    present = _folder_files(folder, manifest)
+    extra = sorted(set(present) - set(files))
+    missing = sorted(set(files) - set(present))
+    if extra or missing:
+        raise refuse(
+            f"its files differ from the manifest (not listed: {extra[:3]}, missing: {missing[:3]})"
+        )
+    for rel, entry in present.items():
+        want = files[rel]
+        if entry.is_symlink() or not entry.is_file():
+            raise refuse(f"{rel} is not a regular file")
+        if not isinstance(want, dict) or want.get("size") != entry.stat().st_size:
+            raise refuse(f"{rel} is not the size the manifest says (truncated or replaced)")
+    for rel, entry in present.items():
+        if _sha256(entry) != files[rel].get("sha256"):
+            raise refuse(f"{rel} differs from the manifest (its sha256)")
+    return meta
 
 
 # --------------------------------------------------------------------------------------------
@@ -790,20 +1001,31 @@ class AdamWTrainer(ThreadedTrainer):
         where = f"{self.name}: checkpoint {str(path)!r}"
         version = meta.get("version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise EngineError(
+            raise CheckpointError(
                 f"{where} is not readable (version {version!r}); pass a directory written by "
                 f"{writer}"
             )
         other = self._other_model(meta.get("model_config"))
         if other is not None:
-            raise EngineError(f"{where} {other}")
+            raise CheckpointError(f"{where} {other}")
         own = unique_named_tensors(self.model)
-        if set(weights) != {n for n, _ in own} or any(weights[n].shape != t.shape for n, t in own):
-            raise EngineError(f"{where}: its tensors do not match the model's parameters")
+        if set(weights) != {n for n, _ in own} or any(
+            weights[n].shape != t.shape or weights[n].dtype != t.dtype for n, t in own
+        ):
+            raise CheckpointError(
+                f"{where}: its tensors do not match the model's parameters (names, shapes or "
+                "dtypes)"
+            )
+        bad = [n for n, t in weights.items() if t.is_floating_point() and not t.isfinite().all()]
+        if bad:
+            raise CheckpointError(f"{where}: tensor(s) {bad[:3]} hold NaN or infinity")
+        problem = _optimizer_misfit(self._optimizer, optimizer_state)
+        if problem is not None:
+            raise CheckpointError(f"{where}: optimizer state does not fit ({problem})")
         try:
             self._optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise EngineError(f"{where}: optimizer state does not fit ({exc})") from exc
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise CheckpointError(f"{where}: optimizer state does not fit ({exc})") from exc
         with torch.no_grad():
             for n, t in own:  # in place: a tied tensor is one object, so both ends follow
                 t.copy_(weights[n])
@@ -811,7 +1033,40 @@ class AdamWTrainer(ThreadedTrainer):
         self._steps_taken = max(self._steps_taken, self.lr_warmup_steps)  # moments restored
 
 
+def _optimizer_misfit(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> str | None:
+    """Why ``saved`` (an optimizer ``state_dict``) does not fit ``optimizer``, checked before
+    ``load_state_dict`` (which matches parameters by position and trusts the state's shapes):
+    the groups' sizes, and every per-parameter state tensor's shape and finiteness."""
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        return "no param_groups list or state dict"
+    if len(groups) != len(optimizer.param_groups) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return f"{len(groups)} parameter group(s), the optimizer has {len(optimizer.param_groups)}"
+    ids = [i for g in groups for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(ids) != len(params) or len(set(ids)) != len(ids):
+        return f"{len(ids)} parameters, the optimizer has {len(params)}"
+    by_id = dict(zip(ids, params, strict=True))
+    for pid, entry in state.items():
+        if pid not in by_id or not isinstance(entry, dict):
+            return f"state for unknown parameter {pid!r}"
+        for key, value in entry.items():
+            if not isinstance(value, Tensor):
+                return f"state {key!r} of parameter {pid!r} is a {type(value).__name__}"
+            if key != "step" and value.shape != by_id[pid].shape:
+                return (
+                    f"state {key!r} of parameter {pid!r} has shape {list(value.shape)}, the "
+                    f"parameter {list(by_id[pid].shape)}"
+                )
+            if value.is_floating_point() and not value.isfinite().all():
+                return f"state {key!r} of parameter {pid!r} holds NaN or infinity"
+    return None
+
+
 __all__ = [
+    "CHECKPOINT_KEY_ENV",
     "CHECKPOINT_META",
     "CHECKPOINT_OPTIMIZER",
     "CHECKPOINT_WEIGHTS",
@@ -822,8 +1077,12 @@ __all__ = [
     "check_loss",
     "check_number",
     "check_seed",
+    "checkpoint_key",
+    "checkpoint_key_file",
     "is_int",
     "read_checkpoint",
+    "read_signed_manifest",
+    "sign_manifest",
     "slice_batch",
     "token_field",
     "token_rows",

@@ -18,7 +18,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
+import secrets
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +35,14 @@ from asyncflow_conformance.pair import PAIR_SETTINGS
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
-from asyncflow_core.errors import ConfigError, EngineError, MissingExtraError
+from asyncflow_core.errors import (
+    CheckpointError,
+    CheckpointRefusedError,
+    ConfigError,
+    EngineError,
+    MissingExtraError,
+)
+from asyncflow_core.lmtrain import CHECKPOINT_KEY_ENV, sign_manifest
 from asyncflow_core.protocols import Batch, TrainEngine, TrainMetrics
 from asyncflow_core.rl import policy_gradient_loss
 
@@ -47,6 +57,15 @@ from asyncflow_deepspeed import (
 )
 
 CONFIG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+@pytest.fixture(autouse=True)
+def _private_checkpoint_key(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: Any) -> Path:
+    """Every test signs with a key of its own, never the user's (rank processes inherit it)."""
+    config_home = tmp_path_factory.mktemp("xdg-config")
+    monkeypatch.delenv(CHECKPOINT_KEY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config_home))
+    return Path(config_home)
 
 
 def run(coro: Any) -> Any:
@@ -312,6 +331,179 @@ def test_a_checkpoint_from_another_stage_is_refused_without_change(tmp_path: Pat
         finally:
             await two.close()
             await zero.close()
+
+    run(body())
+
+
+class _MakesADirectory:
+    """A pickle that, when loaded with ``weights_only=False``, creates ``path``: what a
+    checkpoint from elsewhere can do (any code, not just this)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(self.path),))
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def test_own_checkpoints_are_signed_with_a_key_kept_outside_the_run(
+    tmp_path: Path, _private_checkpoint_key: Path
+) -> None:
+    """The manifest lists every file with its sha256 and size and is signed; the key is made
+    on the first save, mode 0600, under XDG_CONFIG_HOME, and appears in no checkpoint file."""
+
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(CONFIG, zero_stage=1)
+        try:
+            await _steps(engine, 1)
+            saved = await weights(engine)
+            await engine.save_checkpoint(str(tmp_path / "ckpt"))
+            await _steps(engine, 2)
+            await engine.load_checkpoint(str(tmp_path / "ckpt"))
+            assert engine.weight_version == 1
+            after = await weights(engine)
+            assert all(torch.equal(saved[n], after[n]) for n in saved)
+        finally:
+            await engine.close()
+
+    run(body())
+    key_file = _private_checkpoint_key / "asyncflow" / "checkpoint.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_text().strip()
+    assert len(key) == 64
+    files = _files(tmp_path / "ckpt")
+    manifest = json.loads(files.pop(CHECKPOINT_META))
+    assert set(manifest["files"]) == set(files) and len(manifest["hmac_sha256"]) == 64
+    assert any(name.endswith("_model_states.pt") for name in files)
+    assert not any(key.encode() in data for data in _files(tmp_path).values())
+
+
+def test_foreign_checkpoints_are_refused_before_deepspeed_unpickles_them(tmp_path: Path) -> None:
+    """A checkpoint whose model file was swapped for a pickle that runs code, one without a
+    manifest, one re-signed with another key: each is refused with CheckpointRefusedError
+    naming the opt-in, the pickle never runs, the engine's weights and version stay. With
+    ``trust_checkpoints=True`` a checkpoint signed elsewhere loads."""
+    ckpt = tmp_path / "ckpt"
+    marker = tmp_path / "the-pickle-ran"
+
+    async def body() -> None:
+        writer = DeepSpeedTrainEngine(CONFIG, zero_stage=0, lr=1e-2)
+        reader = DeepSpeedTrainEngine(CONFIG, zero_stage=0, lr=1e-2)
+        trusting = DeepSpeedTrainEngine(CONFIG, zero_stage=0, lr=1e-2, trust_checkpoints=True)
+        try:
+            await _steps(writer, 2)
+            await writer.save_checkpoint(str(ckpt))
+            written = await weights(writer)
+            before = await weights(reader)
+            genuine = _files(ckpt)
+            (model_file,) = [n for n in genuine if n.endswith("_model_states.pt")]
+            manifest = json.loads(genuine[CHECKPOINT_META])
+
+            def restore() -> None:
+                for name, data in genuine.items():
+                    (ckpt / name).write_bytes(data)
+
+            def plant() -> None:
+                torch.save(_MakesADirectory(marker), ckpt / model_file)
+
+            def flip() -> None:
+                data = bytearray(genuine[model_file])
+                data[len(data) // 2] ^= 0xFF
+                (ckpt / model_file).write_bytes(bytes(data))
+
+            def resign(meta: dict[str, Any]) -> None:
+                meta = {k: v for k, v in meta.items() if k not in ("files", "hmac_sha256")}
+                (ckpt / CHECKPOINT_META).unlink()
+                signed = sign_manifest(
+                    ckpt, meta, secrets.token_bytes(32), manifest=CHECKPOINT_META
+                )
+                (ckpt / CHECKPOINT_META).write_text(json.dumps(signed))
+
+            plant()  # the planted file does run code when unpickled the way DeepSpeed does
+            torch.load(ckpt / model_file, weights_only=False)
+            assert marker.is_dir()
+            marker.rmdir()
+
+            cases = {
+                "a planted pickle": (plant, "not the size"),
+                "a modified byte": (flip, "differs from the manifest"),
+                "no manifest": (lambda: (ckpt / CHECKPOINT_META).unlink(), "has no manifest"),
+                "another key": (lambda: (plant(), resign(manifest)), "not signed with your"),
+                "an unlisted file": (
+                    lambda: (
+                        ckpt / "asyncflow" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+                    ).write_bytes(b"x"),
+                    "not listed",
+                ),
+                "a truncated file": (
+                    lambda: (ckpt / model_file).write_bytes(genuine[model_file][:100]),
+                    "not the size",
+                ),
+            }
+            for case, (spoil, message) in cases.items():
+                restore()
+                spoil()
+                with pytest.raises(CheckpointRefusedError, match=message) as info:
+                    await reader.load_checkpoint(str(ckpt))
+                assert "trust_checkpoints=True" in str(info.value), case
+                assert not marker.exists(), case
+                assert reader.weight_version == 0, case
+                now = await weights(reader)
+                assert all(torch.equal(before[n], now[n]) for n in before), case
+                (ckpt / "asyncflow" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(
+                    missing_ok=True
+                )
+
+            restore()
+            resign(manifest)  # a genuine checkpoint, signed on another machine
+            with pytest.raises(CheckpointRefusedError):
+                await reader.load_checkpoint(str(ckpt))
+            await trusting.load_checkpoint(str(ckpt))
+            assert trusting.weight_version == 2
+            loaded = await weights(trusting)
+            assert all(torch.equal(written[n], loaded[n]) for n in written)
+            # the opt-in skips the signature, not the layout checks
+            resign({**manifest, "zero_stage": 2})
+            with pytest.raises(CheckpointError, match="zero_stage=2"):
+                await trusting.load_checkpoint(str(ckpt))
+        finally:
+            for engine in (writer, reader, trusting):
+                await engine.close()
+
+    run(body())
+
+
+def test_a_bad_checkpoint_key_is_a_config_error(
+    tmp_path: Path, _private_checkpoint_key: Path
+) -> None:
+    async def body() -> None:
+        engine = DeepSpeedTrainEngine(CONFIG, zero_stage=0)
+        try:
+            os.environ[CHECKPOINT_KEY_ENV] = "short"
+            with pytest.raises(ConfigError, match=f"{CHECKPOINT_KEY_ENV} is set but shorter") as e:
+                await engine.save_checkpoint(str(tmp_path / "a"))
+            assert "'short'" not in str(e.value)  # the key is never quoted
+            del os.environ[CHECKPOINT_KEY_ENV]
+            key_file = _private_checkpoint_key / "asyncflow" / "checkpoint.key"
+            key_file.parent.mkdir(parents=True)
+            key_file.write_text(secrets.token_hex(32))
+            key_file.chmod(0o644)
+            with pytest.raises(ConfigError, match="not private to you"):
+                await engine.save_checkpoint(str(tmp_path / "b"))
+            key_file.chmod(0o600)
+            await engine.save_checkpoint(str(tmp_path / "b"))
+            await engine.load_checkpoint(str(tmp_path / "b"))
+            with pytest.raises(ConfigError, match="trust_checkpoints must be a bool"):
+                DeepSpeedTrainEngine(CONFIG, trust_checkpoints="yes")  # type: ignore[arg-type]
+        finally:
+            os.environ.pop(CHECKPOINT_KEY_ENV, None)
+            await engine.close()
 
     run(body())
 

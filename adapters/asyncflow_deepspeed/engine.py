@@ -26,13 +26,16 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor
 
-from asyncflow_core.errors import ConfigError, EngineError, PeerRankError
+from asyncflow_core.errors import CheckpointError, ConfigError, EngineError, PeerRankError
 from asyncflow_core.lmtrain import (
     MetricMeans,
     ThreadedTrainer,
     TokenRows,
     check_loss,
+    checkpoint_key,
     is_int,
+    read_signed_manifest,
+    sign_manifest,
     slice_batch,
     unique_named_tensors,
     worker_thread,
@@ -131,9 +134,18 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
     ``deepspeed.zero.GatheredParameters``, so memory holds one bucket at a time) and yield
     nothing. **Checkpoints** are DeepSpeed's own (``save_checkpoint`` / ``load_checkpoint``,
     tag ``"asyncflow"``: module, ZeRO-partitioned optimizer state, one file set per rank)
-    plus ``asyncflow.json`` (format, version, stage, dtype, world size, parameter shapes),
-    written last; loading checks that file first and refuses a checkpoint from another
-    model, stage, dtype or world size without touching the engine. **Sleep**: ``sleep()``
+    plus ``asyncflow.json`` (format, version, stage, dtype, world size, parameter shapes, and
+    the sha256 and size of every file of the checkpoint, signed with an HMAC-SHA256 under this
+    user's checkpoint key: ``ASYNCFLOW_CHECKPOINT_KEY``, else the 0600 file
+    ``$XDG_CONFIG_HOME/asyncflow/checkpoint.key`` or ``~/.config/asyncflow/checkpoint.key``,
+    made on the first save), written last. DeepSpeed reads checkpoints with
+    ``torch.load(weights_only=False)``, which runs whatever code a pickle names, so loading
+    first checks that manifest and refuses (``CheckpointRefusedError``, before DeepSpeed
+    opens a file) a checkpoint with no manifest, one signed with another key, or whose files
+    differ from it; ``trust_checkpoints=True`` (for checkpoints from elsewhere that you trust)
+    skips that check. Then it refuses a checkpoint from another model, stage, dtype or world
+    size (``CheckpointError``) without touching the engine. Ranks on several hosts need the
+    same key (set ``ASYNCFLOW_CHECKPOINT_KEY`` on each). **Sleep**: ``sleep()``
     moves the trainer's states off the accelerator with ``engine.offload_states()`` and
     ``wake_up()`` brings them back (``reload_states()``): ZeRO stages 1 and 2 move all of
     them; stage 3 moves the 16-bit parameters and gradients and the gradient buffer (DeepSpeed
@@ -166,9 +178,13 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         name: str = "deepspeed-trainer",
         threads: int | None = None,
         platform: str | Platform | None = None,
+        trust_checkpoints: bool = False,
     ) -> None:
         who = f"DeepSpeedTrainEngine {name!r}"
         self.name = name
+        if not isinstance(trust_checkpoints, bool):
+            raise ConfigError(f"{who}: trust_checkpoints must be a bool, got {trust_checkpoints!r}")
+        self.trust_checkpoints = trust_checkpoints
         self.platform = current_platform() if platform is None else select_platform(platform)
         deepspeed = _deepspeed_on(self.platform, who)
         if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
@@ -678,6 +694,16 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         return {n: list(getattr(t, "ds_shape", t.shape)) for n, t in self._named()}
 
     def _save(self, path: Path) -> None:
+        key: bytes | None = b""
+        error: ConfigError | None = None
+        if self.rank == 0:  # rank 0 signs: it must have a key before any rank writes
+            try:
+                key = checkpoint_key(who=self.name, create=True)
+            except ConfigError as e:
+                error = e
+        bad = self._agree(error is not None)
+        if bad:
+            raise error or self._peer_error(bad, "to find the checkpoint key")
         path.mkdir(parents=True, exist_ok=True)
         meta_path = path / CHECKPOINT_META
         if self.rank == 0 and meta_path.exists():
@@ -698,26 +724,43 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
                 "world_size": self.world_size,
                 "shapes": self._shapes(),
             }
+            signed = sign_manifest(path, meta, key or b"", manifest=CHECKPOINT_META)
             tmp = path / f"{CHECKPOINT_META}.tmp-{os.getpid()}"
-            tmp.write_text(json.dumps(meta, indent=1))
+            tmp.write_text(json.dumps(signed, indent=1))
             os.replace(tmp, meta_path)
         if self.world_size > 1:
             import torch.distributed as dist
 
             dist.barrier()
 
-    def _check_checkpoint(self, path: Path) -> str | None:
-        """Why ``path`` cannot be loaded into this engine, or None."""
+    def _check_checkpoint(self, path: Path) -> CheckpointError | None:
+        """Why ``path`` cannot be loaded into this engine (its manifest is not ours, or it is
+        of another format or layout), or None. Opens nothing but the manifest and, to hash
+        them, the files it lists."""
         try:
-            meta = json.loads((path / CHECKPOINT_META).read_text())
-        except (OSError, ValueError) as e:
-            return (
-                f"it is not readable ({type(e).__name__}: {e}); pass a directory written by "
-                "DeepSpeedTrainEngine.save_checkpoint"
+            meta = read_signed_manifest(
+                path,
+                manifest=CHECKPOINT_META,
+                who=self.name,
+                trust=self.trust_checkpoints,
+                opt_in="DeepSpeedTrainEngine(..., trust_checkpoints=True)",
             )
-        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-            found = meta.get("format") if isinstance(meta, dict) else meta
-            return f"its format is {found!r}, expected {_FORMAT!r}"
+        except CheckpointError as e:
+            return e
+        except ConfigError as e:  # the key file is unusable
+            return CheckpointError(f"{self.name}: checkpoint {str(path)!r} not checked: {e}")
+        problem = self._misfit(meta, path)
+        if problem is None:
+            return None
+        return CheckpointError(f"{self.name}: checkpoint {str(path)!r}: {problem}")
+
+    def _misfit(self, meta: dict[str, Any], path: Path) -> str | None:
+        """Why a checkpoint with manifest ``meta`` does not fit this engine, or None."""
+        if meta.get("format") != _FORMAT:
+            return f"its format is {meta.get('format')!r}, expected {_FORMAT!r}"
+        version = meta.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            return f"its version is {version!r}, expected an int >= 0"
         for key, mine in (
             ("zero_stage", self.zero_stage),
             ("dtype", self.dtype),
@@ -740,11 +783,11 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         bad = self._agree(problem is not None)
         if bad:
             if problem is not None:
-                raise EngineError(f"{self.name}: checkpoint {str(path)!r}: {problem}")
+                raise problem
             raise self._peer_error(bad, f"to check checkpoint {str(path)!r}")
         loaded, client = self._engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
         if loaded is None:
-            raise EngineError(f"{self.name}: DeepSpeed could not load checkpoint {str(path)!r}")
+            raise CheckpointError(f"{self.name}: DeepSpeed could not load checkpoint {str(path)!r}")
         self._version = int(client.get("asyncflow_version") or 0)
 
     # -- sleep -----------------------------------------------------------------------------------
