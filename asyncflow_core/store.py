@@ -9,11 +9,14 @@ the Ray runtime put each of them in another process unchanged.
 from __future__ import annotations
 
 import asyncio
+import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncflow_core.controller import Controller, PutTicket
@@ -450,15 +453,20 @@ class InProcessDataStore:
         capacity: Capacity | None = None,
         tasks: Sequence[str] = (),
     ) -> None:
+        check_create_partition(name, fields, capacity, tasks)
         self.controller.create_partition(name, fields, capacity, tasks)
 
     async def register_task(self, partition: str, task: str) -> None:
+        check_name("partition", partition)
+        check_name("task", task)
         self.controller.register_task(partition, task)
 
     async def close(self, partition: str) -> None:
+        check_name("partition", partition)
         self.controller.close(partition)
 
     async def delete_partition(self, partition: str) -> None:
+        check_name("partition", partition)
         key = self.controller.begin_delete(partition)
         for unit in self.units:
             unit.drop_partition(key)
@@ -467,9 +475,11 @@ class InProcessDataStore:
     def storage_key(self, partition: str) -> str:
         """Where the storage units keep ``partition``'s values (a partition created again
         under the same name gets a new key)."""
+        check_name("partition", partition)
         return self.controller.storage_key(partition)
 
     async def stats(self, partition: str) -> PartitionStats:
+        check_name("partition", partition)
         return self.controller.stats(partition)
 
     # -- writes --------------------------------------------------------------------------------
@@ -483,6 +493,8 @@ class InProcessDataStore:
         overwrite: bool = False,
         timeout: float | None = DEFAULT_GET_TIMEOUT_S,
     ) -> tuple[int, ...]:
+        if not isinstance(overwrite, bool):
+            raise BadRequestError(f"overwrite must be a bool, got {overwrite!r:.80}")
         prep, rows, tags = prepare_put(partition, data, rows, tags, timeout, self.copy_on_put)
         ticket = await self._plane.reserve_put(
             partition, prep.schemas, prep.row_bytes, prep.n, rows, tags, overwrite, timeout
@@ -538,6 +550,9 @@ class InProcessDataStore:
         member: int = 0,
     ) -> BatchMeta:
         check_get_meta(fields, timeout)
+        check_name("partition", partition)
+        check_name("task", task)
+        check_lease_args(batch_size, lease_s, current_version, dp_rank, dp_size, member)
         return await self._plane.lease(
             partition, task, fields, batch_size,
             sampler if sampler is not None else SequentialSampler(), timeout=timeout,
@@ -554,6 +569,7 @@ class InProcessDataStore:
         pad_value: float = 0,
     ) -> Batch:
         names = check_get_data(meta, fields, layout)
+        check_pad_value(pad_value)
         if not meta.rows:
             return Batch((), {}, {}, ())
         key, schemas = self.controller.check_readable(meta.partition, meta.rows, names)
@@ -585,10 +601,12 @@ class InProcessDataStore:
 
     # -- consumption ---------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:
+        check_lease_meta(meta, "ack")
         self.controller.ack(meta)
         self._plane.free_reclaimed()
 
     async def nack(self, meta: BatchMeta) -> None:
+        check_lease_meta(meta, "nack")
         self.controller.nack(meta)
 
     def _delete_rows(self, freed: dict[str, list[int]]) -> None:
@@ -618,6 +636,7 @@ def prepare_put(
 ) -> tuple[_Prepared, list[int] | None, list[Tags] | None]:
     """Check a put's arguments and split its data into per-row cells (see ``put``)."""
     _check_timeout(timeout)
+    check_name("partition", partition)
     prep = _prepare_put(partition, data, copy)
     row_ids = None
     if rows is not None:
@@ -628,6 +647,10 @@ def prepare_put(
             )
     tag_list = None
     if tags is not None:
+        if not isinstance(tags, list | tuple):
+            raise BadRequestError(
+                f"put into {partition!r}: tags must be a list of Tags, got {tags!r:.80}"
+            )
         tag_list = list(tags)
         if len(tag_list) != prep.n or not all(isinstance(t, Tags) for t in tag_list):
             raise BadRequestError(
@@ -639,17 +662,26 @@ def prepare_put(
 def check_get_meta(fields: Sequence[str], timeout: float | None) -> None:
     """The checks of ``get_meta``'s arguments made before the controller sees them."""
     _check_timeout(timeout)
-    if isinstance(fields, str) or not fields:
-        raise BadRequestError(f"fields must be a non-empty list of field names, got {fields!r}")
+    if (
+        not isinstance(fields, list | tuple)
+        or not fields
+        or not all(isinstance(f, str) and f for f in fields)
+    ):
+        raise BadRequestError(f"fields must be a non-empty list of field names, got {fields!r:.80}")
 
 
 def check_get_data(meta: BatchMeta, fields: Sequence[str] | None, layout: str) -> list[str]:
     """The checks of ``get_data``'s arguments; returns the field names to read."""
     if not isinstance(meta, BatchMeta):
         raise BadRequestError(f"get_data takes the BatchMeta from get_meta, got {meta!r:.80}")
-    if layout not in _LAYOUTS:
-        raise BadRequestError(f"layout must be one of {list(_LAYOUTS)}, got {layout!r}")
-    return list(meta.fields if fields is None else fields)
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        raise BadRequestError(f"layout must be one of {list(_LAYOUTS)}, got {layout!r:.80}")
+    names = meta.fields if fields is None else fields
+    if not isinstance(names, list | tuple) or not all(isinstance(f, str) and f for f in names):
+        raise BadRequestError(f"fields must be a list of field names, got {names!r:.80}")
+    check_name("partition", meta.partition)
+    _rows_of(meta, "get_data")
+    return list(names)
 
 
 def assemble_batch(
@@ -668,22 +700,106 @@ def assemble_batch(
 
 
 def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout >= 0:
+    if timeout is not None and (not _is_number(timeout) or not timeout >= 0):
         raise BadRequestError(
-            f"timeout must be >= 0 seconds or None (wait forever), got {timeout!r}"
+            f"timeout must be >= 0 seconds or None (wait forever), got {timeout!r:.80}"
         )
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_index(value: object) -> bool:
+    """An integer (numpy and torch integer scalars included), not a bool or a float."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor | np.ndarray) and value.ndim):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
 def _int_rows(rows: Sequence[int]) -> list[int]:
+    if not isinstance(rows, list | tuple | range | np.ndarray | torch.Tensor):
+        raise BadRequestError(f"rows must be a list of row ids, got {rows!r:.80}")
     out = []
     for r in rows:
-        if isinstance(r, bool) or not isinstance(r, int):
-            try:
-                r = int(r)  # numpy / torch integer scalars
-            except (TypeError, ValueError):
-                raise BadRequestError(f"row ids must be ints, got {r!r}") from None
-        out.append(r)
+        if not _is_index(r):
+            raise BadRequestError(f"row ids must be ints, got {r!r:.80}")
+        out.append(operator.index(r))
     return out
+
+
+def check_name(what: str, value: object) -> None:
+    """``value`` is a non-empty str (a partition, task or field name)."""
+    if not isinstance(value, str) or not value:
+        raise BadRequestError(f"{what} must be a non-empty str, got {value!r:.80}")
+
+
+def check_create_partition(name: object, fields: object, capacity: object, tasks: object) -> None:
+    """The type checks of ``create_partition``'s arguments (the controller checks values)."""
+    check_name("partition name", name)
+    for what, names in (("fields", fields), ("tasks", tasks)):
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise BadRequestError(f"{what} must be a list of names, got {names!r:.80}")
+    if capacity is None:
+        return
+    if not isinstance(capacity, Capacity):
+        raise BadRequestError(f"capacity must be a Capacity or None, got {capacity!r:.80}")
+    for knob in ("max_rows", "max_bytes"):
+        value = getattr(capacity, knob)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise BadRequestError(f"Capacity.{knob} must be a positive int or None, got {value!r}")
+
+
+def check_lease_args(
+    batch_size: object,
+    lease_s: object,
+    current_version: object,
+    dp_rank: object,
+    dp_size: object,
+    member: object,
+) -> None:
+    """The type checks of ``get_meta``'s numbers (the controller checks their ranges)."""
+    for what, value in (("batch_size", batch_size), ("dp_rank", dp_rank), ("dp_size", dp_size),
+                        ("member", member)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequestError(f"{what} must be an int, got {value!r:.80}")
+    if not _is_number(lease_s) or not 0 < lease_s < math.inf:  # type: ignore[operator]
+        raise BadRequestError(f"lease_s must be a number of seconds > 0, got {lease_s!r:.80}")
+    if current_version is not None and (
+        isinstance(current_version, bool)
+        or not isinstance(current_version, int)
+        or current_version < 0
+    ):
+        raise BadRequestError(
+            f"current_version must be None or an int >= 0, got {current_version!r:.80}"
+        )
+
+
+def check_pad_value(pad_value: object) -> None:
+    if not _is_number(pad_value):
+        raise BadRequestError(f"pad_value must be a number, got {pad_value!r:.80}")
+
+
+def check_lease_meta(meta: object, verb: str) -> None:
+    """``meta`` is a ``BatchMeta`` whose lease fields have the types ``get_meta`` gives."""
+    if not isinstance(meta, BatchMeta):
+        raise BadRequestError(f"{verb} takes the BatchMeta from get_meta, got {meta!r:.80}")
+    check_name("partition", meta.partition)
+    check_name("task", meta.task)
+    if meta.lease_id is not None and not isinstance(meta.lease_id, str):
+        raise BadRequestError(f"{verb}: lease_id must be a str, got {meta.lease_id!r:.80}")
+    if isinstance(meta.member, bool) or not isinstance(meta.member, int) or meta.member < 0:
+        raise BadRequestError(f"{verb}: member must be an int >= 0, got {meta.member!r:.80}")
+    _rows_of(meta, verb)
+
+
+def _rows_of(meta: BatchMeta, verb: str) -> None:
+    if not isinstance(meta.rows, tuple | list) or not all(_is_index(r) for r in meta.rows):
+        raise BadRequestError(f"{verb}: meta.rows must be row ids, got {meta.rows!r:.80}")
 
 
 def _assemble(
