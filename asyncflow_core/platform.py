@@ -36,13 +36,16 @@ import difflib
 import importlib
 import importlib.metadata
 import importlib.util
+import ipaddress
 import os
 import re
+import socket
 import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -228,9 +231,17 @@ class CpuPlatform(Platform):
         return MemoryStats("cpu", rss, rss, free, total)
 
     def new_process_group(self, store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+        """A gloo group that listens on the interface toward the store's host (loopback for a
+        loopback store), not on whatever the machine's hostname resolves to (gloo's default)."""
         from torch.distributed import ProcessGroupGloo
 
-        return ProcessGroupGloo(store, rank, world_size, timeout)
+        host = _store_host(store)
+        if host is None:
+            return ProcessGroupGloo(store, rank, world_size, timeout)
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # takes a device
+        options._timeout = timeout
+        options._devices = [ProcessGroupGloo.create_device(hostname=listen_address(host))]
+        return ProcessGroupGloo(store, rank, world_size, options)
 
 
 class CudaPlatform(Platform):
@@ -504,6 +515,147 @@ def platform_for_backend(backend: str) -> Platform:
     p = current if current is not None and current in matches else matches[0]
     p.load()
     return p
+
+
+# --------------------------------------------------------------------------------------------
+# Rendezvous: where a process group listens
+# --------------------------------------------------------------------------------------------
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""The variable torch reads for the interface a gloo group listens on when no device is given
+(``init_process_group``, ``new_group``); unset, gloo listens on the address the machine's
+hostname resolves to."""
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_IFF_LOOPBACK = 0x8
+
+
+def _resolve(host: str) -> tuple[socket.AddressFamily, str]:
+    """``host``'s first TCP address (family, address), or ``OSError`` naming it."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError, IndexError) as exc:
+        raise OSError(f"cannot resolve {host!r}: {exc}") from exc
+    return family, str(sockaddr[0])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (127.0.0.0/8, ``::1``, ``localhost``)."""
+    try:
+        return ipaddress.ip_address(_resolve(host)[1].split("%")[0]).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def listen_address(host: str) -> str:
+    """The local address a process listens on for peers that meet it through ``host`` (a
+    group's rendezvous address): ``host``'s own address when it is loopback or this
+    machine's, else the address of the interface that routes to it. Never the wildcard."""
+    family, address = _resolve(host)
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        return address
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))  # UDP connect sends nothing: it only picks the route
+        return str(probe.getsockname()[0])
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds the local ``address`` (Linux; IPv4 and loopback), or
+    None where it cannot be told."""
+    import fcntl
+    import struct
+
+    loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
+    for _, name in socket.if_nameindex():
+        if loopback:
+            try:
+                flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+            except (OSError, ValueError):
+                continue
+            if flags & _IFF_LOOPBACK:
+                return name
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(
+                    probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15])
+                )
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def gloo_listens_on(host: str) -> Iterator[str | None]:
+    """While inside, gloo groups that torch builds without a device (``init_process_group``,
+    ``new_group``) listen on ``listen_address(host)``'s interface: sets ``GLOO_SOCKET_IFNAME``
+    unless the user set it (their choice stands), and restores it on exit. Yields the
+    interface (None: left as it was)."""
+    if os.environ.get(GLOO_IFNAME_ENV):
+        yield None
+        return
+    name = interface_of(listen_address(host))
+    if name is None:
+        yield None
+        return
+    os.environ[GLOO_IFNAME_ENV] = name
+    try:
+        yield name
+    finally:
+        os.environ.pop(GLOO_IFNAME_ENV, None)
+
+
+def rendezvous_store(
+    host: str,
+    port: int,
+    world_size: int,
+    *,
+    is_master: bool,
+    timeout: timedelta,
+    wait_for_workers: bool = True,
+) -> Any:
+    """A ``torch.distributed.TCPStore`` for a group that meets at ``host:port``. The master
+    (rank 0) listens on ``host`` only: torch's own ``TCPStore(host, port, is_master=True)``
+    listens on every interface, so the master gets a socket bound here and handed to torch
+    (``master_listen_fd``, libuv backend; torch owns it from then on). The others connect.
+    ``OSError`` when the master cannot bind (port taken, ``host`` not this machine's);
+    torch's ``RuntimeError`` subclasses for a rendezvous that fails."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, documented
+
+    if not is_master:
+        return TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family, address = _resolve(host)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener
+        sock.bind((address, port))
+        sock.listen(max(128, world_size))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({exc})") from exc
+    fd = sock.detach()  # torch closes it, on success and on failure alike
+    return TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
+        master_listen_fd=fd,
+        use_libuv=True,
+    )
+
+
+def _store_host(store: Any) -> str | None:
+    """The rendezvous host of a ``TCPStore`` (through ``PrefixStore``s), or None."""
+    for _ in range(16):
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            break
+        store = inner
+    host = getattr(store, "host", None)
+    return host if isinstance(host, str) and host else None
 
 
 # --------------------------------------------------------------------------------------------

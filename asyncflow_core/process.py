@@ -23,18 +23,21 @@ import contextlib
 import functools
 import itertools
 import multiprocessing
+import os
 import pickle
 import socket
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncflow_core.errors import ConfigError, EngineError, PeerRankError
+from asyncflow_core.platform import GLOO_IFNAME_ENV, interface_of, listen_address, rendezvous_store
 from asyncflow_core.protocols import Batch, LossFn, TrainEngine, TrainMetrics, Version, WeightBucket
 
 DEFAULT_START_TIMEOUT_S = 300.0
@@ -404,7 +407,9 @@ class ProcessTrainEngine:
 class RankContext:
     """Where one rank of an ``SPMDTrainEngine`` stands: its ``rank`` among ``world_size``, and
     the rendezvous of the group's default process group (``init_method``, a ``tcp://`` URL on
-    this host that the group chose for this run)."""
+    this host that the group chose for this run; loopback unless ``master_addr`` says
+    otherwise). ``store(timeout)`` is that rendezvous as a store that listens on
+    ``master_addr`` only: torch's own ``tcp://`` store listens on every interface."""
 
     rank: int
     world_size: int
@@ -414,6 +419,18 @@ class RankContext:
     @property
     def init_method(self) -> str:
         return f"tcp://{self.master_addr}:{self.master_port}"
+
+    def store(self, timeout: timedelta = timedelta(minutes=30)) -> Any:
+        """The rendezvous store (rank 0 hosts it on ``master_addr`` only): pass it as
+        ``init_process_group(backend, store=..., rank=context.rank,
+        world_size=context.world_size)`` in place of ``init_method``."""
+        return rendezvous_store(
+            self.master_addr,
+            self.master_port,
+            self.world_size,
+            is_master=self.rank == 0,
+            timeout=timeout,
+        )
 
 
 def _factory_module(factory: Callable[..., Any]) -> str | None:
@@ -425,6 +442,13 @@ def _factory_module(factory: Callable[..., Any]) -> str | None:
 
 
 def _build_rank(factory: Callable[[RankContext], Any], context: RankContext) -> Any:
+    # This process is the rank's own: every gloo group built in it without a device (the
+    # default group, DeepSpeed's subgroups) listens on master_addr's interface (loopback by
+    # default), not on the address the hostname resolves to. A GLOO_SOCKET_IFNAME set stands.
+    if not os.environ.get(GLOO_IFNAME_ENV):
+        interface = interface_of(listen_address(context.master_addr))
+        if interface is not None:
+            os.environ[GLOO_IFNAME_ENV] = interface
     return factory(context)
 
 
@@ -454,9 +478,15 @@ class SPMDTrainEngine:
 
     ``factory(context)`` runs in each rank's process with its ``RankContext`` and returns that
     rank's engine (or an awaitable of it), which must join the group's default process group
-    at ``context.init_method`` (``torch.distributed.init_process_group(backend,
-    init_method=context.init_method, rank=context.rank, world_size=context.world_size)``). The
-    factory must pickle (a module-level function or a ``functools.partial`` of one).
+    at the context's rendezvous: ``torch.distributed.init_process_group(backend,
+    store=context.store(), rank=context.rank, world_size=context.world_size)`` (listens on
+    ``master_addr`` only; ``init_method=context.init_method`` works too, but torch's store then
+    listens on every interface). The factory must pickle (a module-level function or a
+    ``functools.partial`` of one).
+
+    **Sockets.** The ranks meet at ``master_addr`` (default ``127.0.0.1``: nothing of the
+    group is reachable from another machine); each rank process sets ``GLOO_SOCKET_IFNAME``
+    to that address's interface (unless set already), so its gloo groups listen there too.
 
     Every call goes to every rank, in the same order (so their collectives line up):
 

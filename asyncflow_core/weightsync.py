@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol, TypeGuard, TypeVar, runtime_checkable
 import torch
 
 from asyncflow_core.errors import PlatformError, WeightSyncError
-from asyncflow_core.platform import current_platform, platform_for_backend
+from asyncflow_core.platform import current_platform, platform_for_backend, rendezvous_store
 from asyncflow_core.protocols import (
     SupportsLoadWeights,
     SupportsPause,
@@ -387,8 +387,6 @@ class WeightSyncGroup:
         """Rendezvous with every other rank (blocking); see the class docstring."""
         from datetime import timedelta
 
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, documented
-
         if self._closed:
             raise WeightSyncError(f"{self._where()} is closed; build a new one")
         if self._pg is not None:
@@ -396,16 +394,15 @@ class WeightSyncGroup:
         timeout = timedelta(seconds=self.timeout_s)
         store = None
         try:
-            store = TCPStore(
+            store = rendezvous_store(
                 self.host,
                 self.port,
                 self._world_size,
                 is_master=self._rank == 0,
                 timeout=timeout,
-                wait_for_workers=True,
             )
             pg = self._make_backend(store, timeout)
-        except RuntimeError as exc:  # DistStoreError, DistNetworkError, gloo/nccl errors
+        except (RuntimeError, OSError) as exc:  # bind, DistStoreError, gloo/nccl errors
             del store
             role = (
                 f"rank 0 hosts the rendezvous on {self.host}:{self.port}; check that this "

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import torch
 from torch import Tensor
@@ -40,7 +41,13 @@ from asyncflow_core.lmtrain import (
     unique_named_tensors,
     worker_thread,
 )
-from asyncflow_core.platform import Platform, current_platform, select_platform
+from asyncflow_core.platform import (
+    Platform,
+    current_platform,
+    gloo_listens_on,
+    rendezvous_store,
+    select_platform,
+)
 from asyncflow_core.process import free_port
 from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
 from asyncflow_core.sampling import OFF_SUPPORT_METRIC
@@ -328,7 +335,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
                         f"{self.name}: init_method={init_method!r} needs rank and world_size"
                     )
                 kwargs.update(rank=rank, world_size=world_size)
-            dist.init_process_group(backend, **kwargs)
+            _init_default_group(dist, backend, kwargs)
         elif world_size is not None and world_size != dist.get_world_size():
             raise ConfigError(
                 f"{self.name}: world_size={world_size}, but torch.distributed is already "
@@ -820,6 +827,25 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
 
 # --------------------------------------------------------------------------------------------
+def _init_default_group(dist: Any, backend: str, kwargs: dict[str, Any]) -> None:
+    """``init_process_group``, but a ``tcp://host:port`` rendezvous listens on ``host`` only
+    (torch's own tcp:// store listens on every interface: ``rendezvous_store`` instead) and
+    a gloo group on ``host``'s interface (``gloo_listens_on``; a ``GLOO_SOCKET_IFNAME`` the
+    user set stands). The default ``tcp://127.0.0.1`` is reachable from this machine only."""
+    url = urlsplit(kwargs["init_method"])
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        dist.init_process_group(backend, **kwargs)  # env://, file://: the launcher's choice
+        return
+    rank, world_size, timeout = kwargs["rank"], kwargs["world_size"], kwargs["timeout"]
+    store = rendezvous_store(
+        url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout
+    )
+    with gloo_listens_on(url.hostname):
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+
+
 def _deepspeed_on(platform: Platform, who: str) -> Any:
     """``deepspeed``, its accelerator being ``platform``'s (see the class docstring)."""
     want = platform.deepspeed_accelerator

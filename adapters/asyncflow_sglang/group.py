@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from asyncflow_core.errors import WeightSyncError
-from asyncflow_core.platform import platform_for_backend
+from asyncflow_core.platform import gloo_listens_on, platform_for_backend, rendezvous_store
 from asyncflow_core.weightsync import (
     EngineGroupWeightSync,
     GroupReceiver,
@@ -63,7 +63,12 @@ def join_sglang_group(
     """Join (blocking) the group as ``rank`` of ``world_size`` the way SGLang's
     ``init_custom_process_group`` does, and return the ``ProcessGroup``. Rank 0 hosts the
     rendezvous store at ``master_address:master_port``. One process can hold a given
-    ``group_name`` once at a time (torch refuses a second group of that name)."""
+    ``group_name`` once at a time (torch refuses a second group of that name).
+
+    Unlike SGLang's ``tcp://`` rendezvous (torch's store, which listens on every interface),
+    rank 0's store listens on ``master_address`` only (``rendezvous_store``), and a gloo
+    group on that address's interface (``gloo_listens_on``): a loopback ``master_address``
+    keeps the group off the network. SGLang's own ranks connect the same way either way."""
     from torch.distributed.distributed_c10d import (
         Backend,
         GroupName,
@@ -71,26 +76,24 @@ def join_sglang_group(
         _new_process_group_helper,
         _world,
     )
-    from torch.distributed.rendezvous import rendezvous
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    rendezvous_iterator = rendezvous(
-        tcp_address(master_address, master_port), rank, world_size, timeout=timeout
+    store = rendezvous_store(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
-    store, rank, world_size = next(rendezvous_iterator)
-    store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        Backend(backend),
-        store,
-        group_name=GroupName(group_name),
-        backend_options=None,
-        timeout=timeout,
-        device_id=None,
-    )
+    with gloo_listens_on(master_address):
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            store,
+            group_name=GroupName(group_name),
+            backend_options=None,
+            timeout=timeout,
+            device_id=None,
+        )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
