@@ -9,7 +9,9 @@ table (with a "did you mean"), a bad value names the expected type or the allowe
 Nothing is modified in place, so a rejected override leaves the config as it was.
 
 Override values are TOML values (``3e-4``, ``true``, ``"text"``, ``[1, 2]``); a value that is
-not valid TOML is taken as a bare string, so ``mode=async`` works without quotes. A table with
+not valid TOML is taken as a bare string, so ``mode=async`` works without quotes. A ``float``
+field takes finite numbers only (``nan`` and ``inf`` would pass every range check written as
+``x < 0``). A table with
 a ``name`` key takes a plain value as its name: ``task=lookup`` is ``task.name=lookup``.
 ``to_toml(cfg)`` writes a config back (``None`` fields are left out: they mean "default").
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -43,11 +46,17 @@ def load_config(
     if toml_path is not None:
         path = Path(toml_path)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(path.read_bytes().decode("utf-8"))
         except OSError as e:
             raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
+        except RecursionError:
+            raise ConfigError(
+                f"config file {str(path)!r} nests arrays or tables too deeply to read"
+            ) from None
         cfg = merge(cfg, data, where=f"{path.name}: ")
     if not overrides:
         return cfg
@@ -120,9 +129,14 @@ def to_toml(cfg: object) -> str:
 # --------------------------------------------------------------------------------------------
 def _parse_value(text: str) -> Any:
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        parsed = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         return text  # a bare word: a string
+    except RecursionError:
+        raise ConfigError(f"override value {text[:40]!r}... nests too deeply to read") from None
+    if list(parsed) != ["v"]:  # "1\nseed = 3" would set a second key: it is one string
+        return text
+    return parsed["v"]
 
 
 def _merge(cfg: T, data: Mapping[str, Any], *, prefix: str, where: str, check: bool = True) -> T:
@@ -212,7 +226,13 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
         raise bad("an integer")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond float's range
+                raise bad("a finite number") from None
+            if math.isfinite(number):
+                return number
+            raise bad("a finite number")
         raise bad("a number")
     if tp is str:
         if isinstance(value, str):

@@ -100,3 +100,23 @@ def test_merge_leaves_the_input_alone() -> None:
     cfg = Job()
     out = merge(cfg, {"train": {"steps": 2}})
     assert out.train.steps == 2 and cfg.train.steps == 10
+
+
+def test_files_and_values_the_fuzz_found(tmp_path: Path) -> None:
+    """Non-UTF-8 bytes, nesting deeper than the parser recurses, non-finite floats and a
+    value smuggling a second key were a UnicodeDecodeError, a RecursionError, accepted and
+    silently cut; each is a ConfigError now (or, for the second key, one string)."""
+    raw = tmp_path / "raw.toml"
+    raw.write_bytes(b"name = '\x80'\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(Job, raw)
+    deep = tmp_path / "deep.toml"
+    deep.write_text("name = " + "[" * 5000)
+    with pytest.raises(ConfigError, match="too deeply"):
+        load_config(Job, deep)
+    with pytest.raises(ConfigError, match="too deeply"):
+        apply_override(Job(), "train.layers=" + "[" * 5000)
+    for value in ("nan", "inf", "-inf", "1e400", str(10**400)):
+        with pytest.raises(ConfigError, match=r"train\.lr must be a finite number"):
+            apply_override(Job(), f"train.lr={value}")
+    assert apply_override(Job(), "name=1\nverbose = true") == Job(name="1\nverbose = true")
