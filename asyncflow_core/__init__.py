@@ -25,15 +25,18 @@ from asyncflow_core.agent import (
     TrajectoryLimits,
     Turn,
 )
+from asyncflow_core.checkpoint import Checkpoints
 from asyncflow_core.controller import Controller
 from asyncflow_core.errors import (
     AsyncFlowError,
     BadRequestError,
     CapacityError,
     CellAlreadyWrittenError,
+    CheckpointError,
     ConfigError,
     DataStoreError,
     EngineError,
+    EngineLostError,
     EngineUnavailableError,
     LeaseError,
     LeaseExpiredError,
@@ -146,6 +149,8 @@ __all__ = [
     "Capacity",
     "CapacityError",
     "CellAlreadyWrittenError",
+    "CheckpointError",
+    "Checkpoints",
     "ConfigError",
     "Controller",
     "DataStore",
@@ -155,6 +160,7 @@ __all__ = [
     "DistributedWeightSync",
     "EngineError",
     "EngineGroupWeightSync",
+    "EngineLostError",
     "EngineUnavailableError",
     "FieldSchema",
     "GenerationClient",

@@ -50,7 +50,13 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from asyncflow_core.chat import AssistantMessage, ChatFormat, Message, check_messages
 from asyncflow_core.enginekit import resume_after
-from asyncflow_core.errors import AsyncFlowError, BadRequestError, ConfigError, EngineError
+from asyncflow_core.errors import (
+    AsyncFlowError,
+    BadRequestError,
+    ConfigError,
+    EngineError,
+    EngineLostError,
+)
 from asyncflow_core.protocols import (
     GenerationRequest,
     GenerationResult,
@@ -215,6 +221,9 @@ class GenerationClient:
     ``"{trajectory_id}.t{turn}"``, and it is the router's sticky group). ``sampling``: the
     turns' sampling params (default ``SamplingParams()``); a seed is offset per turn.
     ``closing()``: True once the job is stopping (an aborted turn is then not retried).
+    ``on_lost(name, error)``: called when engine ``name`` is lost (``EngineLostError``) with
+    this client's turn on it; the turn then goes to another engine (default: take the engine
+    out of the router).
     ``too_stale(version)``: True when a trajectory whose oldest generated token has
     ``version`` can no longer be trained (a turn then does not start). ``tracer``: where the
     turn spans (on ``resource``) and tool spans go. ``inflight``: a registry shared with the
@@ -234,6 +243,7 @@ class GenerationClient:
         tracer: Tracer | None = None,
         resource: str = "rollout",
         inflight: dict[str, InferenceEngine] | None = None,
+        on_lost: Callable[[str, EngineLostError], None] | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("GenerationClient: give at least one InferenceEngine")
@@ -250,6 +260,7 @@ class GenerationClient:
         self.resource = resource
         self._inflight = {} if inflight is None else inflight
         self._closing = closing
+        self._on_lost = on_lost
         self._too_stale = too_stale
         self._tokens: list[int] = []
         self._mask: list[int] = []
@@ -271,7 +282,7 @@ class GenerationClient:
             self.engines, self.router, trajectory_id, sampling=self.sampling,
             limits=self.limits, partial_rollout=self.partial_rollout, closing=self._closing,
             too_stale=self._too_stale, tracer=self.tracer, resource=self.resource,
-            inflight=self._inflight,
+            inflight=self._inflight, on_lost=self._on_lost,
         )  # fmt: skip
 
     # ---- context --------------------------------------------------------------------------
@@ -371,8 +382,6 @@ class GenerationClient:
         turn = self._assistant_turns
         rid = f"{self.trajectory_id}.t{turn}"
         prompt = tuple(self._tokens)
-        name = self.router.route(rid, len(prompt) + cap, self.trajectory_id)
-        engine = self.engines[int(name)]
         params = replace(self.sampling, max_tokens=cap)
         if seed is not None:
             params = replace(params, seed=seed)
@@ -380,19 +389,11 @@ class GenerationClient:
             params = replace(params, seed=params.seed + turn)
         request = GenerationRequest(rid, prompt, params, group=self.trajectory_id)
         t0 = self.tracer.now() if self.tracer is not None else 0.0
-        try:
-            while True:
-                self._inflight[rid] = engine
-                result = await engine.generate(request)
-                if result.finish_reason != "abort" or self._closing():
-                    break
-                # aborted at a weight sync: resume from the prefix on the new weights, keeping
-                # each token's version, or start the turn over
-                if self.partial_rollout:
-                    request = resume_after(request, result)
-        finally:
-            self._inflight.pop(rid, None)
-            self.router.finish(rid)
+        name, result = await generate_routed(
+            self.engines, self.router, request, len(prompt) + cap, self.trajectory_id,
+            partial_rollout=self.partial_rollout, closing=self._closing,
+            inflight=self._inflight, on_lost=self._on_lost,
+        )  # fmt: skip
         if tuple(result.prompt_tokens) != prompt:
             raise EngineError(
                 f"{self.trajectory_id}: engine {name} answered turn {turn} for another prompt "
@@ -636,6 +637,58 @@ class EnvironmentLoop:
         return client.trajectory(reward=0.0 if reward is None else reward, ended=ended)
 
 
+async def generate_routed(
+    engines: Sequence[InferenceEngine],
+    router: RequestRouter,
+    request: GenerationRequest,
+    tokens: int,
+    group: int | str | None,
+    *,
+    partial_rollout: bool,
+    closing: Callable[[], bool],
+    inflight: dict[str, InferenceEngine],
+    on_lost: Callable[[str, EngineLostError], None] | None = None,
+) -> tuple[str, GenerationResult]:
+    """Generate ``request`` on the engine ``router`` picks (``engines[int(name)]``; ``tokens``
+    is its load, ``group`` its sticky group) and return ``(name, result)``. A request aborted
+    by a weight sync is sent again while the job goes on: from its prefix with each token's
+    version (``partial_rollout``), or from the start. A request whose engine is lost
+    (``EngineLostError``) goes to another engine, after ``on_lost(name, error)`` took the lost
+    one out (default: out of the router): from the tokens the lost engine returned with the
+    error where it could (``error.partial``), else from where the request was. ``inflight``
+    maps the request id to the engine it is on while it runs (a job aborts those at its
+    end)."""
+    rid = request.request_id
+    while True:
+        name = router.route(rid, tokens, group)
+        engine = engines[int(name)]
+        try:
+            while True:
+                inflight[rid] = engine
+                result = await engine.generate(request)
+                if result.finish_reason != "abort" or closing():
+                    return name, result
+                # aborted at a weight sync: resume from the prefix on the new weights, keeping
+                # each token's version, or start over
+                if partial_rollout:
+                    request = resume_after(request, result)
+        except EngineLostError as error:
+            if closing():
+                raise
+            if on_lost is not None:
+                on_lost(name, error)
+            elif name in router.instances:
+                router.remove_instance(name)
+            partial = error.partial
+            if isinstance(partial, GenerationResult) and len(partial.tokens) > len(
+                request.resume_tokens
+            ):
+                request = resume_after(request, partial)
+        finally:
+            inflight.pop(rid, None)
+            router.finish(rid)
+
+
 def _token_ids(tokens: Sequence[int], who: str) -> list[int]:
     ids = list(tokens)
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
@@ -657,5 +710,6 @@ __all__ = [
     "TrajectoryLimitReached",
     "TrajectoryLimits",
     "Turn",
+    "generate_routed",
     "sample_messages",
 ]

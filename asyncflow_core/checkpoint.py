@@ -19,7 +19,11 @@ preempted or OOM-killed job sees. Unset (always, outside tests), a failpoint is 
 lookup. The points: ``checkpoint.write`` (inside a checkpoint's temporary folder, after the
 trainer's files are written and before the rename), ``sync.transfer`` (in a weight sync,
 after the first bucket was sent), ``update.step`` (after an optimizer step, before the job
-records it).
+records it), ``process.NAME.METHOD`` (in the child process of a ``ProcessTrainEngine`` or
+``ProcessInferenceEngine`` named NAME, when a call of METHOD arrives: e.g.
+``process.trainer.train_step=5`` kills the trainer's process at its fifth step),
+``ray.NAME.METHOD`` (the same in the Ray actor hosting engine NAME; the variable reaches the
+actors of a local cluster started after it was set).
 """
 
 from __future__ import annotations

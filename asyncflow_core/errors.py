@@ -118,6 +118,20 @@ class PeerRankError(EngineError):
     rank's error says why); this rank changed nothing."""
 
 
+class EngineLostError(EngineError):
+    """The process, actor or node hosting an engine is gone (killed, crashed, out of memory):
+    every call in flight on it failed and every later one fails. An RL job takes a lost
+    *rollout* engine out of routing and weight sync and sends its requests to the others
+    (from ``partial``, the tokens it had generated, where the engine could return them);
+    a lost trainer stops the job."""
+
+    def __init__(self, message: str, *, partial: object | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
+        """A ``GenerationResult`` of what the lost engine had generated for the failed
+        request, where its host could return it; None otherwise (the request starts over)."""
+
+
 class CheckpointError(EngineError):
     """A checkpoint that cannot be loaded into this engine (missing or truncated files, another
     format, model, layout or version); the engine is unchanged."""

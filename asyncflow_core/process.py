@@ -28,17 +28,27 @@ import pickle
 import socket
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from asyncflow_core.errors import ConfigError, EngineError, PeerRankError
+from asyncflow_core.checkpoint import failpoint
+from asyncflow_core.errors import ConfigError, EngineError, EngineLostError, PeerRankError
 from asyncflow_core.platform import GLOO_IFNAME_ENV, interface_of, listen_address, rendezvous_store
-from asyncflow_core.protocols import Batch, LossFn, TrainEngine, TrainMetrics, Version, WeightBucket
+from asyncflow_core.protocols import (
+    Batch,
+    GenerationRequest,
+    GenerationResult,
+    LossFn,
+    TrainEngine,
+    TrainMetrics,
+    Version,
+    WeightBucket,
+)
 
 DEFAULT_START_TIMEOUT_S = 300.0
 _STOP = "__stop__"
@@ -109,6 +119,7 @@ async def _serve(conn: Connection, factory: Callable[[], Any], name: str) -> Non
     threading.Thread(target=read, name=f"{name}-reader", daemon=True).start()
 
     async def handle(call_id: int, method: str, args: tuple[Any, ...]) -> None:
+        failpoint(f"process.{name}.{method}")  # e.g. process.trainer.train_step=5
         try:
             if method == "export_weights":
                 async for bucket in engine.export_weights(*args):
@@ -163,8 +174,9 @@ class _Call:
                 self.future.set_result(payload)
 
 
-class ProcessTrainEngine:
-    """A ``TrainEngine`` whose engine lives in a child process (see the module docstring).
+class _ProcessEngine:
+    """An engine that lives in a child process (see the module docstring); the subclasses
+    forward one protocol's calls.
 
     ``factory``: a picklable zero-argument callable run in the child that returns the engine
     (or an awaitable of it). ``threads``: ``torch.set_num_threads`` in the child before the
@@ -176,6 +188,12 @@ class ProcessTrainEngine:
     ``close()`` closes the child's engine and ends the process. (``wait=False`` returns as
     soon as the process is started, for ``SPMDTrainEngine``, which then waits for all its
     ranks at once: they can only become ready together.)
+
+    **A child that dies** (killed, crashed, out of memory) is noticed at once: its end of the
+    pipe closes, so the parent's reader thread sees end-of-file and fails every call in flight,
+    and every later one, with ``EngineLostError`` naming the engine, its pid and exit code
+    (for SIGKILL, -9). No heartbeat is needed for that; a child that hangs while alive is
+    not detected (give the job's calls a timeout of their own if that can happen).
     """
 
     def __init__(
@@ -188,23 +206,23 @@ class ProcessTrainEngine:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         wait: bool = True,
     ) -> None:
+        who = type(self).__name__
         if not callable(factory):
-            raise ConfigError(f"ProcessTrainEngine: factory must be callable, got {factory!r}")
+            raise ConfigError(f"{who}: factory must be callable, got {factory!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                     or threads < 1):  # fmt: skip
-            raise ConfigError(f"ProcessTrainEngine: threads must be None or >= 1, got {threads!r}")
+            raise ConfigError(f"{who}: threads must be None or >= 1, got {threads!r}")
         methods = multiprocessing.get_all_start_methods()
         method = start_method or ("forkserver" if "forkserver" in methods else "spawn")
         if method not in methods:
             raise ConfigError(
-                f"ProcessTrainEngine: start_method {method!r} is not available here; "
-                f"choose one of {methods}"
+                f"{who}: start_method {method!r} is not available here; choose one of {methods}"
             )
         try:
             _dumps(factory)
         except Exception as e:
             raise ConfigError(
-                f"ProcessTrainEngine: the factory {factory!r} cannot be pickled to reach the "
+                f"{who}: the factory {factory!r} cannot be pickled to reach the "
                 f"engine process ({type(e).__name__}: {e}); use a module-level function or "
                 "functools.partial of a class with picklable arguments"
             ) from e
@@ -258,7 +276,6 @@ class ProcessTrainEngine:
         self._reader = threading.Thread(target=self._read, name=f"{name}-proxy", daemon=True)
         self._reader.start()
 
-    # -- TrainEngine -------------------------------------------------------------------------
     @property
     def weight_version(self) -> Version:
         return self._version
@@ -267,23 +284,6 @@ class ProcessTrainEngine:
     def pid(self) -> int | None:
         pid: int | None = self._process.pid
         return pid
-
-    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
-        result: torch.Tensor = await self._call("compute_logprobs", batch)
-        return result
-
-    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        result: TrainMetrics = await self._call("train_step", batch, loss_fn)
-        return result
-
-    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        return self._stream("export_weights", bucket_bytes)
-
-    async def save_checkpoint(self, path: str) -> None:
-        await self._call("save_checkpoint", path)
-
-    async def load_checkpoint(self, path: str) -> None:
-        await self._call("load_checkpoint", path)
 
     async def close(self) -> None:
         """Close the child's engine and end its process (idempotent)."""
@@ -298,14 +298,14 @@ class ProcessTrainEngine:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (self._dead or "running")
-        return f"ProcessTrainEngine({self.name!r}, pid={self.pid}, {state})"
+        return f"{type(self).__name__}({self.name!r}, pid={self.pid}, {state})"
 
     # -- plumbing ----------------------------------------------------------------------------
     def _check_open(self, method: str) -> None:
         if self._closed:
             raise EngineError(f"{self.name}: {method} after close(); build a new engine")
         if self._dead is not None:
-            raise EngineError(f"{self.name}: {method} failed: {self._dead}")
+            raise EngineLostError(f"{self.name}: {method} failed: {self._dead}")
 
     def _send(self, method: str, args: tuple[Any, ...], stream: bool) -> tuple[int, _Call]:
         self._check_open(method)
@@ -379,10 +379,19 @@ class ProcessTrainEngine:
         self._process.join(1.0)
         if not self._closed:
             code = self._process.exitcode
-            self._dead = f"the engine process exited (exit code {code}); its output above says why"
+            why = (
+                "killed by SIGKILL (the kernel's OOM killer, or a kill -9)"
+                if code == -9
+                else "its output above says why"
+            )
+            self._dead = f"its process (pid {self._process.pid}) exited with code {code}: {why}"
         with self._lock:
             pending, self._calls = list(self._calls.values()), {}
-        error = EngineError(f"{self.name}: {self._dead or 'the engine process was closed'}")
+        error: EngineError
+        if self._dead is not None:
+            error = EngineLostError(f"{self.name}: {self._dead}")
+        else:
+            error = EngineError(f"{self.name}: the engine process was closed")
         for call in pending:
             with contextlib.suppress(RuntimeError):
                 call.loop.call_soon_threadsafe(call.deliver, _ERR, error)
@@ -398,6 +407,76 @@ class ProcessTrainEngine:
             self._process.join(5.0)
         with contextlib.suppress(OSError):
             self._conn.close()
+
+
+class ProcessTrainEngine(_ProcessEngine):
+    """A ``TrainEngine`` whose engine lives in a child process (see ``_ProcessEngine`` for the
+    arguments and what happens when the child dies: a lost trainer raises
+    ``EngineLostError``, which stops an RL job)."""
+
+    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        result: torch.Tensor = await self._call("compute_logprobs", batch)
+        return result
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        result: TrainMetrics = await self._call("train_step", batch, loss_fn)
+        return result
+
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        return self._stream("export_weights", bucket_bytes)
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self._call("save_checkpoint", path)
+
+    async def load_checkpoint(self, path: str) -> None:
+        await self._call("load_checkpoint", path)
+
+
+class ProcessInferenceEngine(_ProcessEngine):
+    """An ``InferenceEngine`` whose engine lives in a child process (the same plumbing as
+    ``ProcessTrainEngine``: ``factory``, ``threads``, ``start_method``, ``close``): rollout
+    then does not share the interpreter lock with the job, and a rollout engine that dies is
+    a lost worker the job survives (``EngineLostError``; ``asyncflow_core.rlflow``). It
+    forwards ``generate``, ``abort``, ``load_weights``, ``pause`` and ``resume``: the child's
+    engine must have the last three for a job's weight sync. Requests, results and the
+    synced weights are pickled over the pipe (copied, not shared)."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        *,
+        threads: int | None = None,
+        name: str = "rollout",
+        start_method: str | None = None,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    ) -> None:
+        super().__init__(
+            factory, threads=threads, name=name, start_method=start_method,
+            start_timeout_s=start_timeout_s,
+        )  # fmt: skip
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        result: GenerationResult = await self._call("generate", request)
+        return result
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._call("abort", list(request_ids))
+
+    async def load_weights(self, weights: Any, version: Version) -> None:
+        await self._call("load_weights", _plain_weights(weights), version)
+
+    async def pause(self, mode: Literal["abort", "keep"] = "keep") -> None:
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+
+def _plain_weights(weights: Any) -> Any:
+    """Weights as something that pickles: a mapping or a list of ``(name, tensor)``."""
+    if isinstance(weights, Mapping):
+        return dict(weights)
+    return list(weights)
 
 
 # --------------------------------------------------------------------------------------------

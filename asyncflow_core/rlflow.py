@@ -59,6 +59,7 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -67,10 +68,21 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from asyncflow_core.agent import AgentLoop, GenerationClient, Trajectory, TrajectoryLimits
+from asyncflow_core.agent import (
+    AgentLoop,
+    GenerationClient,
+    Trajectory,
+    TrajectoryLimits,
+    generate_routed,
+)
 from asyncflow_core.checkpoint import Checkpoints, failpoint
-from asyncflow_core.enginekit import resume_after
-from asyncflow_core.errors import BadRequestError, CheckpointError, ConfigError
+from asyncflow_core.errors import (
+    BadRequestError,
+    CheckpointError,
+    ConfigError,
+    EngineError,
+    EngineLostError,
+)
 from asyncflow_core.protocols import (
     Batch,
     Candidates,
@@ -109,6 +121,7 @@ from asyncflow_core.weightsync import InProcessWeightSync, StagedUpdate, _pause,
 from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
 _T = TypeVar("_T")
+_log = logging.getLogger("asyncflow.rl")
 Mode = Literal["async", "colocated"]
 SyncStrategy = Literal["blocking", "staged", "inflight"]
 RewardFn = Callable[[Sequence[int], Sequence[int]], float]
@@ -445,6 +458,44 @@ def _jsonable_prompt(prompt: object, group: int | str) -> Any:
     return value
 
 
+class _Guarded:
+    """A rollout engine as a weight-sync target: losing it (``EngineLostError``) in a pause,
+    load or resume tells the job (``lost(name, error)``, which takes it out of routing and
+    of later syncs) and ends that call as if it succeeded: there is nothing left to load."""
+
+    def __init__(
+        self,
+        engine: SupportsLoadWeights,
+        name: str,
+        lost: Callable[[str, EngineLostError], None],
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self._lost = lost
+
+    @property
+    def weight_version(self) -> Version:
+        return self.engine.weight_version  # type: ignore[attr-defined, no-any-return]
+
+    async def _call(self, method: str, *args: Any) -> None:
+        fn = getattr(self.engine, method, None)
+        if fn is None:  # an engine without pause/resume
+            return
+        try:
+            await fn(*args)
+        except EngineLostError as error:
+            self._lost(self.name, error)
+
+    async def load_weights(self, weights: Any, version: Version) -> None:
+        await self._call("load_weights", weights, version)
+
+    async def pause(self, mode: Literal["abort", "keep"] = "keep") -> None:
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+
 class _Gate:
     """Rollout admission to the engines: closed during a blocking sync or, colocated, while the
     trainer has the devices; counts generations in flight so a sync can drain them."""
@@ -632,6 +683,9 @@ class RLJob:
         self._open: dict[int | str, Any] = {}  # fed, neither trained nor dropped
         self._generated_min: dict[int | str, Version] = {}  # generated, oldest version
         self._lock = asyncio.Lock()  # an update and a checkpoint never overlap
+        self.lost: dict[str, str] = {}
+        """Rollout engines lost during the job (router name -> why); the job went on with the
+        others (``EngineLostError``)."""
         self._ended: float | None = None  # the last run's wall seconds, once it ended
         self._start: Version = 0  # the trainer's version when run() started
         # replaced at each run() by one counting from that run's start version
@@ -815,25 +869,16 @@ class RLJob:
         cfg = self.config
         self._rid += 1
         rid = f"r{self._rid}"
-        name = self.router.route(rid, len(prompt) + cfg.sampling.max_tokens, group)
-        engine = self.engines.rollout[int(name)]
         params = cfg.sampling
         if params.seed is not None:  # one seed per request, or a group's samples would be equal
             params = replace(params, seed=params.seed + self._rid)
         request = GenerationRequest(rid, prompt, params, group=group)
-        try:
-            while True:
-                self._inflight[rid] = engine
-                result = await engine.generate(request)
-                if result.finish_reason != "abort" or self._closing:
-                    return result
-                # aborted at a sync: resume from the prefix (partial rollout) or start over;
-                # a paused engine holds the new request until it resumes
-                if cfg.partial_rollout:
-                    request = resume_after(request, result)
-        finally:
-            self._inflight.pop(rid, None)
-            self.router.finish(rid)
+        _, result = await generate_routed(
+            self.engines.rollout, self.router, request, len(prompt) + cfg.sampling.max_tokens,
+            group, partial_rollout=cfg.partial_rollout, closing=lambda: self._closing,
+            inflight=self._inflight, on_lost=self._engine_lost,
+        )  # fmt: skip
+        return result
 
     async def _rollout_agents(self, batch: Batch) -> TaskOutput:
         """One group of trajectories: the agent loop once per row, concurrently."""
@@ -891,7 +936,7 @@ class RLJob:
                 partial_rollout=cfg.partial_rollout, closing=lambda: self._closing,
                 too_stale=self._too_stale if cfg.drop_stale else None, tracer=self.tracer,
                 resource="devices" if cfg.mode == "colocated" else "rollout",
-                inflight=self._inflight,
+                inflight=self._inflight, on_lost=self._engine_lost,
             )  # fmt: skip
             trajectory = await self.agent.run(dict(sample), client)
             if not isinstance(trajectory, Trajectory):
@@ -1093,23 +1138,64 @@ class RLJob:
         return state
 
     # -- weight sync ---------------------------------------------------------------------------
-    def _load_targets(self, why: str = "") -> list[SupportsLoadWeights]:
-        targets: list[SupportsLoadWeights] = [
-            e for e in self.engines.rollout if isinstance(e, SupportsLoadWeights)
+    def _live(self) -> list[tuple[str, InferenceEngine]]:
+        """The rollout engines not lost, with their router names."""
+        return [(str(i), e) for i, e in enumerate(self.engines.rollout) if str(i) not in self.lost]
+
+    def _load_targets(self, why: str = "", *, guard: bool = True) -> list[SupportsLoadWeights]:
+        """The live rollout engines as weight-sync targets; ``guard``: each wrapped so that
+        losing it in the middle of a sync takes it out of the job instead of failing the
+        sync (``_Guarded``)."""
+        live = self._live()
+        missing = [
+            f"{name} ({type(e).__name__})"
+            for name, e in live
+            if not isinstance(e, SupportsLoadWeights)
         ]
-        if len(targets) != len(self.engines.rollout):
-            missing = [
-                f"{i} ({type(e).__name__})"
-                for i, e in enumerate(self.engines.rollout)
-                if not isinstance(e, SupportsLoadWeights)
-            ]
+        if missing:
             raise ConfigError(
                 "every rollout engine must support load_weights(weights, version) for weight "
                 f"sync; rollout engine(s) {', '.join(missing)} do not{why}"
             )
-        return targets
+        if not guard:
+            return [e for _, e in live]  # type: ignore[misc]  # checked above
+        return [_Guarded(e, name, self._engine_lost) for name, e in live]  # type: ignore[arg-type]
+
+    def _engine_lost(self, name: str, error: EngineLostError) -> None:
+        """Rollout engine ``name`` is gone: take it out of routing and of weight sync (its
+        requests are sent again by ``generate_routed``). With none left, the job stops."""
+        if name in self.lost:
+            return
+        self.lost[name] = str(error)
+        if name in self.router.instances:
+            self.router.remove_instance(name)
+        engine = self.engines.rollout[int(name)]
+        if self._staged is not None:
+            self._staged.engines = [
+                e for e in self._staged.engines if getattr(e, "engine", e) is not engine
+            ]
+        if self._transport is not None:  # rebuilt over the live engines at the next sync
+            self._transport = None
+            self._transport_ready = False
+        live = len(self.engines.rollout) - len(self.lost)
+        _log.warning(
+            "rollout engine %s (%s) is lost: %s; its requests go to the %d left",
+            name, type(engine).__name__, error, live,
+        )  # fmt: skip
+        if self.tracer is not None:
+            now = self._now()
+            self.tracer.record(
+                "lost", "engine lost", now, now, resource="rollout", engine=name, error=str(error)
+            )
+        if live == 0:
+            raise EngineError(
+                f"every rollout engine is lost (the last, {name}: {error}); the job cannot "
+                "generate any more"
+            ) from error
 
     def _staged_update(self) -> StagedUpdate:
+        # the engines only load what the host buffer staged: safe to guard whatever the
+        # transport is
         if self._staged is None:
             mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
             self._staged = StagedUpdate(
@@ -1120,7 +1206,11 @@ class RLJob:
     async def _ensure_transport(self) -> WeightSync:
         """The transport of a blocking or in-flight sync (straight into the engines)."""
         if self._transport is None:
-            self._transport = self.engines.make_transport(self._load_targets())
+            # a transport of our own (in-process) talks to the engines through load_weights
+            # only, so it takes guarded targets; another (a collective group, an engine's own
+            # channel) needs the engines themselves, and losing one fails its sync
+            guard = self.engines.make_transport is InProcessWeightSync
+            self._transport = self.engines.make_transport(self._load_targets(guard=guard))
         if not self._transport_ready:
             await self._transport.init()
             self._transport_ready = True
@@ -1166,18 +1256,19 @@ class RLJob:
             self.gate.close()
             try:
                 t0 = self._now()
+                live = self._load_targets()
                 if cfg.partial_rollout:
-                    await _pause(self.engines.rollout, "abort")
+                    await _pause(live, "abort")
                 else:
                     await self.gate.drained()
-                    await _pause(self.engines.rollout, "keep")
+                    await _pause(live, "keep")
                 self._span("drain", "rollout", t0, True, version)
                 try:
                     if cfg.mode == "colocated":
                         await self._wake()
                     await self._transfer(transport, version, send_exposed=True, load_exposed=True)
                 finally:
-                    await _resume(self.engines.rollout)
+                    await _resume(self._load_targets())
             finally:
                 self.gate.open()
         self.admission.set_version(version)
@@ -1201,9 +1292,7 @@ class RLJob:
         collective group) is the one the later syncs reuse."""
         version = self._start
         behind = [
-            f"{i} at {e.weight_version}"
-            for i, e in enumerate(self.engines.rollout)
-            if e.weight_version != version
+            f"{i} at {e.weight_version}" for i, e in self._live() if e.weight_version != version
         ]
         if not behind:
             return
@@ -1239,7 +1328,7 @@ class RLJob:
         if not self._sleeping:
             t0 = self._now()
             await asyncio.gather(
-                *(e.sleep(1) for e in self.engines.rollout if isinstance(e, SupportsSleep))
+                *(e.sleep(1) for _, e in self._live() if isinstance(e, SupportsSleep))
             )
             self._sleeping = True
             self._span("offload", "devices", t0, True, None)
@@ -1248,7 +1337,7 @@ class RLJob:
         if self._sleeping:
             t0 = self._now()
             await asyncio.gather(
-                *(e.wake_up() for e in self.engines.rollout if isinstance(e, SupportsSleep))
+                *(e.wake_up() for _, e in self._live() if isinstance(e, SupportsSleep))
             )
             self._sleeping = False
             self._span("onload", "devices", t0, True, None)

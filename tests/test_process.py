@@ -17,7 +17,7 @@ from asyncflow_conformance.engines import padded_batch
 from asyncflow_reference.engines import TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.errors import ConfigError, EngineError
+from asyncflow_core.errors import ConfigError, EngineError, EngineLostError
 from asyncflow_core.process import ProcessTrainEngine
 from asyncflow_core.protocols import Batch
 from asyncflow_core.rl import PPOClipLoss, policy_gradient_loss
@@ -119,7 +119,7 @@ def test_a_dead_child_fails_calls_clearly() -> None:
             for _ in range(100):  # the reader notices the pipe closing
                 await engine.compute_logprobs(batch())
                 await asyncio.sleep(0.05)
-        with pytest.raises(EngineError, match=r"exited \(exit code -9\)"):
+        with pytest.raises(EngineLostError, match=r"exited with code -9: killed by SIGKILL"):
             await engine.train_step(batch(), policy_gradient_loss)
         await engine.close()  # still closes cleanly
 

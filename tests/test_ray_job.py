@@ -4,14 +4,21 @@ Ray actors on a local cluster the command starts and stops itself."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from asyncflow_reference.job import RunConfig
 
+from asyncflow_core.checkpoint import Checkpoints
 from asyncflow_core.cli import main as cli_main
 from asyncflow_core.config import apply_override
 from asyncflow_core.errors import ConfigError
+from asyncflow_core.rlflow import JobState
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
 
@@ -58,3 +65,65 @@ def test_bad_runtime_choices_are_refused(overrides: list[str], match: str) -> No
         for o in overrides:
             cfg = apply_override(cfg, o)
         cfg.validate()
+
+
+def test_a_killed_rollout_actor_does_not_end_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rollout actor 1 kills its own process (SIGKILL, a failpoint) at its 10th generate
+    call, with requests in flight: its requests go to actor 0 and the run completes. The
+    variable reaches the actors through the local cluster the run starts."""
+    monkeypatch.setenv("ASYNCFLOW_FAILPOINTS", "ray.rollout-1.generate=10")
+    out = tmp_path / "run"
+    args = ["run", "--runtime", "ray", "--out", str(out), "--quiet"]
+    for item in [*QUICK, "rollout.engines=2", "rl.steps=6"]:
+        args += ["--set", item]
+    assert cli_main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["samples"] == 6 * 16
+    lost = summary["extra"]["lost_engines"]
+    assert list(lost) == ["1"] and "rollout-1" in lost["1"]
+    assert "lost rollout engines" in capsys.readouterr().out
+    assert not ray.is_initialized()
+
+
+def test_a_ray_run_killed_then_stopped_by_sigterm_resumes(tmp_path: Path) -> None:
+    """A --runtime ray run killed with SIGKILL inside a weight sync (a failpoint), resumed;
+    stopped by SIGTERM (it checkpoints, the trainer actor writing its state into the run
+    folder, and exits 0), resumed again to the end on a fresh cluster each time."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    sets = [*QUICK[1:], "rl.steps=6", "checkpoint.every=2", "eval_prompts=0"]
+    cmd = [sys.executable, "-m", "asyncflow_core.cli", "run", "--runtime", "ray", "--quiet"]
+    killed = subprocess.run(
+        [*cmd, "--out", str(out), *(x for s in sets for x in ("--set", s))],
+        cwd=root, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "ASYNCFLOW_FAILPOINTS": "sync.transfer=3"},
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    ckpts = Checkpoints(out / "checkpoints")
+    assert JobState.read(ckpts.latest()).version == 2  # type: ignore[arg-type]
+    proc = subprocess.Popen(
+        [*cmd, "--resume", str(out), "--set", "rl.steps=400"],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    while ckpts.latest() == ckpts.path(2) and proc.poll() is None:  # evidence: a newer one
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "stopped on SIGTERM" in err, err
+    state = JobState.read(ckpts.latest())  # type: ignore[arg-type]
+    assert state.version > 2
+    done = subprocess.run(
+        [*cmd, "--resume", str(out), "--set", f"rl.steps={state.version + 2}"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == state.version + 2 and summary["runtime"].startswith("ray")
+    assert summary["extra"]["resumed_at"] == [2, state.version]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, state.version + 3))
+    end = JobState.read(ckpts.latest())  # type: ignore[arg-type]
+    groups = [g for s in end.steps for g in s.groups]
+    assert len(groups) == len(set(groups))  # no group trained twice across the three runs

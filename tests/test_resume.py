@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
+from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
+from asyncflow_reference.model import ModelConfig, TransformerLM
 
 from asyncflow_core.checkpoint import Checkpoints, _parse
 from asyncflow_core.errors import CheckpointError, ConfigError
-from asyncflow_core.rlflow import JobState, RLConfig, RLEngines, RLJob
 from asyncflow_core.protocols import SamplingParams
-from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
-from asyncflow_reference.model import ModelConfig, TransformerLM
+from asyncflow_core.rlflow import JobState, RLConfig, RLEngines, RLJob
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -141,7 +141,7 @@ def test_rljob_resumes_without_training_a_group_twice(tmp_path: Path) -> None:
 
 def test_resume_refuses_a_bad_folder(tmp_path: Path) -> None:
     job = _job(tmp_path, 2)
-    with pytest.raises(CheckpointError, match="job.json"):
+    with pytest.raises(CheckpointError, match=r"job\.json"):
         asyncio.run(job.resume(tmp_path))
     (tmp_path / "job.json").write_text('{"format": "something-else"}')
     with pytest.raises(CheckpointError, match="something-else"):
@@ -229,7 +229,7 @@ def test_main_job_killed_at_random_points_resumes(tmp_path: Path) -> None:
             time.sleep(rng.uniform(0.0, 0.4))  # a random point after it (maybe the end)
             proc.send_signal(signal.SIGKILL)
             kills += proc.wait() == -signal.SIGKILL
-        out, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=300)
         if proc.returncode == 0:
             break
         assert proc.returncode == -signal.SIGKILL, err

@@ -89,10 +89,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn, Self, TypeVa
 import numpy as np
 import torch
 
+from asyncflow_core.checkpoint import failpoint
 from asyncflow_core.errors import (
     AsyncFlowError,
     ConfigError,
     EngineError,
+    EngineLostError,
     EngineUnavailableError,
 )
 from asyncflow_core.platform import Platform, get_platform
@@ -174,10 +176,11 @@ Reply = tuple[str, Any, Version, int]
 """What the host answers: (kind, payload, engine version, sequence number)."""
 
 
-class WorkerLostError(EngineError):
+class WorkerLostError(EngineLostError):
     """The Ray actor hosting an engine is gone (killed, its process or node died): the engine's
     state (weights, requests in flight) is lost. Every later call on the proxy raises it too.
-    ``engine`` names the engine, ``actor_id`` its actor."""
+    ``engine`` names the engine, ``actor_id`` its actor. An RL job sends a lost rollout
+    actor's requests to the other rollout engines (``EngineLostError``)."""
 
     def __init__(self, message: str, engine: str = "", actor_id: str = "") -> None:
         super().__init__(message)
@@ -287,6 +290,7 @@ class _EngineHost:
 
     def __init__(self) -> None:
         self._engine: Any = None
+        self._name = ""
         self._where = "a Ray actor"
         self._seq = itertools.count(1)
 
@@ -299,6 +303,7 @@ class _EngineHost:
 
     async def start(self, factory: Callable[[], Any], name: str) -> Reply:
         context = import_ray().get_runtime_context()
+        self._name = name
         self._where = f"engine {name!r} (Ray actor {context.get_actor_id()})"
         try:
             engine = factory()
@@ -330,6 +335,7 @@ class _EngineHost:
     async def call(self, method: str, args: tuple[Any, ...]) -> Reply:
         if method not in _METHODS:
             return self._error(EngineError(f"{self._where}: no engine method {method!r}"))
+        failpoint(f"ray.{self._name}.{method}")  # e.g. ray.rollout-1.generate=30
         try:
             result = await getattr(self._engine, method)(*_unpack(args))
             return self._reply("ok", _pack(result))

@@ -63,7 +63,7 @@ from asyncflow_core.checkpoint import Checkpoints
 from asyncflow_core.config import keys, load_config, to_toml
 from asyncflow_core.errors import CheckpointError, ConfigError, TaskFailedError
 from asyncflow_core.platform import Platform, get_platform, select_platform
-from asyncflow_core.process import ProcessTrainEngine
+from asyncflow_core.process import ProcessInferenceEngine, ProcessTrainEngine
 from asyncflow_core.protocols import (
     Batch,
     DataStore,
@@ -168,6 +168,10 @@ class RolloutSection:
     """The rollout engine (``asyncflow_core.registry``): ``torch`` (the reference engine),
     ``hf`` (transformers' continuous batching) or a plugin's; ``auto``: the workload's."""
     engines: int = 1
+    process: bool = False
+    """Run each rollout engine in a child process of its own (``ProcessInferenceEngine``):
+    it then does not share the interpreter lock with the trainer, and an engine process that
+    dies is survived (its requests go to the other engines). Off by default: one process."""
     max_batch: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -322,7 +326,8 @@ class CheckpointSection:
 
 RESUME_KEYS = (
     "rl.steps", "eval_prompts", "threads", "checkpoint.every", "checkpoint.keep",
-    "rollout.engines", "rollout.max_batch", "train.process", "runtime.kind", "runtime.address",
+    "rollout.engines", "rollout.max_batch", "rollout.process", "train.process", "runtime.kind",
+    "runtime.address",
     "runtime.storage_units",
 )  # fmt: skip
 """The config keys ``asyncflow run --resume`` lets ``--set`` change: how long to train, where
@@ -377,6 +382,11 @@ class RunConfig:
             )
         workload = self.workload_name()
         train_engine = self.engine_names()[1]
+        if self.runtime.kind == "ray" and self.rollout.process:
+            raise ConfigError(
+                "runtime.kind = 'ray' runs every rollout engine in an actor of its own already; "
+                "rollout.process = true is for runtime.kind = 'local'"
+            )
         if self.runtime.kind == "ray" and (train_engine == "deepspeed" or t.process):
             raise ConfigError(
                 "runtime.kind = 'ray' runs the trainer in an actor of its own; "
@@ -835,6 +845,7 @@ async def run(
             else:  # trained to the end before it died: evaluate and summarise
                 await job.sync_rollout()
                 result = RLResult(rl_config, (), 0.0, 0, 0, PipelineResult({}, 0.0), tracer)
+            lost = dict(job.lost)
             if point is not None:  # the whole run's records and totals
                 state = point[1]
                 result = replace(
@@ -863,6 +874,8 @@ async def run(
     extra = {**extra, **_agent_figures(result)}
     if resumed_at:
         extra["resumed_at"] = resumed_at
+    if lost:
+        extra["lost_engines"] = lost
     summary = replace(summary, runtime=where, extra=extra)
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
@@ -1095,7 +1108,13 @@ async def _placed(
     ]
     if cfg.runtime.kind == "local":
         trainer = make_trainer(model, cfg=cfg, threads=threads, platform=platform)
-        engines: list[InferenceEngine] = [make() for make in rollout]
+        if cfg.rollout.process:
+            engines: list[InferenceEngine] = [
+                ProcessInferenceEngine(make, threads=threads, name=f"rollout-{i}")
+                for i, make in enumerate(rollout)
+            ]
+        else:
+            engines = [make() for make in rollout]
         try:
             yield engines, trainer, None, "local"
         finally:
@@ -1274,6 +1293,9 @@ def format_summary(s: RunSummary) -> str:
     ]
     if s.eval_reward is not None and s.eval_exact is not None:
         rows.append(("greedy eval", f"reward {s.eval_reward:.3f}, exact {s.eval_exact:.1%}"))
+    if s.extra.get("lost_engines"):
+        lost = s.extra["lost_engines"]
+        rows.append(("lost rollout engines", f"{len(lost)} ({', '.join(sorted(lost))}), survived"))
     rows += _agent_rows(s.extra)
     rows += [
         ("bubble ratio", ", ".join(f"{k} {v:.2f}" for k, v in s.bubble_ratio.items())),
@@ -1466,8 +1488,14 @@ def main_job(args: Any) -> int:
     except (ConfigError, CheckpointError) as e:  # a bad input found while building the run
         print(f"asyncflow run: {e}", file=sys.stderr)
         return 2
-    except TaskFailedError as e:  # the run stopped (e.g. a reward failing on every row)
-        print(f"asyncflow run: the run stopped: {e}; nothing was written", file=sys.stderr)
+    except TaskFailedError as e:  # the run stopped (a lost trainer, a reward failing on every row)
+        latest = Checkpoints(out / "checkpoints").latest()
+        where = (
+            f"the newest checkpoint is {latest}: continue with asyncflow run --resume {out}"
+            if latest is not None
+            else "no checkpoint was written yet"
+        )
+        print(f"asyncflow run: the run stopped: {e}\n{where}", file=sys.stderr)
         return 1
     finally:
         progress.close()
