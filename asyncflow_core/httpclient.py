@@ -127,7 +127,7 @@ class JsonClient:
             return None
         try:
             return json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
             raise EngineError(
                 f"{self.who}: {where} answered HTTP {status} with a body that is not JSON "
                 f"({text[:200]!r}); a malformed response — is {self.base_url} the engine's "
@@ -170,7 +170,7 @@ def _message(text: str) -> str:
     {"message": ...}}``, SGLang's ``{"message": ...}``, or the start of the body."""
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text[:300] or "(empty body)"
     if isinstance(data, dict):
         for key in ("detail", "message", "error"):

@@ -319,7 +319,7 @@ def read_output(
         if (
             not isinstance(entry, list | tuple)
             or len(entry) < 2
-            or not is_int(entry[1])
+            or not _is_token_id(entry[1])
             or isinstance(entry[0], bool)
             or not isinstance(entry[0], int | float)
             or not math.isfinite(entry[0])
@@ -328,7 +328,11 @@ def read_output(
         logprobs.append(float(entry[0]))
         tokens.append(int(entry[1]))
     output_ids = out.get("output_ids")
-    if output_ids is not None and [int(t) for t in output_ids] != tokens:
+    if output_ids is not None and (
+        not isinstance(output_ids, list)
+        or not all(is_int(t) for t in output_ids)
+        or [int(t) for t in output_ids] != tokens
+    ):
         raise malformed("output_ids disagree with output_token_logprobs")
     if sampling_mask:
         sampled = meta.get("output_token_sampling_logprobs")
@@ -370,7 +374,17 @@ def read_output(
             else:
                 raise malformed(f"weight-version span {span!r:.60}")
     versions = versions_from_spans(spans, len(tokens), fallback=base, who=who)
+    if any(v >= _INT64_END for v in versions):
+        raise malformed(f"weight version {max(versions)} (beyond int64)")
     return assemble(request, tokens, logprobs, versions, reason, who=who)
+
+
+_INT64_END = 2**63  # token ids and versions end up in int64 tensors
+
+
+def _is_token_id(value: object) -> bool:
+    """A token id as an answer may carry one: an int in [0, 2**63)."""
+    return is_int(value) and 0 <= int(value) < _INT64_END
 
 
 _NORMAL_AUTH_ROUTES = frozenset({"/generate", "/server_info", "/get_server_info", "/model_info"})

@@ -430,11 +430,11 @@ class VLLMHTTPEngine:
             # calls the flag ignored for keep, the code does not ignore it)
             params = {"mode": mode, **({"clear_cache": "false"} if mode == "keep" else {})}
             data = await self._post("/pause", params=params)
-        except BaseException:
+            self._expect(data, "status", "paused", "POST /pause")
+        except BaseException:  # a malformed answer too: new requests must not wait forever
             if not was_paused:
                 self._gate.resume()
             raise
-        self._expect(data, "status", "paused", "POST /pause")
 
     async def resume(self) -> None:
         """``POST /resume``; then requests waiting on the pause go."""
@@ -671,7 +671,7 @@ class VLLMHTTPEngine:
             raise self._malformed(where, data)
         choice = choices[0]
         tokens = choice.get("token_ids")
-        if not isinstance(tokens, list) or not all(is_int(t) and t >= 0 for t in tokens):
+        if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < 2**63 for t in tokens):
             raise self._malformed(where, data, "choices[0].token_ids is not a list of ids")
         raw_logprobs = choice.get("logprobs")
         content = raw_logprobs.get("content") if isinstance(raw_logprobs, dict) else None
@@ -709,6 +709,8 @@ class VLLMHTTPEngine:
                     raise self._malformed(where, data, f"bad weight-version span {span!r}")
                 spans.append((span["version"], span["start"], span["end"]))
         versions = versions_from_spans(spans, len(tokens), fallback=self._version, who=self.name)
+        if any(v >= 2**63 for v in versions):  # versions end up in int64 tensors
+            raise self._malformed(where, data, f"weight version {max(versions)} (beyond int64)")
         return assemble(request, tokens, logprobs, versions, reason, who=self.name)
 
     async def _abort_remote(self, request_ids: Sequence[str]) -> None:
