@@ -133,8 +133,8 @@ class EngineLostError(EngineError):
 
 
 class CheckpointError(EngineError):
-    """A checkpoint that cannot be loaded into this engine (missing or truncated files, another
-    format, model, layout or version); the engine is unchanged."""
+    """A checkpoint that cannot be loaded (missing or truncated files, another format, model,
+    layout or version); the engine or job it was meant for is unchanged."""
 
 
 class CheckpointRefusedError(CheckpointError):
