@@ -683,6 +683,8 @@ class RLJob:
         self._open: dict[int | str, Any] = {}  # fed, neither trained nor dropped
         self._generated_min: dict[int | str, Version] = {}  # generated, oldest version
         self._lock = asyncio.Lock()  # an update and a checkpoint never overlap
+        self._checkpointing: set[asyncio.Task[Path]] = set()  # writes under way
+        self._checkpoint_failed: BaseException | None = None
         self.lost: dict[str, str] = {}
         """Rollout engines lost during the job (router name -> why); the job went on with the
         others (``EngineLostError``)."""
@@ -1053,7 +1055,7 @@ class RLJob:
             self.on_step(record)
         every = cfg.checkpoint_every
         if self.checkpoints is not None and (done >= cfg.steps or (every and done % every == 0)):
-            await self._write_checkpoint()
+            self._checkpoint_soon()
         if done >= cfg.steps:
             self.pipeline.stop()
 
@@ -1086,6 +1088,22 @@ class RLJob:
             restarts=restarts + self.restarts, wall_s=wall_s + self._elapsed(),
             staleness=cfg.staleness, batch_size=cfg.batch_size,
         )  # fmt: skip
+
+    def _checkpoint_soon(self) -> None:
+        """Write a checkpoint as soon as this update has returned: a task that takes the lock
+        after it (so nothing trains in between), once the pipeline has recorded the update's
+        span (the trace in the checkpoint then holds every trained step). A failed write
+        stops the job; ``run()`` raises it."""
+        task = asyncio.get_running_loop().create_task(self.checkpoint())
+        self._checkpointing.add(task)
+
+        def done(t: asyncio.Task[Path]) -> None:
+            self._checkpointing.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self._checkpoint_failed = t.exception()
+                self.pipeline.stop()
+
+        task.add_done_callback(done)
 
     async def checkpoint(self) -> Path:
         """Write a checkpoint now (between optimizer steps: it waits for one in progress)
@@ -1380,9 +1398,14 @@ class RLJob:
         finally:
             self._closing = True  # aborted generations are not re-submitted any more
             await self._abort_inflight()
+            if self._checkpointing:  # the last step's checkpoint, or one under way
+                await asyncio.gather(*self._checkpointing, return_exceptions=True)
             if self._sleeping:  # colocated: hand the engines back awake (no sync after the end)
                 await self._wake()
             self._ended = loop.time() - self._t0
+        if self._checkpoint_failed is not None:
+            failed, self._checkpoint_failed = self._checkpoint_failed, None
+            raise CheckpointError(f"writing a checkpoint failed: {failed}") from failed
         return RLResult(
             self.config, tuple(self.steps), synced_s + result.wall_s, self._sampler.dropped,
             self.generated, result, self.tracer,

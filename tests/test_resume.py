@@ -163,6 +163,8 @@ def _check_finished(run: Path, steps: int = STEPS, resumed: bool = True) -> None
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps
     assert summary["samples"] == steps * 32  # the same as an uninterrupted run
+    # the trace continued too: every trained sample's staleness is in it once
+    assert sum(summary["staleness_hist"].values()) == steps * 32
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     times = [m["t"] for m in lines]
