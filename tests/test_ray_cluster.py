@@ -5,6 +5,7 @@ local cluster leaves no process behind when it shuts down."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -142,3 +143,48 @@ def test_shutdown_leaves_no_ray_process_behind(tmp_path: Path) -> None:
             if report["session"].encode() in cmd:
                 leftovers.append(int(entry))
     assert leftovers == [], f"processes of the session still running: {leftovers}"
+
+
+def test_a_local_cluster_listens_on_loopback_only() -> None:
+    """Every socket a local cluster of ``RayRuntime`` listens on (GCS, raylet, object manager,
+    agents, the driver's and every actor's gRPC server) is on loopback: ``ray.init`` alone
+    listens on the machine's external address. Probed from outside (``test_sockets``'
+    ``/proc`` reader) while the runtime in a fresh interpreter holds its store."""
+    from test_sockets import assert_loopback_only, listening_sockets, process_tree
+
+    script = textwrap.dedent(
+        """
+        import asyncio, sys
+        from asyncflow_ray import RayDataStore, RayRuntime
+
+        rt = RayRuntime(num_cpus=2, object_store_bytes=128 << 20).start()
+        store = RayDataStore.create(2)
+        async def go():
+            await store.create_partition("p", ["x"])
+            await store.put("p", {"x": [1, 2, 3]})
+        asyncio.run(go())
+        print("ready", flush=True)
+        sys.stdin.readline()  # hold the cluster up while the test looks at its sockets
+        store.shutdown()
+        rt.shutdown()
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        tree = process_tree(child.pid)
+        listeners = listening_sockets(tree)
+        assert len({s.pid for s in listeners}) >= 4, listeners  # GCS, raylet, driver, actors
+        assert_loopback_only(listeners, at_least=5)
+    finally:
+        with contextlib.suppress(BrokenPipeError):  # a child that died already says why below
+            child.stdin.write("\n")
+            child.stdin.flush()
+        assert child.wait(180) == 0

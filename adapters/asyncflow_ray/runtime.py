@@ -15,6 +15,14 @@ process, e.g. by a test's ``ray.cluster_utils.Cluster``) disconnects on ``shutdo
 stops the cluster; one that started a local cluster stops it, and ``shutdown`` waits until its
 processes have exited. Actors are created in the runtime's ``namespace``; nothing listens on
 a port of our own: every call goes through Ray, inside the cluster.
+
+**Sockets.** A local cluster listens on loopback only: its GCS, raylet, object manager,
+agents and every worker's gRPC server bind this node's address, and the runtime makes that
+``127.0.0.1`` (``ray.init`` alone turns a loopback node address into the machine's external
+one, where any host that reaches it can connect; see ``_loopback_node``), with the dashboard
+off. Ray 2.60 also requires its cluster token (token authentication, on by default). Other
+machines cannot join such a cluster: for several nodes start the head with ``ray start
+--head --node-ip-address=...`` and connect with ``address``, or set ``node_ip_address``.
 """
 
 from __future__ import annotations
@@ -91,6 +99,9 @@ class RayRuntime:
     ``resources`` / ``object_store_bytes`` size a local cluster only. ``temp_dir``: where a
     local cluster keeps its sockets and logs (default: a fresh folder under the system's
     temp dir, deleted by ``shutdown``); ``log_to_driver`` prints the actors' output here.
+    ``node_ip_address``: the address a local cluster listens on (None: ``127.0.0.1``, reachable
+    from this machine only; an address of this machine's network makes every server of the
+    cluster reachable from that network, guarded by Ray's cluster token only).
     """
 
     address: str | None = None
@@ -101,6 +112,7 @@ class RayRuntime:
     namespace: str = "asyncflow"
     temp_dir: str | None = None
     log_to_driver: bool = False
+    node_ip_address: str | None = None
     owns_cluster: bool = field(default=False, init=False)
     _connected: bool = field(default=False, init=False, repr=False)
     _made_temp: str | None = field(default=None, init=False, repr=False)
@@ -143,16 +155,25 @@ class RayRuntime:
                 object_store_memory=self.object_store_bytes,
                 _temp_dir=temp,
             )
+            if self.node_ip_address is not None:
+                kwargs["_node_ip_address"] = self.node_ip_address
             self.owns_cluster = True
         else:
+            if self.node_ip_address is not None:
+                raise ConfigError(
+                    f"node_ip_address places a local cluster; the cluster at {self.address!r} "
+                    "has its own (set it with `ray start --node-ip-address`)"
+                )
             if self.num_cpus is not None or self.num_gpus is not None or self.resources:
                 raise ConfigError(
                     f"num_cpus / num_gpus / resources size a local cluster; the cluster at "
                     f"{self.address!r} has its own (set them with `ray start`)"
                 )
             kwargs["address"] = self.address
+        loopback = self.address is None and self.node_ip_address is None
         try:
-            ray.init(**kwargs)
+            with _loopback_node(ray) if loopback else contextlib.nullcontext():
+                ray.init(**kwargs)
         except ConnectionError as e:
             self.owns_cluster = False
             raise ConfigError(
@@ -251,6 +272,35 @@ def ray_runtime(address: str | None = None, **kwargs: Any) -> Iterator[RayRuntim
         yield rt
     finally:
         rt.shutdown()
+
+
+@contextlib.contextmanager
+def _loopback_node(ray: ModuleType) -> Iterator[None]:
+    """While ``ray.init`` starts a local cluster, this node's address is ``127.0.0.1``.
+
+    Why: Ray 2.60 binds every server of a node (GCS, raylet, object manager, workers' gRPC,
+    runtime-env agent) to the node's address, but ``ray.init`` resolves that address with
+    ``ray._private.services.get_node_ip_address``, which answers the machine's external
+    address while ``ray_constants.ENABLE_RAY_CLUSTER`` is true (it is, except on macOS and
+    Windows), and replaces ``_node_ip_address="127.0.0.1"`` with that address too
+    (``resolve_ip_for_localhost``). How: the flag is false for the duration of the call, so
+    Ray takes its own "local only" branch (``get_localhost_ip()``); the processes it starts
+    get the address on their command line and never read the flag. The environment variable
+    behind the flag (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) is read once, at ``import ray``,
+    too early for a runtime to set. Upstream: ray-project/ray#59852 made servers bind the node
+    address instead of 0.0.0.0; ``ray.init`` offers no "this node only" switch yet. Remove
+    when it does (or when ``_node_ip_address="127.0.0.1"`` is kept as given). Where the
+    private module moved, nothing is changed and the cluster listens where Ray decides."""
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    if constants is None or not hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        yield
+        return
+    saved = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _gcs_address(ray: ModuleType) -> str:
