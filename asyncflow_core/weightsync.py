@@ -48,6 +48,7 @@ from asyncflow_core.protocols import (
 )
 
 Weights = list[tuple[str, torch.Tensor]]
+_VERSION_LIMIT = 1 << 63  # versions are int64 wherever they are stored
 
 
 class _Phases:
@@ -76,21 +77,39 @@ class _Phases:
 
 
 def _check_bucket(transport: str, bucket: WeightBucket, seen: set[str]) -> None:
-    """Reject a malformed bucket or a parameter already sent in this sync (``seen``, which the
-    caller extends once the bucket is taken: a rejected bucket changes nothing)."""
+    """Reject a malformed bucket (names that are not strings, values that are not dense
+    tensors with values, counts that differ) or a parameter already sent in this sync
+    (``seen``, which the caller extends once the bucket is taken: a rejected bucket changes
+    nothing)."""
     if not isinstance(bucket, WeightBucket):
         raise WeightSyncError(f"{transport}: update() takes a WeightBucket, got {bucket!r:.80}")
+    if not isinstance(bucket.names, tuple | list) or not isinstance(bucket.tensors, tuple | list):
+        raise WeightSyncError(
+            f"{transport}: a bucket's names and tensors are sequences, got "
+            f"{type(bucket.names).__name__} and {type(bucket.tensors).__name__}"
+        )
     if len(bucket.names) != len(bucket.tensors):
         raise WeightSyncError(
             f"{transport}: bucket has {len(bucket.names)} names for {len(bucket.tensors)} tensors"
         )
     names: set[str] = set()
     for name in bucket.names:
+        if not isinstance(name, str):
+            raise WeightSyncError(f"{transport}: parameter name {name!r:.80} is not a str")
         if name in seen or name in names:
             raise WeightSyncError(
                 f"{transport}: parameter {name!r} was sent twice in one sync; send each once"
             )
         names.add(name)
+    _check_tensors(transport, bucket)
+
+
+def _check_version(transport: str, version: object) -> None:
+    """A sync's version: an int in [0, 2**63) (it travels as int64 in engines and traces)."""
+    if not _is_int(version) or not 0 <= version < _VERSION_LIMIT:
+        raise WeightSyncError(
+            f"{transport}: a sync's version must be an int in [0, 2**63), got {version!r:.80}"
+        )
 
 
 async def _apply(
@@ -131,6 +150,7 @@ class InProcessWeightSync:
 
     async def finish(self, version: Version) -> None:
         self._phases.expect("finish")
+        _check_version("InProcessWeightSync", version)
         weights, self._staged = self._staged, []
         await _apply(self.targets, weights, version)
         self._phases.move("finish")
@@ -196,6 +216,7 @@ class DiskWeightSync:
 
     async def finish(self, version: Version) -> None:
         self._phases.expect("finish")
+        _check_version("DiskWeightSync", version)
         assert self._incoming is not None
         manifest = {"version": version, "buckets": self._buckets, "names": sorted(self._seen)}
         (self._incoming / MANIFEST).write_text(json.dumps(manifest))
@@ -226,24 +247,60 @@ class DiskWeightSync:
 
 def read_weights(path: str | os.PathLike[str]) -> tuple[Weights, Version]:
     """Load a sync written by ``DiskWeightSync``: ``path`` is a version folder, or the root
-    (then ``LATEST`` names the folder). Returns the (name, tensor) list and the version."""
+    (then ``LATEST`` names the folder). Returns the (name, tensor) list and the version.
+    A folder that is not such a sync (files missing or garbled, a manifest of another shape,
+    names that leave the folder) raises ``WeightSyncError``."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(path)
-    if (folder / LATEST).exists():
-        folder = folder / (folder / LATEST).read_text().strip()
-    manifest_path = folder / MANIFEST
-    if not manifest_path.exists():
-        raise WeightSyncError(
-            f"no weights at {folder}: {MANIFEST} is missing (point at a version folder or at "
-            "the DiskWeightSync root)"
-        )
-    manifest = json.loads(manifest_path.read_text())
-    weights: Weights = []
-    for bucket in manifest["buckets"]:  # in the order they were sent
-        tensors = load_file(str(folder / bucket["file"]))
-        weights += [(name, tensors[name]) for name in bucket["names"]]
-    return weights, int(manifest["version"])
+    try:
+        if (folder / LATEST).exists():
+            folder = folder / _plain_name((folder / LATEST).read_text().strip(), LATEST)
+        manifest_path = folder / MANIFEST
+        if not manifest_path.exists():
+            raise WeightSyncError(
+                f"no weights at {folder}: {MANIFEST} is missing (point at a version folder or "
+                "at the DiskWeightSync root)"
+            )
+        manifest = json.loads(manifest_path.read_text())
+        version, buckets = _parse_manifest(manifest, manifest_path)
+        weights: Weights = []
+        for file, names in buckets:  # in the order they were sent
+            tensors = load_file(str(folder / file))
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise WeightSyncError(f"{folder / file} lacks {missing[:3]!r} named by {MANIFEST}")
+            weights += [(name, tensors[name]) for name in names]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, SafetensorError) as exc:
+        raise WeightSyncError(f"cannot read the weights at {folder}: {exc}") from exc
+    return weights, version
+
+
+def _plain_name(name: str, what: str) -> str:
+    """``name`` if it names an entry of its folder (no separators, not hidden)."""
+    if not name or name != Path(name).name or name.startswith("."):
+        raise WeightSyncError(f"{what} names {name!r:.80}, not an entry of its folder")
+    return name
+
+
+def _parse_manifest(manifest: object, where: Path) -> tuple[Version, list[tuple[str, list[str]]]]:
+    """(version, [(file, names)]) of a ``DiskWeightSync`` manifest, or ``WeightSyncError``."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("buckets"), list):
+        raise WeightSyncError(f"{where} is not a weight-sync manifest (no 'buckets' list)")
+    version = manifest.get("version")
+    if not _is_int(version) or not 0 <= version < _VERSION_LIMIT:
+        raise WeightSyncError(f"{where}: version {version!r:.80} is not an int in [0, 2**63)")
+    buckets = []
+    for bucket in manifest["buckets"]:
+        file = bucket.get("file") if isinstance(bucket, dict) else None
+        names = bucket.get("names") if isinstance(bucket, dict) else None
+        if not isinstance(file, str) or not isinstance(names, list):
+            raise WeightSyncError(f"{where}: bucket {bucket!r:.80} needs a 'file' and 'names'")
+        if not all(isinstance(n, str) for n in names):
+            raise WeightSyncError(f"{where}: bucket {file!r:.80} has names that are not str")
+        buckets.append((_plain_name(file, str(where)), names))
+    return version, buckets
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,7 +648,7 @@ def _wire_view(
 
 
 def _check_tensors(who: str, bucket: WeightBucket) -> None:
-    for name, tensor in bucket:
+    for name, tensor in zip(bucket.names, bucket.tensors, strict=True):
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(
                 f"{who}: parameter {name!r} is a {type(tensor).__name__}, not a tensor"
@@ -644,11 +701,15 @@ class _Channel:
             framed += bytes(rest.cpu().numpy())
         try:
             header = json.loads(framed[8 : 8 + nbytes].decode())
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # nested too deep
             raise WeightSyncError(
                 f"weight-sync receiver got a header that is not JSON ({exc})"
             ) from exc
-        if not isinstance(header, dict) or header.get("op") not in _OPS:
+        if (
+            not isinstance(header, dict)
+            or not isinstance(header.get("op"), str)
+            or (header["op"] not in _OPS)
+        ):
             raise WeightSyncError(
                 f"weight-sync receiver got {header!r:.120} as a header; expected an object "
                 f"with 'op' in {sorted(_OPS)}"
@@ -678,17 +739,24 @@ def _parse_bucket(
     dtypes = [_dtype(d) for d in dtype_names]
     for name, shape in zip(names, shapes, strict=True):
         if not isinstance(name, str):
-            raise WeightSyncError(f"weight-sync bucket header: name {name!r} is not a string")
+            raise WeightSyncError(f"weight-sync bucket header: name {name!r:.80} is not a string")
         if name in seen:
             raise WeightSyncError(f"weight-sync receiver got parameter {name!r} twice in one sync")
         seen.add(name)
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            _is_int(d) and 0 <= d < _VERSION_LIMIT for d in shape
+        ):
             raise WeightSyncError(
-                f"weight-sync bucket header: shape {shape!r:.80} of {name!r} is not a list of "
-                "ints >= 0"
+                f"weight-sync bucket header: shape {shape!r:.80} of {name!r:.80} is not a list "
+                "of ints in [0, 2**63)"
             )
     offsets, nbytes = _layout(dtypes, shapes)
-    if header.get("nbytes") != nbytes:
+    if nbytes >= _VERSION_LIMIT:
+        raise WeightSyncError(
+            f"weight-sync bucket header describes {nbytes} bytes, more than any buffer can "
+            "hold: the stream is corrupt"
+        )
+    if not _is_int(header.get("nbytes")) or header["nbytes"] != nbytes:
         raise WeightSyncError(
             f"weight-sync bucket header says {header.get('nbytes')!r} bytes, its tensors take "
             f"{nbytes}; sender and receiver disagree on the layout"
@@ -788,7 +856,6 @@ class DistributedWeightSync:
         self._usable()
         self._phases.expect("update")
         _check_bucket("DistributedWeightSync", bucket, self._seen)
-        _check_tensors("DistributedWeightSync", bucket)
         tensors = bucket.tensors
         offsets, nbytes = _layout([t.dtype for t in tensors], [t.shape for t in tensors])
         header = {
@@ -813,8 +880,7 @@ class DistributedWeightSync:
     async def finish(self, version: Version) -> None:
         self._usable()
         self._phases.expect("finish")
-        if not _is_int(version):
-            raise WeightSyncError(f"DistributedWeightSync: version must be an int, got {version!r}")
+        _check_version("DistributedWeightSync", version)
         await self._drain()
         await self._comm_call(self._channel.send_header, {"op": "finish", "version": version})
         self._phases.move("finish")
@@ -1038,22 +1104,29 @@ class DistributedWeightReceiver:
             op = header["op"]
             if op == "bucket":
                 entries = _parse_bucket(header, seen)
-                buffer = self._bucket_buffer(index, header["nbytes"])
+                try:
+                    buffer = self._bucket_buffer(index, header["nbytes"])
+                except (RuntimeError, MemoryError) as exc:  # the allocator's refusal
+                    raise WeightSyncError(
+                        f"weight-sync receiver cannot hold a bucket of {header['nbytes']} bytes "
+                        f"({exc})"
+                    ) from exc
                 if buffer.numel():
                     self._channel.broadcast(buffer)
                 for name, dtype, shape, offset in entries:
                     try:
                         staged.append((name, _region(buffer, offset, dtype, shape)))
-                    except RuntimeError as exc:
+                    except (RuntimeError, TypeError, ValueError) as exc:
                         raise WeightSyncError(
                             f"weight-sync receiver cannot view parameter {name!r} as {dtype} "
                             f"({exc}); send plain (dequantized) tensors"
                         ) from exc
             elif op == "finish":
                 version = header.get("version")
-                if not _is_int(version):
+                if not _is_int(version) or not 0 <= version < _VERSION_LIMIT:
                     raise WeightSyncError(
-                        f"weight-sync finish header has version {version!r}; expected an int"
+                        f"weight-sync finish header has version {version!r:.80}; expected an "
+                        "int in [0, 2**63)"
                     )
                 return staged, version
             elif op == "close":
@@ -1293,7 +1366,6 @@ class EngineGroupWeightSync:
         self._usable()
         self._phases.expect("update")
         _check_bucket("EngineGroupWeightSync", bucket, self._seen)
-        _check_tensors("EngineGroupWeightSync", bucket)
         if not bucket.names:
             return
         assert self.group is not None
@@ -1318,10 +1390,7 @@ class EngineGroupWeightSync:
     async def finish(self, version: Version) -> None:
         self._usable()
         self._phases.expect("finish")
-        if not _is_int(version) or version < 0:
-            raise WeightSyncError(
-                f"EngineGroupWeightSync: version must be an int >= 0, got {version!r}"
-            )
+        _check_version("EngineGroupWeightSync", version)
         await self._all("finish", [engine.commit_weights(version) for engine in self.engines])
         self._phases.move("finish")
 
