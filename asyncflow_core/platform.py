@@ -525,6 +525,11 @@ GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 (``init_process_group``, ``new_group``); unset, gloo listens on the address the machine's
 hostname resolves to."""
 
+NCCL_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+"""The interface NCCL's own sockets (bootstrap, proxy) listen on. NCCL reads it once per
+process, at its first communicator; unset, it takes the first interface that is not loopback,
+even for a group whose rendezvous is ``127.0.0.1``."""
+
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _IFF_LOOPBACK = 0x8
 

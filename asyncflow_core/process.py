@@ -38,7 +38,14 @@ import torch
 
 from asyncflow_core.checkpoint import failpoint
 from asyncflow_core.errors import ConfigError, EngineError, EngineLostError, PeerRankError
-from asyncflow_core.platform import GLOO_IFNAME_ENV, interface_of, listen_address, rendezvous_store
+from asyncflow_core.platform import (
+    GLOO_IFNAME_ENV,
+    NCCL_IFNAME_ENV,
+    interface_of,
+    is_loopback,
+    listen_address,
+    rendezvous_store,
+)
 from asyncflow_core.protocols import (
     Batch,
     GenerationRequest,
@@ -521,13 +528,17 @@ def _factory_module(factory: Callable[..., Any]) -> str | None:
 
 
 def _build_rank(factory: Callable[[RankContext], Any], context: RankContext) -> Any:
-    # This process is the rank's own: every gloo group built in it without a device (the
-    # default group, DeepSpeed's subgroups) listens on master_addr's interface (loopback by
-    # default), not on the address the hostname resolves to. A GLOO_SOCKET_IFNAME set stands.
-    if not os.environ.get(GLOO_IFNAME_ENV):
-        interface = interface_of(listen_address(context.master_addr))
-        if interface is not None:
-            os.environ[GLOO_IFNAME_ENV] = interface
+    # This process is the rank's own, and every rank runs on this machine: every gloo group
+    # built in it without a device (the default group, DeepSpeed's subgroups) listens on
+    # master_addr's interface (loopback by default), not on the address the hostname
+    # resolves to; with a loopback master_addr NCCL's sockets (bootstrap, proxy) stay on
+    # loopback too (it picks the first outward interface otherwise, measured on an H100).
+    # A variable the user set stands.
+    interface = interface_of(listen_address(context.master_addr))
+    loopback = is_loopback(context.master_addr)
+    for variable in (GLOO_IFNAME_ENV, NCCL_IFNAME_ENV) if loopback else (GLOO_IFNAME_ENV,):
+        if interface is not None and not os.environ.get(variable):
+            os.environ[variable] = interface
     return factory(context)
 
 
@@ -565,7 +576,8 @@ class SPMDTrainEngine:
 
     **Sockets.** The ranks meet at ``master_addr`` (default ``127.0.0.1``: nothing of the
     group is reachable from another machine); each rank process sets ``GLOO_SOCKET_IFNAME``
-    to that address's interface (unless set already), so its gloo groups listen there too.
+    (and, for a loopback ``master_addr``, ``NCCL_SOCKET_IFNAME``) to that address's
+    interface unless set already, so its gloo and NCCL groups listen there too.
 
     Every call goes to every rank, in the same order (so their collectives line up):
 

@@ -370,6 +370,18 @@ class WeightSyncGroup:
     such an error the group is unusable: ``close()`` it and build a new one on every rank. Tensors
     must be on ``device`` (cpu for gloo, else the platform's current device). ``close()``
     releases the group (final; safe to repeat); the group is also a context manager.
+
+    **Exposure.** ``host`` is required: there is no default address. Rank 0's store listens on
+    ``host`` only (``platform.rendezvous_store``; torch's own ``TCPStore`` would listen on
+    every interface) and a gloo group on the interface toward ``host``: with ``127.0.0.1``
+    nothing of the group can be reached from another machine. NCCL (and HCCL) choose their
+    own interface once per process: set ``NCCL_SOCKET_IFNAME=lo`` in processes whose groups
+    are all on one machine, or NCCL's bootstrap listens on the first outward interface. A
+    ``host`` other machines reach opens the store's port and gloo's (or NCCL's) ports to
+    anyone who can reach that address, and none of them authenticates a peer (torch's store
+    and gloo have no shared secret): whoever connects first may take a rank, or send a
+    receiver bytes it will parse (JSON headers, checked field by field; nothing is
+    unpickled). Use such an address only on a network limited to the group's hosts.
     """
 
     def __init__(

@@ -193,6 +193,27 @@ def test_loopback_addresses_and_their_interface() -> None:
     assert "GLOO_SOCKET_IFNAME" not in os.environ
 
 
+def test_a_rank_process_keeps_gloo_and_nccl_on_a_loopback_masters_interface(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What an SPMD rank sets before its factory runs; a value the user set stands."""
+    from asyncflow_core.process import RankContext, _build_rank
+
+    def environment(context: RankContext) -> dict[str, str]:
+        return {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+
+    lo = interface_of("127.0.0.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # unset for the rank; restored afterwards
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "")
+    context = RankContext(0, 2, "127.0.0.1", free_port())
+    assert _build_rank(environment, context) == {
+        "GLOO_SOCKET_IFNAME": lo,
+        "NCCL_SOCKET_IFNAME": lo,
+    }
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "users-choice")
+    assert _build_rank(environment, context)["NCCL_SOCKET_IFNAME"] == "users-choice"
+
+
 def test_a_users_gloo_interface_stands(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "users-choice")
     with gloo_listens_on("127.0.0.1") as name:

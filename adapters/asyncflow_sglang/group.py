@@ -104,7 +104,13 @@ class SGLangGroup:
     ``connect()`` (blocking, idempotent) joins with ``join_sglang_group``; ``broadcast``
     is ``torch.distributed.broadcast(tensor, src, group=pg)``, bounded by ``timeout_s``;
     ``close()`` destroys the group. ``backend`` None: nccl with CUDA, else gloo — it must
-    be the backend the engines were told (``SGLangHTTPEngine(weight_backend=...)``)."""
+    be the backend the engines were told (``SGLangHTTPEngine(weight_backend=...)``).
+
+    ``master_address`` is required: the trainer's store listens there only, and must be an
+    address of this machine that the SGLang servers reach (``127.0.0.1`` when they run here).
+    Any other address opens the store's and the group's ports on that network, without
+    authentication (neither torch's store nor gloo/NCCL take a secret): keep it on a network
+    limited to the trainer and its servers."""
 
     def __init__(
         self,

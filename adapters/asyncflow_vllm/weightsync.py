@@ -17,6 +17,13 @@ Which group depends on the platform (``asyncflow_core.platform``):
 Neither has run live here (they need vLLM and a GPU or NPU in the trainer process). The same
 sync runs on CPU with ``make_group=`` a ``WeightSyncGroup`` against the replay server in the
 tests.
+
+**Exposure.** ``master_address`` is required. vLLM's ``StatelessProcessGroup`` binds the
+trainer's store to ``master_address`` (not every interface); the NCCL (HCCL) communicator
+listens on the interface NCCL picks for the process (``NCCL_SOCKET_IFNAME``; unset: the first
+outward one, even for ``127.0.0.1``). Neither authenticates a peer: a ``master_address``
+reachable from other machines lets anyone there join the group or feed the engines bytes;
+keep it on a network limited to the trainer and its engines.
 """
 
 from __future__ import annotations
