@@ -543,8 +543,9 @@ def _build_rank(factory: Callable[[RankContext], Any], context: RankContext) -> 
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as sock:
+    """A TCP port nobody listens on right now (the OS picks it) on ``host`` (IPv4 or IPv6)."""
+    family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port

@@ -224,16 +224,29 @@ def test_a_users_gloo_interface_stands(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------------------------
 # The groups
 # --------------------------------------------------------------------------------------------
-def test_a_weight_sync_group_listens_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+def _has_ipv6_loopback() -> bool:
+    try:
+        free_port("::1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_weight_sync_group_listens_on_loopback(
+    host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both ranks of a ``WeightSyncGroup`` (threads of this process): the rendezvous store
-    and gloo's listeners are on 127.0.0.1 — even with ``GLOO_SOCKET_IFNAME`` naming an outward
+    and gloo's listeners are on ``host`` — even with ``GLOO_SOCKET_IFNAME`` naming an outward
     interface, which the group's explicit device overrides."""
+    if host == "::1" and not _has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
     outward = _outward_interface()
     if outward is not None:
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", outward)
     before = {(s.address, s.port) for s in listening_sockets([os.getpid()])}
-    port = free_port()
-    groups = [WeightSyncGroup("127.0.0.1", port, rank, 2, timeout_s=60) for rank in (0, 1)]
+    port = free_port(host)
+    groups = [WeightSyncGroup(host, port, rank, 2, timeout_s=60) for rank in (0, 1)]
     threads = [threading.Thread(target=g.connect) for g in groups]
     for t in threads:
         t.start()
@@ -252,6 +265,7 @@ def test_a_weight_sync_group_listens_on_loopback(monkeypatch: pytest.MonkeyPatch
         opened = [s for s in listening_sockets([os.getpid()]) if (s.address, s.port) not in before]
         assert any(s.port == port for s in opened), opened  # the store
         assert_loopback_only(opened, at_least=2)  # the store and gloo's
+        assert {s.address for s in opened} == {host}
     finally:
         for g in groups:
             g.close()
