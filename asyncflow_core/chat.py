@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.tools import ToolCall, ToolResult, parse_tool_calls
+from asyncflow_core.tools import ToolCall, ToolResult, load_json, parse_tool_calls
 
 Message = Mapping[str, Any]
 """An OpenAI-style chat message: ``{"role": ..., "content": ...}``; an assistant message may
@@ -130,16 +130,22 @@ def check_messages(messages: object, who: str) -> list[Message]:
 
 def message_tool_calls(message: Message, who: str = "message") -> list[ToolCall]:
     """The OpenAI-style ``tool_calls`` of an assistant message as ``ToolCall`` s (arguments
-    decoded from their JSON string)."""
+    decoded from their JSON string by ``tools.load_json``); ``BadRequestError`` naming the
+    first call that is not one."""
     calls: list[ToolCall] = []
-    for i, call in enumerate(message.get("tool_calls") or ()):
+    raw = message.get("tool_calls") or ()
+    if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, Sequence):
+        raise BadRequestError(
+            f"{who}: tool_calls must be a list of calls, got {type(raw).__name__} {raw!r:.80}"
+        )
+    for i, call in enumerate(raw):
         fn = call.get("function") if isinstance(call, Mapping) else None
         name = fn.get("name") if isinstance(fn, Mapping) else None
         args: Any = fn.get("arguments", {}) if isinstance(fn, Mapping) else None
         if isinstance(args, str):
             try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError as exc:
+                args = load_json(args) if args.strip() else {}
+            except ValueError as exc:  # not JSON, or nested too deep (tools.load_json)
                 raise BadRequestError(
                     f"{who}: tool_calls[{i}].function.arguments is not JSON ({exc})"
                 ) from exc

@@ -12,6 +12,12 @@ match the tool's JSON schema, a tool that raises and a tool past its timeout eac
 ``ToolResult`` with ``ok=False``, an ``error`` kind and a message for the model; ``ToolRunner``
 counts them by kind (``metrics``).
 
+**JSON from the model is bounded.** ``load_json`` (used here, by ``chat.message_tool_calls``,
+``asyncflow_hf``'s chat format and ``asyncflow_serve``'s request bodies) turns every failure
+into a ``ValueError``: text that is not JSON, integers past Python's digit limit, and nesting
+deeper than ``MAX_JSON_DEPTH`` levels or past the parser's recursion (which would otherwise be
+a ``RecursionError`` there, or later wherever the value is encoded or printed again).
+
 **Nothing from the model is evaluated.** The built-in ``Calculator`` parses arithmetic with
 ``ast.parse`` and interprets a small whitelist of nodes itself (numbers, + - * / // % **,
 unary minus, parentheses) with bounds on sizes; it never calls ``eval`` or ``exec``.
@@ -94,6 +100,44 @@ def tool_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
+MAX_JSON_DEPTH = 100
+"""How deeply ``load_json`` lets arrays and objects nest (``[[1]]`` is 2 levels deep): far
+more than any tool call or chat request needs, far less than Python's recursion limit, so a
+value that loads can be encoded, compared and printed again from anywhere."""
+
+
+def load_json(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads(text)``, every failure a ``ValueError``: not JSON (``JSONDecodeError``), an
+    integer past the interpreter's digit limit, and arrays or objects nested deeper than
+    ``max_depth`` levels or past the parser's recursion limit (a ``RecursionError`` inside
+    ``json``)."""
+    try:
+        value = json.loads(text)
+    except RecursionError as exc:
+        raise ValueError(
+            f"it nests arrays and objects deeper than the parser can follow; at most "
+            f"{max_depth} levels are accepted"
+        ) from exc
+    if _nested_deeper(value, max_depth):
+        raise ValueError(f"it nests arrays and objects deeper than {max_depth} levels")
+    return value
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` (as ``json.loads`` makes it) holds containers more than ``limit``
+    deep; without recursion."""
+    if not isinstance(value, dict | list):
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -101,8 +145,9 @@ def parse_tool_calls(
     text: str, format: Literal["hermes"] = "hermes"
 ) -> tuple[list[ToolCall], list[ToolResult]]:
     """The tool calls in a generated turn, and a failed ``ToolResult`` for each block that is
-    not a call (bad JSON, no ``name``, ``arguments`` not an object; an opened block never
-    closed). Text outside the blocks is ignored."""
+    not a call (not JSON as ``load_json`` reads it, no ``name``, ``arguments`` not an object;
+    an opened block never closed). Text outside the blocks is ignored; nothing in ``text``
+    makes it raise."""
     if format != "hermes":
         raise ConfigError(f"parse_tool_calls: format must be 'hermes', got {format!r}")
     calls: list[ToolCall] = []
@@ -110,15 +155,16 @@ def parse_tool_calls(
     for match in _HERMES.finditer(text):
         raw = match.group(1).strip()
         try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            bad.append(_malformed(f"the tool call is not JSON ({exc.msg}): {raw[:200]!r}"))
+            obj = load_json(raw)
+        except ValueError as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            bad.append(_malformed(f"the tool call is not JSON ({why}): {raw[:200]!r}"))
             continue
         name = obj.get("name") if isinstance(obj, dict) else None
         arguments = obj.get("arguments", {}) if isinstance(obj, dict) else None
         if isinstance(arguments, str):  # some models send the arguments JSON-encoded
             try:
-                arguments = json.loads(arguments)
+                arguments = load_json(arguments)
             except ValueError:
                 arguments = None
         if not isinstance(name, str) or not name or not isinstance(arguments, dict):
@@ -325,6 +371,7 @@ class Calculator:
 
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "Calculator",
     "Environment",
     "Tool",
@@ -332,6 +379,7 @@ __all__ = [
     "ToolError",
     "ToolResult",
     "ToolRunner",
+    "load_json",
     "parse_tool_calls",
     "schema_problem",
     "tool_schema",

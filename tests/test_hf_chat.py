@@ -502,6 +502,18 @@ def test_bad_messages(chatml: HFChatFormat) -> None:
     bad_json = {"role": "assistant", "content": "", "tool_calls": [bad_call]}
     with pytest.raises(BadRequestError, match=r"messages\[1\]\.tool_calls\[0\]\.function"):
         chatml.prompt([USER, bad_json])
+    # calls a template would fail on in its own way (a TypeError, a RecursionError) are named
+    where = r"messages\[1\]\.tool_calls\[0\]"
+    for bad, what in [
+        ({"type": "function", "function": None}, r"\.function must be an object"),
+        ({"type": "function", "function": {"arguments": "{}"}}, r"\.function\.name"),
+        ({"name": "weather", "arguments": [1]}, r"\.arguments must be a JSON object"),
+        ({"name": "weather", "arguments": "[" * 100_000}, r"\.arguments is not JSON.*deeper"),
+        ({"name": "weather", "arguments": '{"a": ' + "1" * 5000 + "}"}, r"\.arguments is not JSON"),
+    ]:
+        message = {"role": "assistant", "content": "", "tool_calls": [bad]}
+        with pytest.raises(BadRequestError, match=where + what):
+            chatml.prompt([USER, message])
 
 
 def test_template_refusal_is_a_bad_request(base_tokenizer: Any) -> None:

@@ -13,11 +13,14 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("aiohttp")
 openai = pytest.importorskip("openai")
@@ -821,3 +824,235 @@ def test_bad_endpoint_settings_are_named_without_echoing_the_token() -> None:
         ChatEndpoint(object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="not started"):
         ChatEndpoint(CHAT).url  # noqa: B018
+
+
+# --- 10: fuzzed request bodies and model output ---------------------------------------------
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from([10**400, -(10**400), 2**63]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=10),
+)
+_json = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_depths = st.one_of(st.integers(95, 105), st.integers(0, 1500), st.sampled_from([990, 100_000]))
+
+
+@st.composite
+def _deep(draw: st.DrawFn) -> str:
+    """JSON text nested ``depth`` levels: arrays or objects, closed or left open."""
+    depth = draw(_depths)
+    opener, leaf, closer = draw(st.sampled_from([("[", "1", "]"), ('{"a": ', "{}", "}")]))
+    return opener * depth + (leaf + closer * depth if draw(st.booleans()) else "")
+
+
+_function = st.fixed_dictionaries(
+    {"name": st.sampled_from(["lookup", ""]) | _json},
+    optional={"arguments": st.text(max_size=20) | _deep() | _json.map(json.dumps) | _json},
+)
+_call = st.fixed_dictionaries(
+    {"type": st.just("function") | _json, "function": _function | _json}, optional={"id": _json}
+)
+_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "robot"])
+        | _json
+    },
+    optional={
+        "content": st.text(alphabet="abc ?", max_size=12) | _json,
+        "tool_calls": st.lists(_call, max_size=2) | _json,
+        "tool_call_id": _json,
+    },
+)
+_fields = {
+    name: _json
+    for name in (
+        "model", "tools", "tool_choice", "parallel_tool_calls", "n", "stop", "temperature",
+        "top_p", "top_k", "seed", "max_tokens", "max_completion_tokens", "stream",
+        "stream_options", "logprobs", "top_logprobs", "response_format", "logit_bias",
+        "frequency_penalty", "modalities", "audio", "functions",
+    )
+}  # fmt: skip
+_request = st.fixed_dictionaries(
+    {"messages": st.lists(_message, min_size=1, max_size=3) | _json}, optional=_fields
+)
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> bytes:
+    kind = draw(st.sampled_from(["bytes", "text", "json", "deep", "deep_inside", "request"]))
+    event(f"body: {kind}")
+    if kind == "bytes":
+        return draw(st.binary(max_size=200))
+    if kind == "text":
+        return draw(st.text(max_size=200)).encode()
+    if kind == "json":
+        return json.dumps(draw(_json)).encode()
+    if kind == "deep":
+        return draw(_deep()).encode()
+    if kind == "deep_inside":  # a deep value where a string or an object belongs
+        deep = draw(_deep())
+        where = draw(st.sampled_from(["content", "arguments", "arguments_string", "tools"]))
+        if where == "arguments_string":
+            return json.dumps(_with_call_arguments(deep)).encode()
+        if where == "content":
+            body = {"messages": [{"role": "user", "content": "@"}]}
+        elif where == "arguments":
+            body = _with_call_arguments("@")
+        else:
+            tool = {"type": "function", "function": {"name": "f", "parameters": "@"}}
+            body = {"messages": [USER], "tools": [tool]}
+        return json.dumps(body).replace('"@"', deep).encode()
+    return json.dumps(draw(_request)).encode()
+
+
+def _with_call_arguments(arguments: str) -> dict[str, Any]:
+    call = {"type": "function", "function": {"name": "lookup", "arguments": arguments}}
+    return {"messages": [USER, {"role": "assistant", "tool_calls": [call]}, USER]}
+
+
+def _is_openai_error(text: str) -> bool:
+    error = json.loads(text)["error"]
+    return set(error) == {"message", "type", "param", "code"} and bool(error["message"])
+
+
+def test_fuzzed_bodies_are_answered_or_refused_and_a_refusal_changes_no_record() -> None:
+    """Arbitrary bytes and text, JSON of every type, bodies nested up to 100000 levels (whole,
+    or inside a message, a call's arguments, its arguments string, a tool schema) and requests
+    whose fields have arbitrary JSON values: each is answered (one more request recorded) or
+    refused with a 4xx OpenAI error object, never a 500, and a refusal leaves the record as it
+    was (``errors`` counts it). Hypothesis runs in a worker thread; the endpoint on the loop."""
+    statuses: Counter[int] = Counter()
+
+    async def main() -> None:
+        async with rig() as r:
+            loop = asyncio.get_running_loop()
+            _, s = r.open("fuzz", limits=TrajectoryLimits(max_turns=1000, max_total_tokens=1 << 20))
+            headers = {"Authorization": f"Bearer {s.api_key}", "Content-Type": "application/json"}
+            url = f"{s.base_url}/chat/completions"
+            async with aiohttp.ClientSession() as http:
+
+                async def post(body: bytes) -> tuple[int, str, SessionRecord, SessionRecord]:
+                    before = r.endpoint.record(s.key)
+                    r.engine.script = [ANSWER]  # an accepted request is answered at once
+                    async with http.post(url, data=body, headers=headers) as resp:
+                        status, text = resp.status, await resp.text()
+                    return status, text, before, r.endpoint.record(s.key)
+
+                @FUZZ
+                @given(body=_bodies())
+                @example(body=b"[" * 100_000)
+                @example(body=json.dumps({"messages": [USER], "temperature": 10**400}).encode())
+                def fuzz(body: bytes) -> None:
+                    future = asyncio.run_coroutine_threadsafe(post(body), loop)
+                    status, text, before, after = future.result(SAFETY_S)
+                    statuses[status] += 1
+                    event(f"status {status}")
+                    if status == 200:
+                        assert after.requests == before.requests + 1
+                        assert json.loads(text)["choices"][0]["message"]["content"] == "407"
+                        return
+                    assert 400 <= status < 500, text
+                    assert _is_openai_error(text), text
+                    assert state(after) == state(before) and after.errors == before.errors + 1
+
+                await asyncio.to_thread(fuzz)
+
+    asyncio.run(asyncio.wait_for(main(), 240))  # a safety net only
+    assert statuses[400] > 0 and set(statuses) <= {200, 400}, statuses
+
+
+_ascii = st.text(alphabet=[c for c in TOK.pieces if len(c) == 1], max_size=20)
+
+
+@st.composite
+def _model_turn(draw: st.DrawFn) -> str:
+    """A turn the model writes (printable ASCII, what ``TOK`` encodes): text around Hermes
+    blocks holding text, JSON of any type, calls with wrong types, deep nesting."""
+    parts = [draw(_ascii)]
+    for _ in range(draw(st.integers(0, 2))):
+        kind = draw(st.sampled_from(["text", "json", "call", "deep"]))
+        event(f"block: {kind}")
+        if kind == "text":
+            inner = draw(_ascii)
+        elif kind == "json":
+            inner = json.dumps(draw(_json))
+        elif kind == "call":
+            args = draw(st.fixed_dictionaries({"person": _ascii}) | _json | _deep())
+            inner = json.dumps({"name": draw(st.just("lookup") | _json), "arguments": args})
+        else:
+            depth = draw(st.integers(0, 300) | st.just(1200))
+            inner = '{"name": "lookup", "arguments": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
+        parts += ["<tool_call>", inner, "</tool_call>", draw(_ascii)]
+    parts.append(draw(st.sampled_from(["", "<tool_call>", "</tool_call>"])))
+    return "".join(parts)
+
+
+def test_fuzzed_model_turns_are_answered_and_malformed_calls_counted() -> None:
+    """Whatever the model writes (printable text with Hermes blocks of arbitrary text, JSON
+    of any type, calls with wrong types, arguments nested up to 1200 levels) is answered with
+    HTTP 200: well-formed calls as ``tool_calls`` (arguments JSON), a turn with a malformed
+    block as its raw text, counted in the session's ``malformed``."""
+    sampling = replace(SAMPLING, max_tokens=1 << 15)
+    limits = TrajectoryLimits(max_total_tokens=1 << 16)
+
+    async def main() -> None:
+        async with rig() as r:
+            loop = asyncio.get_running_loop()
+            async with aiohttp.ClientSession() as http:
+
+                async def turn(ids: list[int]) -> tuple[int, Any, SessionRecord, tuple[int, ...]]:
+                    _, s = r.open("model", sampling=sampling, limits=limits)
+                    r.engine.script = [ids]
+                    headers = {"Authorization": f"Bearer {s.api_key}"}
+                    url = f"{s.base_url}/chat/completions"
+                    async with http.post(url, json={"messages": [USER]}, headers=headers) as resp:
+                        status, body = resp.status, await resp.json()
+                    return (
+                        status,
+                        body,
+                        r.endpoint.close_session(s.key),
+                        r.engine.results[-1].tokens,
+                    )
+
+                @FUZZ
+                @given(text=_model_turn())
+                def fuzz(text: str) -> None:
+                    ids = [*TOK.encode(text), STOP]
+                    future = asyncio.run_coroutine_threadsafe(turn(ids), loop)
+                    status, body, record, tokens = future.result(SAFETY_S)
+                    assert status == 200, body
+                    assert tokens == tuple(ids)  # the whole turn, not cut
+                    parsed = CHAT.parse(ids)
+                    message = body["choices"][0]["message"]
+                    assert record.requests == 1 and record.errors == 0
+                    assert record.malformed == int(bool(parsed.malformed))
+                    calls = message.get("tool_calls") or []
+                    event(f"tool calls {len(calls)}, malformed {record.malformed}")
+                    if parsed.malformed or not parsed.tool_calls:
+                        assert calls == [] and message["content"] == shown(ids[:-1])
+                    else:
+                        assert [c["function"]["name"] for c in calls] == [
+                            c.name for c in parsed.tool_calls
+                        ]
+                        assert all(
+                            isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls
+                        )
+
+                await asyncio.to_thread(fuzz)
+
+    asyncio.run(asyncio.wait_for(main(), 240))  # a safety net only

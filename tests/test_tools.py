@@ -38,6 +38,21 @@ def test_hermes_calls_are_parsed_and_bad_blocks_reported() -> None:
     ]
     assert [b.error for b in bad] == ["malformed"] * 3
     assert "not JSON" in bad[0].content and "never closed" in bad[2].content
+
+
+def test_blocks_nested_too_deep_or_with_huge_ints_are_malformed_not_raised() -> None:
+    # a RecursionError and a ValueError (int digit limit) from json before; see also
+    # tests/test_fuzz_model_output.py
+    deep_args = '{"a": ' * 5000
+    text = (
+        f"<tool_call>{'[' * 100_000}</tool_call>"
+        f'<tool_call>{{"name": "f", "arguments": "{deep_args}"}}</tool_call>'
+        f'<tool_call>{{"name": "f", "arguments": {{"a": {"[" * 101 + "]" * 101}}}}}</tool_call>'
+        f'<tool_call>{{"name": "f", "arguments": {{"x": {"1" * 5000}}}}}</tool_call>'
+    )
+    calls, bad = parse_tool_calls(text)
+    assert calls == [] and [b.error for b in bad] == ["malformed"] * 4
+    assert "deeper than" in bad[0].content and "digits" in bad[3].content
     assert parse_tool_calls("no calls here") == ([], [])
     with pytest.raises(ConfigError, match="format must be 'hermes'"):
         parse_tool_calls("", format="llama3")  # type: ignore[arg-type]

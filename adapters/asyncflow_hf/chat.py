@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncflow_core.chat import AssistantMessage, Message, check_messages, split_tool_blocks
 from asyncflow_core.enginekit import is_int
 from asyncflow_core.errors import BadRequestError, ConfigError
+from asyncflow_core.tools import load_json
 
 __all__ = ["END_OF_TURN_TOKENS", "REFERENCE_CONVERSATION", "HFChatFormat"]
 
@@ -262,32 +262,40 @@ def _prepare(messages: object, who: str) -> list[dict[str, Any]]:
 
 def _decode_call(call: object, where: str) -> dict[str, Any]:
     """A copy of an OpenAI-style call (``{"function": {"name", "arguments"}}``, or the flat
-    ``{"name", "arguments"}``) with ``arguments`` a dict."""
+    ``{"name", "arguments"}``) with ``arguments`` a dict (``{}`` when left out);
+    ``BadRequestError`` for anything else (a template would fail on it in its own way)."""
+    shape = "{'type': 'function', 'function': {'name': str, 'arguments': JSON object or string}}"
     if not isinstance(call, Mapping):
-        raise BadRequestError(
-            f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': "
-            f"...}}}}, got {call!r:.120}"
-        )
+        raise BadRequestError(f"{where} must be {shape}, got {call!r:.120}")
     out = dict(call)
-    fn = out.get("function")
-    if isinstance(fn, Mapping):
-        out["function"] = _decode_arguments(fn, f"{where}.function")
-        return out
-    return _decode_arguments(out, where)
+    if "function" not in out:
+        return _decode_arguments(out, where, shape)
+    fn = out["function"]
+    if not isinstance(fn, Mapping):
+        raise BadRequestError(f"{where}.function must be an object ({shape}), got {fn!r:.120}")
+    out["function"] = _decode_arguments(fn, f"{where}.function", shape)
+    return out
 
 
-def _decode_arguments(holder: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _decode_arguments(holder: Mapping[str, Any], where: str, shape: str) -> dict[str, Any]:
     out = dict(holder)
-    args = out.get("arguments")
+    name = out.get("name")
+    if not isinstance(name, str) or not name:
+        raise BadRequestError(
+            f"{where}.name must be a non-empty string ({shape}), got {name!r:.80}"
+        )
+    args = out.get("arguments", {})
     if isinstance(args, str):
         try:
-            decoded = json.loads(args) if args.strip() else {}
-        except ValueError as exc:
+            args = load_json(args) if args.strip() else {}
+        except ValueError as exc:  # not JSON, or nested too deep (tools.load_json)
             raise BadRequestError(
-                f"{where}.arguments is not JSON ({exc}): {args!r:.120}; give a JSON object "
-                f"(as a string or a dict)"
+                f"{where}.arguments is not JSON ({exc}): {out['arguments']!r:.120}; give a JSON "
+                f"object (as a string or a dict)"
             ) from exc
-        if not isinstance(decoded, dict):
-            raise BadRequestError(f"{where}.arguments must be a JSON object, got {args!r:.120}")
-        out["arguments"] = decoded
+    if not isinstance(args, Mapping):
+        raise BadRequestError(
+            f"{where}.arguments must be a JSON object, got {out.get('arguments')!r:.120}"
+        )
+    out["arguments"] = dict(args)
     return out

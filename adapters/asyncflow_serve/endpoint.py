@@ -80,9 +80,11 @@ explicitly, and a non-loopback one is logged as a warning). Every route needs th
 (``token=``, default ``secrets.token_urlsafe(32)``) as ``Authorization: Bearer ...``, compared
 with ``hmac.compare_digest``: 401 otherwise. The token is never logged, echoed in an error or
 shown in a ``repr``. An unknown session key is 404, a body above ``max_body_bytes`` 413,
-invalid JSON 400. Every error is in OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}`` with ``x-should-retry: false``, so the ``openai`` client raises its own exception
-class at once instead of retrying (it would retry a 409 or a 5xx otherwise).
+invalid JSON 400, and so is a body, or a tool call's arguments string, nesting arrays and
+objects deeper than ``asyncflow_core.tools.MAX_JSON_DEPTH`` (100) levels. Every error is in
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with
+``x-should-retry: false``, so the ``openai`` client raises its own exception class at once
+instead of retrying (it would retry a 409 or a 5xx otherwise).
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ from asyncflow_core.agent import (
 from asyncflow_core.chat import AssistantMessage, ChatFormat, message_tool_calls
 from asyncflow_core.errors import BadRequestError, ConfigError, MissingExtraError
 from asyncflow_core.protocols import GenerationResult, SamplingParams
+from asyncflow_core.tools import load_json
 
 try:
     from aiohttp import web
@@ -520,8 +523,8 @@ class ChatEndpoint:
         except web.HTTPRequestEntityTooLarge as exc:
             raise self._too_large() from exc
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = load_json(raw)  # nesting past MAX_JSON_DEPTH is refused here, not a 500 later
+        except ValueError as exc:  # UnicodeDecodeError included
             raise _Refusal(400, f"the request body is not JSON ({exc})") from exc
         if not isinstance(body, dict):
             raise _Refusal(
@@ -1008,7 +1011,11 @@ def _same_as_session(name: str, value: Any, session: float) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Refusal(400, f"{name} must be a number, got {value!r}", param=name)
-    if not math.isclose(float(value), float(session), rel_tol=1e-9, abs_tol=1e-12):
+    # an int beyond float (JSON allows 4300 digits) is no sampling value: OverflowError
+    close = abs(value) < 1e300 and math.isclose(
+        float(value), float(session), rel_tol=1e-9, abs_tol=1e-12
+    )
+    if not close:
         raise _Refusal(
             400,
             f"{name}={value!r} differs from the session's sampling {name}={session!r}: the "
