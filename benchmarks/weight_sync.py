@@ -46,6 +46,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ import torch.distributed as dist
 from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_reference.worker import InferenceWorker, Mode, SyncReport, WorkerSpec
 
+from asyncflow_core.platform import gloo_listens_on, rendezvous_store
 from asyncflow_core.process import free_port
 from asyncflow_core.protocols import WeightBucket
 from asyncflow_core.weightsync import (
@@ -97,12 +99,20 @@ def _plan(rounds: int) -> list[str]:
     return [v for r in range(rounds) for v in (names if r % 2 == 0 else names[::-1])]
 
 
+def _join_world(port: int, rank: int) -> None:
+    """The 2-process gloo world, its store on HOST only (torch's tcp:// store would listen on
+    every interface; asyncflow_core.platform.rendezvous_store)."""
+    store = rendezvous_store(HOST, port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
+    with gloo_listens_on(HOST):
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+
+
 # --------------------------------------------------------------------------------------------
 # Section 1: bandwidth (the receiver is this child)
 # --------------------------------------------------------------------------------------------
 def _receiver_main(ports: tuple[int, int], total_bytes: int, plan: list[str]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{ports[0]}", rank=1, world_size=2)
+    _join_world(ports[0], rank=1)
     group = WeightSyncGroup(HOST, ports[1], 1, 2, timeout_s=120)
     group.connect()  # while the sender's init() connects
     receivers = {
@@ -145,7 +155,7 @@ async def _bandwidth(
     )
     child.start()
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{ports[0]}", rank=0, world_size=2)
+    _join_world(ports[0], rank=0)
     group = WeightSyncGroup(HOST, ports[1], 0, 2, timeout_s=120)
     sync = DistributedWeightSync(group=group)
     try:
