@@ -831,6 +831,7 @@ if TYPE_CHECKING:  # mypy proves the proxy satisfies the protocol it stands in f
 
 __all__ = [
     "DEFAULT_START_TIMEOUT_S",
+    "ProcessInferenceEngine",
     "ProcessTrainEngine",
     "RankContext",
     "SPMDTrainEngine",

@@ -62,7 +62,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -385,7 +385,6 @@ class JobState:
     wall_s: float
     staleness: int
     batch_size: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -393,7 +392,7 @@ class JobState:
             "fed": self.fed, "pending": [[g, p] for g, p in self.pending],
             "steps": [s.as_json() for s in self.steps], "dropped": self.dropped,
             "generated": self.generated, "restarts": self.restarts, "wall_s": self.wall_s,
-            "staleness": self.staleness, "batch_size": self.batch_size, "extra": self.extra,
+            "staleness": self.staleness, "batch_size": self.batch_size,
         }  # fmt: skip
 
     @classmethod
@@ -424,7 +423,6 @@ class JobState:
                 dropped=int(d["dropped"]), generated=int(d["generated"]),
                 restarts=int(d["restarts"]), wall_s=float(d["wall_s"]),
                 staleness=int(d["staleness"]), batch_size=int(d["batch_size"]),
-                extra=dict(d.get("extra") or {}),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{str(path)!r}: a missing or bad field ({e!r})") from e
@@ -1449,6 +1447,8 @@ class RLJob:
 
 
 __all__ = [
+    "JOB_STATE_FILE",
+    "JobState",
     "RLConfig",
     "RLEngines",
     "RLJob",
