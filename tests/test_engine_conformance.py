@@ -37,7 +37,7 @@ from asyncflow_reference.sim import (
 from fake_engine_gate import RequestGate
 
 from asyncflow_core.errors import EngineError
-from asyncflow_core.process import ProcessTrainEngine
+from asyncflow_core.process import ProcessInferenceEngine, ProcessTrainEngine
 from asyncflow_core.protocols import (
     Batch,
     FinishReason,
@@ -417,6 +417,26 @@ class TestProcessTrainEngine(TrainEngineConformance):
     def make_engine(self) -> ProcessTrainEngine:
         return ProcessTrainEngine(
             functools.partial(TorchTrainEngine, TORCH_MODEL, micro_batch_size=2, seed=0, threads=1)
+        )
+
+    async def close_engine(self, engine: Any) -> None:
+        await engine.close()
+
+
+class TestProcessInferenceEngine(InferenceEngineConformance):
+    """The reference rollout engine hosted in a child process (asyncflow_core.process): every
+    law through the pipe, the engine's own progress evidence not forwarded (the laws pace
+    themselves)."""
+
+    vocab_size = TORCH_MODEL.vocab_size
+    context_window = TORCH_MODEL.max_seq_len
+    long_max_tokens = 400
+    timeout_s = 60.0
+    real_timeout_s = 120.0
+
+    def make_engine(self) -> ProcessInferenceEngine:
+        return ProcessInferenceEngine(
+            functools.partial(TorchInferenceEngine, TORCH_MODEL, max_batch=8, seed=0), threads=1
         )
 
     async def close_engine(self, engine: Any) -> None:
