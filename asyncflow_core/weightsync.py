@@ -76,7 +76,9 @@ class _Phases:
         self.state = {"init": "ready", "start": "open", "update": "open", "finish": "ready"}[phase]
 
 
-def _check_bucket(transport: str, bucket: WeightBucket, seen: set[str]) -> None:
+def _check_bucket(
+    transport: str, bucket: WeightBucket, seen: set[str], *, meta: bool = False
+) -> None:
     """Reject a malformed bucket (names that are not strings, values that are not dense
     tensors with values, counts that differ) or a parameter already sent in this sync
     (``seen``, which the caller extends once the bucket is taken: a rejected bucket changes
@@ -101,7 +103,7 @@ def _check_bucket(transport: str, bucket: WeightBucket, seen: set[str]) -> None:
                 f"{transport}: parameter {name!r} was sent twice in one sync; send each once"
             )
         names.add(name)
-    _check_tensors(transport, bucket)
+    _check_tensors(transport, bucket, meta=meta)
 
 
 def _check_version(transport: str, version: object) -> None:
@@ -144,7 +146,8 @@ class InProcessWeightSync:
 
     async def update(self, bucket: WeightBucket) -> None:
         self._phases.expect("update")
-        _check_bucket("InProcessWeightSync", bucket, self._seen)
+        # meta tensors pass: the simulator's engines sync shapes only, in process
+        _check_bucket("InProcessWeightSync", bucket, self._seen, meta=True)
         self._staged += [(n, t.detach().clone()) for n, t in bucket]
         self._seen.update(bucket.names)
 
@@ -659,13 +662,19 @@ def _wire_view(
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, base, (nbytes,), (1,))
 
 
-def _check_tensors(who: str, bucket: WeightBucket) -> None:
+def _check_tensors(who: str, bucket: WeightBucket, *, meta: bool = False) -> None:
+    """Every tensor dense, with values (``meta``: or a meta tensor, a shape without values,
+    which only an in-process target can take)."""
     for name, tensor in zip(bucket.names, bucket.tensors, strict=True):
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(
                 f"{who}: parameter {name!r} is a {type(tensor).__name__}, not a tensor"
             )
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+        if (
+            tensor.layout != torch.strided
+            or tensor.is_quantized
+            or (tensor.device.type == "meta" and not meta)
+        ):
             raise WeightSyncError(
                 f"{who}: parameter {name!r} must be a dense tensor with values (got layout "
                 f"{tensor.layout}, dtype {tensor.dtype}, device {tensor.device}); send full "

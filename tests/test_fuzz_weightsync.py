@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from asyncflow_core.errors import WeightSyncError
@@ -583,6 +583,11 @@ bad_versions = st.one_of(
 def test_a_sender_refuses_bad_buckets_and_versions_and_changes_nothing(
     kind: str, bad: object, bad_version: object, tmp_path_factory: Any
 ) -> None:
+    # in process, a meta tensor (a shape without values) is what the simulator syncs
+    meta = isinstance(bad, WeightBucket) and any(
+        isinstance(t, torch.Tensor) and t.device.type == "meta" for t in bad.tensors
+    )
+    assume(not (kind == "in-process" and meta))
     _send_around(kind, tmp_path_factory.mktemp(kind), bad, bad_version)
 
 

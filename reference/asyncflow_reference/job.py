@@ -656,11 +656,17 @@ def _log_metrics(
     record: StepRecord,
     *,
     tracer: Tracer,
-    path: Path,
+    out: Path,
+    cfg: RunConfig,
     then: Callable[[StepRecord], None] | None,
 ) -> None:
-    """Append the step's metric record to the run folder's ``metrics.jsonl``."""
-    tracer.write_metrics_jsonl(path, start=len(tracer.metrics) - 1)
+    """Append the step's metric record to the run folder's ``metrics.jsonl``; at a fresh
+    run's first step, start the run folder with its ``config.toml`` (what ``--resume``
+    reads): a run that fails before it trained anything writes nothing."""
+    if not (out / "config.toml").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(to_toml(cfg))
+    tracer.write_metrics_jsonl(out / "metrics.jsonl", start=len(tracer.metrics) - 1)
     if then is not None:
         then(record)
 
@@ -785,9 +791,6 @@ async def run(
     threads = _threads(cfg)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(to_toml(cfg))  # what --resume reads
     workload = make_workload(cfg, out)
     extra: dict[str, Any] = {}
     preempted: list[Path] = []
@@ -824,9 +827,11 @@ async def run(
                 )  # fmt: skip
             step_hook = on_step
             if out is not None:  # metrics.jsonl line by line (resumed: from the checkpoint's)
-                tracer.write_metrics_jsonl(out / "metrics.jsonl")
+                if point is not None:  # the folder exists; --set may have changed RESUME_KEYS
+                    (out / "config.toml").write_text(to_toml(cfg))
+                    tracer.write_metrics_jsonl(out / "metrics.jsonl")
                 step_hook = functools.partial(
-                    _log_metrics, tracer=tracer, path=out / "metrics.jsonl", then=on_step
+                    _log_metrics, tracer=tracer, out=out, cfg=cfg, then=on_step
                 )
             agent_loop = getattr(workload, "agent_loop", None)
             job = RLJob(
