@@ -117,7 +117,7 @@ def _cli(out: Path, *sets: str, failpoints: str) -> subprocess.CompletedProcess[
     args = ["--out", str(out), "--quiet"]
     for s in (
         "rl.steps=8", "rl.prompts_per_step=8", "rl.n=4", "task.warmup_steps=5",
-        "eval_prompts=0", "checkpoint.every=2", *sets,
+        "eval_prompts=8", "checkpoint.every=2", *sets,
     ):  # fmt: skip
         args += ["--set", s]
     return subprocess.run(
@@ -128,15 +128,18 @@ def _cli(out: Path, *sets: str, failpoints: str) -> subprocess.CompletedProcess[
 
 
 def test_main_job_survives_a_rollout_process_killed_mid_request(tmp_path: Path) -> None:
+    """Rollout engine 0 dies at its 20th request; the run trains every step on engine 1 and
+    evaluates there too."""
     done = _cli(
         tmp_path, "rollout.process=true", "rollout.engines=2",
-        failpoints="process.rollout-1.generate=20",
+        failpoints="process.rollout-0.generate=20",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "rollout engine 1 (ProcessInferenceEngine) is lost" in done.stderr
+    assert "rollout engine 0 (ProcessInferenceEngine) is lost" in done.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["samples"] == 8 * 32
-    assert list(summary["extra"]["lost_engines"]) == ["1"]
+    assert list(summary["extra"]["lost_engines"]) == ["0"]
+    assert summary["eval_reward"] is not None
     assert "lost rollout engines" in done.stdout
 
 

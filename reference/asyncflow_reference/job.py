@@ -863,9 +863,10 @@ async def run(
                     tracer.write_chrome_trace(out / "trace.json")
                 raise RunPreempted(preempted[0], len(result.steps))
             eval_reward = eval_exact = None
-            if cfg.eval_prompts:
+            if cfg.eval_prompts:  # on a rollout engine the run did not lose
+                alive = next(e for i, e in enumerate(engines) if str(i) not in lost)
                 eval_reward, eval_exact = await workload.evaluate(
-                    engines[0], cfg.eval_prompts, 10_000_019 + cfg.seed
+                    alive, cfg.eval_prompts, 10_000_019 + cfg.seed
                 )
             extra = await workload.finish(trainer, out)
     finally:
