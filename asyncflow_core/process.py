@@ -332,10 +332,26 @@ class _ProcessEngine:
             self._calls[call_id] = call
         try:
             self._conn.send_bytes(data)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError) as e:  # the pipe is closed: the child is gone
             self._forget(call_id)
-            raise EngineError(f"{self.name}: cannot reach the engine process: {e}") from e
+            if not self._closed and self._dead is None:
+                self._process.join(1.0)  # it is exiting: its code says why
+                self._dead = self._exit_reason()
+            raise EngineLostError(
+                f"{self.name}: {method} cannot reach the engine process ({e}): {self._dead}"
+            ) from e
         return call_id, call
+
+    def _exit_reason(self) -> str:
+        code = self._process.exitcode
+        if code is None:
+            return f"its process (pid {self._process.pid}) closed its pipe"
+        why = (
+            "killed by SIGKILL (the kernel's OOM killer, or a kill -9)"
+            if code == -9
+            else "its output above says why"
+        )
+        return f"its process (pid {self._process.pid}) exited with code {code}: {why}"
 
     def _forget(self, call_id: int) -> None:
         """Stop routing replies of ``call_id`` (it ended, or nobody waits for it any more)."""
@@ -385,13 +401,7 @@ class _ProcessEngine:
                 call.loop.call_soon_threadsafe(self._deliver, call, kind, payload, version)
         self._process.join(1.0)
         if not self._closed:
-            code = self._process.exitcode
-            why = (
-                "killed by SIGKILL (the kernel's OOM killer, or a kill -9)"
-                if code == -9
-                else "its output above says why"
-            )
-            self._dead = f"its process (pid {self._process.pid}) exited with code {code}: {why}"
+            self._dead = self._exit_reason()
         with self._lock:
             pending, self._calls = list(self._calls.values()), {}
         error: EngineError
