@@ -1273,11 +1273,13 @@ class RLJob:
             try:
                 t0 = self._now()
                 live = self._load_targets()
-                if not cfg.partial_rollout:
+                if cfg.partial_rollout:
+                    await _pause(live, "abort")
+                else:
                     await self.gate.drained()
-                try:  # a pause cut short (cancelled, failed) still resumes every engine
-                    await _pause(live, "abort" if cfg.partial_rollout else "keep")
-                    self._span("drain", "rollout", t0, True, version)
+                    await _pause(live, "keep")
+                self._span("drain", "rollout", t0, True, version)
+                try:
                     if cfg.mode == "colocated":
                         await self._wake()
                     await self._transfer(transport, version, send_exposed=True, load_exposed=True)

@@ -1578,8 +1578,8 @@ class BlockingUpdate:
             await self.transport.init()
             self._ready = True
         t0 = _loop_time()
-        try:  # a pause cut short (cancelled, failed) still resumes every engine
-            await _pause(self.engines, self.pause_mode)
+        await _pause(self.engines, self.pause_mode)
+        try:
             await _send(self.transport, buckets, version)
         finally:
             await _resume(self.engines)
@@ -1639,8 +1639,8 @@ class StagedUpdate:
             return None
         weights, version = staged
         t0 = _loop_time()
-        try:  # a pause cut short (e.g. the job stopping mid-swap) still resumes every engine
-            await _pause(self.engines, self.pause_mode)
+        await _pause(self.engines, self.pause_mode)
+        try:
             await _apply(self.engines, weights, version)
         finally:
             await _resume(self.engines)
