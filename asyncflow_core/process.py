@@ -145,11 +145,7 @@ async def _serve(conn: Connection, factory: Callable[[], Any], name: str) -> Non
             break
         call_id, method, args = msg
         if method == _STOP:
-            if tasks:  # let calls in flight end; one that cannot (e.g. a generate on an
-                # engine left paused) is cancelled, so the stop is answered
-                _, stuck = await asyncio.wait(tasks, timeout=5.0)
-                for task in stuck:
-                    task.cancel()
+            if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             close = getattr(engine, "close", None)
             if close is not None:
