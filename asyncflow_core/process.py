@@ -296,8 +296,8 @@ class _ProcessEngine:
         """Close the child's engine and end its process (idempotent)."""
         if self._closed:
             return
-        if self._dead is None:  # a child that does not answer in time is killed below
-            with contextlib.suppress(EngineError, TimeoutError):
+        if self._dead is None:
+            with contextlib.suppress(EngineError):
                 await asyncio.wait_for(self._call(_STOP), timeout=30.0)
         self._closed = True
         await asyncio.to_thread(self._process.join, 10.0)
