@@ -416,9 +416,15 @@ class DataStore(Protocol):
         *,
         layout: Layout = "padded",
         pad_value: float = 0,
+        out: Batch | None = None,
     ) -> Batch:
         """Read ``fields`` (default: ``meta.fields``) of ``meta.rows`` from storage. The fields
-        must be ready for those rows and the rows not reclaimed."""
+        must be ready for those rows and the rows not reclaimed.
+
+        ``out``: a ``Batch`` an earlier ``get_data`` returned, whose tensor buffers the new batch
+        may reuse (a training loop passes last step's batch, so steady-state reads allocate
+        nothing). The caller must be done with ``out``: its tensors may be overwritten. A store
+        may ignore ``out``; the answer is the same either way."""
         ...
 
     async def ack(self, meta: BatchMeta) -> None:

@@ -567,6 +567,7 @@ class InProcessDataStore:
         *,
         layout: Layout = "padded",
         pad_value: float = 0,
+        out: Batch | None = None,
     ) -> Batch:
         names = check_get_data(meta, fields, layout)
         check_pad_value(pad_value)
@@ -574,7 +575,7 @@ class InProcessDataStore:
             return Batch((), {}, {}, ())
         key, schemas = self.controller.check_readable(meta.partition, meta.rows, names)
         values = self._read(key, meta.rows, names)
-        return assemble_batch(meta, names, schemas, values, layout, pad_value)
+        return assemble_batch(meta, names, schemas, values, layout, pad_value, out=out)
 
     def _read(
         self, partition: str, rows: Sequence[int], fields: Sequence[str]
@@ -691,8 +692,11 @@ def assemble_batch(
     values: Mapping[str, list[CellValue]],
     layout: Layout,
     pad_value: float,
+    *,
+    out: Batch | None = None,
 ) -> Batch:
-    """The ``Batch`` of ``meta``'s rows from the per-row cell values read from storage."""
+    """The ``Batch`` of ``meta``'s rows from the per-row cell values read from storage.
+    ``out``: an earlier batch whose buffers may be reused (see ``DataStore.get_data``)."""
     batch = Batch(meta.rows, {}, {}, meta.tags)
     for f in names:
         _assemble(batch, f, schemas[f], values[f], layout, pad_value)

@@ -786,6 +786,7 @@ class RayDataStore:
         *,
         layout: Layout = "padded",
         pad_value: float = 0,
+        out: Batch | None = None,
     ) -> Batch:
         names = check_get_data(meta, fields, layout)
         if not meta.rows:
@@ -810,7 +811,7 @@ class RayDataStore:
             else:
                 values = read
         self._keys[meta.partition] = key
-        return assemble_batch(meta, names, schemas, values, layout, pad_value)
+        return assemble_batch(meta, names, schemas, values, layout, pad_value, out=out)
 
     async def _read(
         self, key: str, rows: Sequence[int], fields: Sequence[str]
