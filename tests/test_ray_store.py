@@ -18,7 +18,7 @@ from asyncflow_core.protocols import BatchMeta, CellValue, DataStore
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
 
-from asyncflow_ray.store import RayDataStore, unpack  # noqa: E402
+from asyncflow_ray.store import RayDataStore, unpack_read  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ class TestRayDataStore(DataStoreConformance):
         key = ray.get(store.controller.storage_key.remote(partition))
         unit = store.units[row % len(store.units)]
         column = ray.get(unit.read.remote(key, [row], [field]))[field]
-        return unpack(column, copy=True)[0]
+        return unpack_read(column, copy=True)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -94,7 +95,6 @@ from asyncflow_core.store import (
     merge_by_unit,
     prepare_put,
     rows_by_unit,
-    split_by_unit,
 )
 from asyncflow_ray.runtime import alive_nodes, bytes_tensor, first_line, import_ray, tensor_bytes
 
@@ -114,41 +114,111 @@ class PackedColumn:
     data: np.ndarray[Any, np.dtype[np.uint8]]
 
 
+Segments = list[PackedColumn]
+"""A tensor field read from a unit: runs of rows, each a slice of one packed column as the
+unit received it (no copy in the unit)."""
 Column = PackedColumn | list[PlainValue]
-Share = dict[str, tuple[list[int], Column]]
-"""A unit's part of a put: ``field -> (rows, values)``."""
+Share = dict[str, Column]
+"""A unit's part of a put: ``field -> values`` of its rows (the rows are sent alongside)."""
+ReadColumn = Segments | list[PlainValue]
 
 
 def pack(values: Sequence[CellValue]) -> Column:
-    """One column for the wire: tensors packed into one byte array, plain values as a list."""
+    """One column for the wire: tensors packed into one byte array (one copy), plain values
+    as a list."""
     if not values or not isinstance(values[0], torch.Tensor):
         return list(values)  # type: ignore[arg-type]  # a plain field holds plain values
     tensors: list[torch.Tensor] = list(values)  # type: ignore[arg-type]
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    if len(set(shapes)) == 1:
+        flat = torch.stack([t.detach() for t in tensors])  # one copy, equal rows
+    else:
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return PackedColumn(str(tensors[0].dtype).removeprefix("torch."), shapes, tensor_bytes(flat))
+
+
+def pack_rows(source: torch.Tensor, positions: range | list[int]) -> PackedColumn:
+    """The rows ``positions`` of a batch tensor (dim 0 = rows) as one column: one copy (a
+    strided slice for a ``range``, a gather for a list)."""
+    src = source.detach()
+    if isinstance(positions, range):
+        picked = src[positions.start : positions.stop : positions.step]
+    else:
+        picked = src[torch.as_tensor(positions, dtype=torch.long)]
     return PackedColumn(
-        str(tensors[0].dtype).removeprefix("torch."),
-        tuple(tuple(t.shape) for t in tensors),
-        tensor_bytes(flat),
+        str(src.dtype).removeprefix("torch."),
+        (tuple(src.shape[1:]),) * len(positions),
+        tensor_bytes(picked.contiguous()),
     )
 
 
-def unpack(column: Column, *, copy: bool) -> list[CellValue]:
-    """The per-row values of a column: views of one buffer (``copy``: of a private copy of
+def unpack(column: PackedColumn, *, copy: bool) -> list[torch.Tensor]:
+    """The per-row tensors of a column: views of one buffer (``copy``: of a private copy of
     it, else of the received, read-only bytes)."""
-    if not isinstance(column, PackedColumn):
-        return list(column)
     flat = bytes_tensor(column.data, column.dtype, copy=copy)
-    out: list[CellValue] = []
+    shapes = column.shapes
+    if not shapes:
+        return []
+    first = shapes[0]
+    if all(s == first for s in shapes):  # equal rows: one view, unbound
+        return list(flat.view(len(shapes), *first).unbind(0))
+    out: list[torch.Tensor] = []
     offset = 0
-    for shape in column.shapes:
+    for shape in shapes:
         n = math.prod(shape)
         out.append(flat[offset : offset + n].view(shape))
         offset += n
     return out
 
 
-def pack_share(part: Mapping[str, Mapping[int, CellValue]]) -> Share:
-    return {f: (list(cells), pack(list(cells.values()))) for f, cells in part.items()}
+def unpack_read(column: ReadColumn, *, copy: bool = False) -> list[CellValue]:
+    """The per-row values of a unit's ``read`` of one field (see ``unpack``)."""
+    if column and isinstance(column[0], PackedColumn):
+        return [t for seg in column for t in unpack(seg, copy=copy)]
+    return list(cast(list[PlainValue], column))
+
+
+class _Held:
+    """A packed column as a storage unit received it, kept as is (a read-only view of the
+    object store's copy of the put's argument) with each row's byte offset."""
+
+    __slots__ = ("column", "offsets")
+
+    def __init__(self, column: PackedColumn) -> None:
+        self.column = column
+        itemsize = getattr(torch, column.dtype).itemsize
+        self.offsets = [0, *itertools.accumulate(math.prod(s) * itemsize for s in column.shapes)]
+
+    def segment(self, a: int, b: int) -> PackedColumn:
+        """Rows ``a..b-1`` as a column: a view, no copy."""
+        c = self.column
+        return PackedColumn(c.dtype, c.shapes[a:b], c.data[self.offsets[a] : self.offsets[b]])
+
+
+class _RowCell:
+    """What a storage unit stores for one tensor cell: row ``index`` of a ``_Held`` column."""
+
+    __slots__ = ("held", "index")
+
+    def __init__(self, held: _Held, index: int) -> None:
+        self.held = held
+        self.index = index
+
+
+def _segments(cells: Sequence[_RowCell]) -> Segments:
+    """Tensor cells as runs of consecutive rows of the same received column."""
+    out: Segments = []
+    start = 0
+    for i in range(1, len(cells) + 1):
+        if (
+            i == len(cells)
+            or cells[i].held is not cells[i - 1].held
+            or cells[i].index != cells[i - 1].index + 1
+        ):
+            first = cells[start]
+            out.append(first.held.segment(first.index, first.index + i - start))
+            start = i
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,11 +237,16 @@ class StorageUnitServer:
         ctx = import_ray().get_runtime_context()
         return {"unit": self.unit_id, "node_id": ctx.get_node_id(), "pid": os.getpid()}
 
-    def write(self, key: str, share: Share, ticket_id: int) -> None:
-        cells = {
-            f: dict(zip(rows, unpack(col, copy=True), strict=True))
-            for f, (rows, col) in share.items()
-        }
+    def write(self, key: str, rows: list[int], share: Share, ticket_id: int) -> None:
+        """Keep ``share`` (the values of ``rows``) as received: no copy (see the module's
+        ownership rule)."""
+        cells: dict[str, dict[int, CellValue]] = {}
+        for f, col in share.items():
+            if isinstance(col, PackedColumn):
+                held = _Held(col)
+                cells[f] = {r: cast(CellValue, _RowCell(held, i)) for i, r in enumerate(rows)}
+            else:
+                cells[f] = dict(zip(rows, col, strict=True))
         replaced = self.unit.write(key, cells)
         self._undo[(key, ticket_id)] = (cells, replaced)
 
@@ -183,9 +258,16 @@ class StorageUnitServer:
     def release(self, key: str, ticket_id: int) -> None:
         self._undo.pop((key, ticket_id), None)
 
-    def read(self, key: str, rows: list[int], fields: list[str]) -> dict[str, Column]:
+    def read(self, key: str, rows: list[int], fields: list[str]) -> dict[str, ReadColumn]:
+        """The cells of ``rows``: a tensor field as runs of the received columns (views, no
+        copy here; Ray copies them once into the reply)."""
         got = self.unit.read(key, rows, fields)
-        return {f: pack(values) for f, values in got.items()}
+        return {
+            f: _segments(cast(list[_RowCell], v))
+            if v and isinstance(v[0], _RowCell)
+            else cast(list[PlainValue], v)
+            for f, v in got.items()
+        }
 
     def delete_rows(self, key: str, rows: list[int]) -> None:
         self.unit.delete_rows(key, rows)
@@ -649,38 +731,46 @@ class RayDataStore:
         timeout: float | None = DEFAULT_GET_TIMEOUT_S,
     ) -> tuple[int, ...]:
         prep, row_ids, tag_list = prepare_put(partition, data, rows, tags, timeout, copy=False)
-        ticket: PutTicket = await self._cancellable(
-            self.controller.reserve_put.remote(
-                partition, prep.schemas, prep.row_bytes, prep.n, row_ids, tag_list, overwrite,
-                timeout,
-            ),
-            self._abort,
-        )  # fmt: skip
+        ref = self.controller.reserve_put.remote(
+            partition, prep.schemas, prep.row_bytes, prep.n, row_ids, tag_list, overwrite, timeout
+        )
+        n_units = len(self.units)
+        try:  # while the controller answers, pack each unit's share (its one copy here)
+            groups = _put_groups(row_ids, prep.n, n_units)
+            shares = [_share(data, prep.cells, g) for g in groups]
+        except BaseException:
+            _background(self._settle_reserve(ref))
+            raise
+        ticket: PutTicket = await self._cancellable(ref, self._abort)
+        plan = _plan(ticket.rows, groups, n_units)
+        if plan is None:  # the ids do not group as expected: split again by the granted ids
+            groups = _put_groups(list(ticket.rows), prep.n, n_units)
+            shares = [_share(data, prep.cells, g) for g in groups]
+            plan = _plan(ticket.rows, groups, n_units)
+            assert plan is not None  # grouped by the very ids
         # from here the put runs to its end (or rolls back) even if the caller is cancelled
-        await asyncio.shield(self._write_and_commit(ticket, prep.cells))
+        await asyncio.shield(self._write_and_commit(ticket, plan, shares))
         return ticket.rows
 
     async def _abort(self, ticket: PutTicket) -> None:
         await self._ctl(self.controller.abort_put.remote(ticket))
 
+    async def _settle_reserve(self, ref: Any) -> None:
+        """Abort the ticket of a reservation whose put failed before writing."""
+        with contextlib.suppress(Exception):
+            await self._abort(await self._ctl(ref))
+
     async def _write_and_commit(
-        self, ticket: PutTicket, cells: Mapping[str, list[CellValue]]
+        self, ticket: PutTicket, plan: list[tuple[int, list[int]]], shares: list[Share]
     ) -> None:
-        n = len(self.units)
-        per_unit = split_by_unit(ticket.rows, cells, n, ticket.new_rows)
+        """Write share ``i`` (the rows ``plan[i] = (unit, rows)``) into its unit, all units
+        at once, then commit the ticket; on a failure undo every write and abort."""
         key, tid = ticket.storage_key, ticket.ticket_id
-        used = [u for u in range(n) if per_unit[u]]
+        used = [u for u, _ in plan]
         results = await asyncio.gather(
             *(
-                self._unit_call(
-                    u,
-                    list(next(iter(per_unit[u].values()))),  # every field: the same rows
-                    "write",
-                    key,
-                    pack_share(per_unit[u]),
-                    tid,
-                )
-                for u in used
+                self._unit_call(u, rows, "write", key, rows, share, tid)
+                for (u, rows), share in zip(plan, shares, strict=True)
             ),
             return_exceptions=True,
         )
@@ -829,7 +919,7 @@ class RayDataStore:
             raise
         except StorageUnitError as e:
             raise UnknownRowError(str(e)) from None
-        columns = [{f: unpack(c, copy=False) for f, c in g.items()} for g in got]
+        columns = [{f: unpack_read(c) for f, c in g.items()} for g in got]
         return merge_by_unit(rows, columns, fields, n)
 
     # -- consumption ---------------------------------------------------------------------------
@@ -840,8 +930,50 @@ class RayDataStore:
         await self._ctl(self.controller.nack.remote(meta))
 
 
-async def _empty() -> dict[str, Column]:
+async def _empty() -> dict[str, ReadColumn]:
     return {}
+
+
+def _put_groups(rows: list[int] | None, n: int, n_units: int) -> list[range | list[int]]:
+    """The positions in a put of ``n`` rows that go to one unit together. New rows
+    (``rows`` None) get consecutive ids, so positions ``k, k + n_units, ...`` share a unit
+    whatever the first id is: the shares can be packed before the controller answers."""
+    if rows is None:
+        return [range(k, n, n_units) for k in range(min(n, n_units))]
+    by_unit: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_unit.setdefault(r % n_units, []).append(i)
+    return list(by_unit.values())
+
+
+def _plan(
+    ids: Sequence[int], groups: Sequence[range | list[int]], n_units: int
+) -> list[tuple[int, list[int]]] | None:
+    """``(unit, row ids)`` of each group under the granted ``ids``; None if a group's rows
+    would span units."""
+    plan = []
+    for g in groups:
+        rows = [ids[i] for i in g]
+        unit = rows[0] % n_units
+        if any(r % n_units != unit for r in rows):
+            return None
+        plan.append((unit, rows))
+    return plan
+
+
+def _share(
+    data: Mapping[str, Any], cells: Mapping[str, list[CellValue]], positions: range | list[int]
+) -> Share:
+    """The values at ``positions`` of every field, packed for the wire: a batch tensor's
+    rows by one slice or gather, a list of tensors by one concatenation."""
+    out: Share = {}
+    for f, values in cells.items():
+        source = data[f]
+        if isinstance(source, torch.Tensor):
+            out[f] = pack_rows(source, positions)
+        else:
+            out[f] = pack([values[i] for i in positions])
+    return out
 
 
 _TASKS: set[asyncio.Task[None]] = set()
