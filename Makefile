@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,bench-trl,vllm-client,sglang-client,serve,ray]" "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,bench-trl,vllm-client,sglang-client,serve,ray,tq,tq-bench]" "$(TORCH_PIN)"
+	# The real TransferQueue for tests/test_ray_tq_diff.py and benchmarks/transferqueue.py: its
+	# requirements come from the [tq-bench] extra; --no-deps skips ray[default]'s dashboard
+	# packages, which it does not use (it would not change the torch or ray versions either).
+	$(PIP) install --quiet --no-deps "transferqueue==0.1.11"
 	$(PIP) install --quiet --no-deps -e ./conformance
 	# The real torch_npu wheel, unpacked beside the venv (never on its path: with it, CANN
 	# missing, `import torch` fails): tests put it on a child's PYTHONPATH to check the
@@ -38,9 +42,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf adapters/asyncflow_serve tools
+	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf adapters/asyncflow_serve adapters/asyncflow_tq tools
 
-RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py
+RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py \
+	tests/test_ray_tq_diff.py tests/test_ray_tq_bench.py
 
 pytest: $(STAMP)
 	$(PY) -m pytest -q $(addprefix --ignore=,$(RAY_TESTS))

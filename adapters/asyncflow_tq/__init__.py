@@ -34,7 +34,9 @@ from asyncflow_tq.interface import (
     kv_list,
     kv_put,
     load_checkpoint,
+    make_client,
     save_checkpoint,
+    use_client,
 )
 from asyncflow_tq.metadata import BatchMeta, KVBatchMeta
 from asyncflow_tq.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler
@@ -70,5 +72,7 @@ __all__ = [
     "kv_list",
     "kv_put",
     "load_checkpoint",
+    "make_client",
     "save_checkpoint",
+    "use_client",
 ]

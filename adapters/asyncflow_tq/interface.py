@@ -44,7 +44,9 @@ __all__ = [
     "kv_list",
     "kv_put",
     "load_checkpoint",
+    "make_client",
     "save_checkpoint",
+    "use_client",
 ]
 
 T = TypeVar("T")
@@ -163,6 +165,13 @@ def _build(conf: dict[str, Any], store: DataStore | None) -> TransferQueueClient
 
 
 # ==================== lifecycle ====================
+def _config(conf: Any) -> dict[str, Any]:
+    plain = _plain(conf) if conf is not None else {}
+    if not isinstance(plain, dict):
+        raise BadArgumentError(f"conf must be a mapping (or None), got {type(conf).__name__}")
+    return _merge(copy.deepcopy(DEFAULT_CONFIG), plain)
+
+
 def init(conf: Any = None, *, store: DataStore | None = None) -> Any:
     """Start the client (once per process): TransferQueue's defaults merged with ``conf``.
     Returns the merged config, or ``conf`` unchanged when already initialised (as
@@ -170,12 +179,25 @@ def init(conf: Any = None, *, store: DataStore | None = None) -> Any:
     global _CLIENT
     if _CLIENT is not None:
         return conf
-    plain = _plain(conf) if conf is not None else {}
-    if not isinstance(plain, dict):
-        raise BadArgumentError(f"conf must be a mapping (or None), got {type(conf).__name__}")
-    merged = _merge(copy.deepcopy(DEFAULT_CONFIG), plain)
+    merged = _config(conf)
     _CLIENT = _build(merged, store)
     return merged
+
+
+def make_client(conf: Any = None, *, store: DataStore | None = None) -> TransferQueueClient:
+    """A client built like ``init`` builds one, not installed as the module's client (to
+    compare stores in one process: install one with ``use_client``; close it yourself)."""
+    return _build(_config(conf), store)
+
+
+def use_client(client: TransferQueueClient | None) -> TransferQueueClient | None:
+    """Make ``client`` the one the module-level functions use (``None``: none); returns the
+    previous one, which stays open."""
+    global _CLIENT
+    if client is not None and not isinstance(client, TransferQueueClient):
+        raise BadArgumentError(f"use_client takes a TransferQueueClient, got {client!r:.80}")
+    previous, _CLIENT = _CLIENT, client
+    return previous
 
 
 def close() -> None:

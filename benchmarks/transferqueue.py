@@ -1,0 +1,225 @@
+"""TransferQueue-shaped benchmark: TransferQueue 0.1.11's perftest workload through
+``asyncflow_tq`` (the TransferQueue-compatible facade) over the in-process store and over the
+Ray store, and through the real ``transfer_queue`` 0.1.11, in one run (see
+/work/shared/BENCHMARKING.md).
+
+Workload (TransferQueue's ``scripts/performance_test/perftest.py``, simple case): one
+``TensorDict`` of ``--batch`` samples x ``--fields`` float32 fields of ``--seq-len`` elements
+(``torch.randn``; default 1024 x 10 x 8192 = 0.34 GB), keys ``test_key_<i>``, partition
+``train_0``. One repetition of one system: ``kv_batch_put`` of the whole batch (timed),
+``kv_list`` of the partition (untimed), ``kv_batch_get`` of every listed key (timed: the
+result is a ``TensorDict`` of one jagged nested tensor per field, as TransferQueue returns it),
+``kv_clear`` (untimed). GB/s = payload bytes / wall seconds of the call, GB = 1e9 bytes.
+
+Systems, each with 2 storage units, all three alive at once on one local Ray cluster (4
+logical CPUs: TransferQueue's controller and units reserve 3):
+
+* ``tq`` — the real TransferQueue (controller and 2 SimpleStorage units as Ray actors; data
+  over ZMQ), its client in this process.
+* ``inproc`` — ``asyncflow_tq`` over ``InProcessDataStore(2)`` with its default
+  ``copy_on_put=True`` (a put copies, so the caller may reuse its tensors, as with
+  TransferQueue); the facade's controller and the store in this process.
+* ``ray`` — ``asyncflow_tq`` over ``RayDataStore(2)``: 2 storage-unit actors and the store's
+  controller actor, data through Ray's object store.
+
+Unlike the perftest, which puts from one Ray actor and reads from another, every system is
+driven from this process (the facade's controller lives in the process that called ``init``:
+it cannot be joined from another process), so no system pays a hop to a client actor.
+
+Repetitions interleave the systems, rotating their order every repetition (A B C, B C A, ...);
+after one untimed warm-up pass of each (skipped by ``--quick``). Figures are medians with
+[min-max]; ``<sys>_put_vs_tq`` = that system's GB/s over TransferQueue's in the same
+repetition. The first get of every system is checked against the data put.
+
+Usage: ``python benchmarks/transferqueue.py [--batch B] [--seq-len L] [--fields F] [--reps N]
+[--quick]``. The last stdout line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+SYSTEMS = ("tq", "inproc", "ray")
+PARTITION = "train_0"
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def fmt(xs: Sequence[float]) -> str:
+    return f"{med(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def make_batch(batch: int, seq_len: int, fields: int) -> Any:
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(0)
+    data = {
+        f"field_{i}": torch.randn(batch, seq_len, dtype=torch.float32, generator=g)
+        for i in range(fields)
+    }
+    return TensorDict(data, batch_size=(batch,))
+
+
+def check(result: Any, data: Any, name: str) -> None:
+    """The batch read back holds the values put, one jagged nested tensor per field."""
+    for f in data.keys():  # noqa: SIM118 (iterating a TensorDict walks its rows)
+        got = result.get(f)
+        if not (isinstance(got, torch.Tensor) and got.is_nested):
+            raise AssertionError(f"{name}: field {f!r} came back as {type(got).__name__}")
+        if not torch.equal(got.values().reshape(data.get(f).shape), data.get(f)):
+            raise AssertionError(f"{name}: field {f!r} came back with other values")
+
+
+def one_rep(
+    api: Any, install: Callable[[], object], data: Any, keys: list[str], verify: str | None
+) -> tuple[float, float]:
+    install()
+    t0 = time.perf_counter()
+    api.kv_batch_put(keys=keys, partition_id=PARTITION, fields=data)
+    put_s = time.perf_counter() - t0
+    listed = list(api.kv_list(partition_id=PARTITION)[PARTITION].keys())
+    if sorted(listed) != sorted(keys):
+        raise AssertionError(f"kv_list listed {len(listed)} keys, not {len(keys)}")
+    t0 = time.perf_counter()
+    result = api.kv_batch_get(keys=listed, partition_id=PARTITION)
+    get_s = time.perf_counter() - t0
+    if verify is not None:
+        check(result, data, verify)
+    del result
+    api.kv_clear(keys=listed, partition_id=PARTITION)
+    return put_s, get_s
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--batch", type=int, default=None, help="samples (1024; quick 16)")
+    ap.add_argument("--seq-len", type=int, default=None, help="floats/sample (8192; quick 256)")
+    ap.add_argument("--fields", type=int, default=None, help="float32 fields (10; quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (5; quick 2)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no warm-up")
+    args = ap.parse_args(argv)
+    for name, full, quick in (
+        ("batch", 1024, 16),
+        ("seq_len", 8192, 256),
+        ("fields", 10, 2),
+        ("reps", 5, 2),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    import asyncflow_tq
+    import ray
+    import transfer_queue
+    from asyncflow_ray.runtime import RayRuntime
+
+    nbytes = args.batch * args.seq_len * args.fields * 4
+    print(
+        f"TransferQueue-shaped workload: {args.batch} samples x {args.fields} fields x "
+        f"{args.seq_len} float32 = {nbytes / 1e9:.3f} GB per put; {args.reps} repetitions "
+        f"(median [min-max]); systems {', '.join(SYSTEMS)}; load average "
+        f"{os.getloadavg()[0]:.2f}" + (" — QUICK smoke mode" * args.quick),
+        flush=True,
+    )
+    store_gib = 0.5 if args.quick else max(2.0, 3 * nbytes / 2**30)
+    rt = RayRuntime(num_cpus=4, object_store_bytes=int(store_gib * 2**30)).start()
+    clients: dict[str, Any] = {}
+    try:
+        transfer_queue.init({"backend": {"SimpleStorage": {"num_data_storage_units": 2}}})
+        units = {"num_data_storage_units": 2}
+        clients["inproc"] = asyncflow_tq.make_client(
+            {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": units}}
+        )
+        clients["ray"] = asyncflow_tq.make_client(
+            {"backend": {"storage_backend": "Ray", "Ray": units}}
+        )
+        apis: dict[str, tuple[ModuleType, Callable[[], object]]] = {
+            "tq": (transfer_queue, lambda: None),
+            "inproc": (asyncflow_tq, lambda: asyncflow_tq.use_client(clients["inproc"])),
+            "ray": (asyncflow_tq, lambda: asyncflow_tq.use_client(clients["ray"])),
+        }
+        data = make_batch(args.batch, args.seq_len, args.fields)
+        keys = [f"test_key_{i}" for i in range(args.batch)]
+        checked: set[str] = set()
+        if not args.quick:
+            for s in SYSTEMS:
+                one_rep(*apis[s], data, keys, s)
+                checked.add(s)
+        put: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        get: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        for rep in range(args.reps):
+            order = SYSTEMS[rep % 3 :] + SYSTEMS[: rep % 3]
+            for s in order:
+                verify = None if s in checked else s
+                put_s, get_s = one_rep(*apis[s], data, keys, verify)
+                checked.add(s)
+                put[s].append(put_s)
+                get[s].append(get_s)
+            print(
+                f"  rep {rep + 1}: "
+                + "  ".join(f"{s} put {put[s][-1]:.3f}s get {get[s][-1]:.3f}s" for s in order),
+                flush=True,
+            )
+    finally:
+        asyncflow_tq.use_client(None)
+        for c in clients.values():
+            c.close()
+        transfer_queue.close()
+        rt.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
+
+    gb = nbytes / 1e9
+    res: dict[str, Any] = {
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "fields": args.fields,
+        "reps": args.reps,
+        "gb": round(gb, 6),
+        "quick": args.quick,
+        "load_avg": round(os.getloadavg()[0], 2),
+    }
+    print("\n system   put GB/s                 get GB/s                 put/tq   get/tq")
+    for s in SYSTEMS:
+        pg = [gb / t for t in put[s]]
+        gg = [gb / t for t in get[s]]
+        res[f"{s}_put_gbps"] = round(med(pg), 4)
+        res[f"{s}_get_gbps"] = round(med(gg), 4)
+        res[f"{s}_put_gbps_range"] = [round(min(pg), 4), round(max(pg), 4)]
+        res[f"{s}_get_gbps_range"] = [round(min(gg), 4), round(max(gg), 4)]
+        line = f" {s:<8} {fmt(pg):<24} {fmt(gg):<24}"
+        if s != "tq":
+            # ratio per repetition: the same repetition's TransferQueue time over this system's
+            pr = [t / u for t, u in zip(put["tq"], put[s], strict=True)]
+            gr = [t / u for t, u in zip(get["tq"], get[s], strict=True)]
+            res[f"{s}_put_vs_tq"] = round(med(pr), 3)
+            res[f"{s}_get_vs_tq"] = round(med(gr), 3)
+            res[f"{s}_put_vs_tq_range"] = [round(min(pr), 3), round(max(pr), 3)]
+            res[f"{s}_get_vs_tq_range"] = [round(min(gr), 3), round(max(gr), 3)]
+            line += f" {med(pr):.2f}x    {med(gr):.2f}x"
+        print(line)
+    print(json.dumps(res, separators=(",", ":")), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
