@@ -121,6 +121,16 @@ Column = PackedColumn | list[PlainValue]
 Share = dict[str, Column]
 """A unit's part of a put: ``field -> values`` of its rows (the rows are sent alongside)."""
 ReadColumn = Segments | list[PlainValue]
+RefSegment = tuple[int, int, int, int, int]
+"""Rows ``a..b-1`` of a put's share held in the object store: ``(i, a, b, lo, hi)``, ``i``
+the index of the share's ``ObjectRef`` in the reply, ``lo..hi`` the rows' bytes in the
+field's ``PackedColumn`` there."""
+RefColumn = list[PackedColumn | RefSegment] | list[PlainValue]
+
+BY_REF_MIN_BYTES = 1 << 20
+"""A put's share of at least this many tensor bytes goes to its unit by reference (the client
+``ray.put``s it, the unit keeps the reference and a view) and is read by reference: a reader
+on the same node maps it, with no copy. Smaller shares travel by value."""
 
 
 def pack(values: Sequence[CellValue]) -> Column:
@@ -162,13 +172,10 @@ def unpack(column: PackedColumn, *, copy: bool) -> list[torch.Tensor]:
     first = shapes[0]
     if all(s == first for s in shapes):  # equal rows: one view, unbound
         return list(flat.view(len(shapes), *first).unbind(0))
-    out: list[torch.Tensor] = []
-    offset = 0
-    for shape in shapes:
-        n = math.prod(shape)
-        out.append(flat[offset : offset + n].view(shape))
-        offset += n
-    return out
+    if all(len(s) == 1 for s in shapes):  # ragged 1-d rows: one split
+        return list(flat.split_with_sizes([s[0] for s in shapes]))
+    parts = flat.split_with_sizes([math.prod(s) for s in shapes])
+    return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
 
 
 def unpack_read(column: ReadColumn, *, copy: bool = False) -> list[CellValue]:
@@ -182,10 +189,11 @@ class _Held:
     """A packed column as a storage unit received it, kept as is (a read-only view of the
     object store's copy of the put's argument) with each row's byte offset."""
 
-    __slots__ = ("column", "offsets")
+    __slots__ = ("column", "offsets", "ref")
 
-    def __init__(self, column: PackedColumn) -> None:
+    def __init__(self, column: PackedColumn, ref: Any = None) -> None:
         self.column = column
+        self.ref = ref  # the share's ObjectRef when it came by reference
         itemsize = getattr(torch, column.dtype).itemsize
         self.offsets = [0, *itertools.accumulate(math.prod(s) * itemsize for s in column.shapes)]
 
@@ -205,9 +213,9 @@ class _RowCell:
         self.index = index
 
 
-def _segments(cells: Sequence[_RowCell]) -> Segments:
-    """Tensor cells as runs of consecutive rows of the same received column."""
-    out: Segments = []
+def _runs(cells: Sequence[_RowCell]) -> list[tuple[_Held, int, int]]:
+    """Tensor cells as runs ``(held, a, b)`` of consecutive rows of one received column."""
+    out = []
     start = 0
     for i in range(1, len(cells) + 1):
         if (
@@ -216,9 +224,18 @@ def _segments(cells: Sequence[_RowCell]) -> Segments:
             or cells[i].index != cells[i - 1].index + 1
         ):
             first = cells[start]
-            out.append(first.held.segment(first.index, first.index + i - start))
+            out.append((first.held, first.index, first.index + i - start))
             start = i
     return out
+
+
+def _segments(cells: Sequence[_RowCell]) -> Segments:
+    """Tensor cells as slices (views) of the received columns, one per run."""
+    return [held.segment(a, b) for held, a, b in _runs(cells)]
+
+
+def _share_bytes(share: Share) -> int:
+    return sum(c.data.nbytes for c in share.values() if isinstance(c, PackedColumn))
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,13 +254,20 @@ class StorageUnitServer:
         ctx = import_ray().get_runtime_context()
         return {"unit": self.unit_id, "node_id": ctx.get_node_id(), "pid": os.getpid()}
 
-    def write(self, key: str, rows: list[int], share: Share, ticket_id: int) -> None:
-        """Keep ``share`` (the values of ``rows``) as received: no copy (see the module's
-        ownership rule)."""
+    def write(self, key: str, rows: list[int], payload: Share | list[Any], ticket_id: int) -> None:
+        """Keep the values of ``rows`` as received, no copy (see the module's ownership
+        rule): ``payload`` is the share itself or ``[ObjectRef]`` of it, mapped here (pulled
+        to this node first if it was put on another)."""
+        ref = None
+        if isinstance(payload, list):
+            ref = payload[0]
+            share: Share = import_ray().get(ref)
+        else:
+            share = payload
         cells: dict[str, dict[int, CellValue]] = {}
         for f, col in share.items():
             if isinstance(col, PackedColumn):
-                held = _Held(col)
+                held = _Held(col, ref)
                 cells[f] = {r: cast(CellValue, _RowCell(held, i)) for i, r in enumerate(rows)}
             else:
                 cells[f] = dict(zip(rows, col, strict=True))
@@ -268,6 +292,32 @@ class StorageUnitServer:
             else cast(list[PlainValue], v)
             for f, v in got.items()
         }
+
+    def read_refs(
+        self, key: str, rows: list[int], fields: list[str]
+    ) -> tuple[list[Any], dict[str, RefColumn]]:
+        """Like ``read``, but rows of shares that came by reference are answered as
+        ``RefSegment``s of the returned ``ObjectRef``s (the reader maps them: no copy)."""
+        got = self.unit.read(key, rows, fields)
+        refs: list[Any] = []
+        index: dict[int, int] = {}
+        out: dict[str, RefColumn] = {}
+        for f, values in got.items():
+            v: list[Any] = values
+            if not (v and isinstance(v[0], _RowCell)):
+                out[f] = cast(list[PlainValue], v)
+                continue
+            col: list[PackedColumn | RefSegment] = []
+            for held, a, b in _runs(v):
+                if held.ref is None:
+                    col.append(held.segment(a, b))
+                    continue
+                i = index.setdefault(id(held.ref), len(refs))
+                if i == len(refs):
+                    refs.append(held.ref)
+                col.append((i, a, b, held.offsets[a], held.offsets[b]))
+            out[f] = col
+        return refs, out
 
     def delete_rows(self, key: str, rows: list[int]) -> None:
         self.unit.delete_rows(key, rows)
@@ -295,6 +345,11 @@ class ControllerServer:
         self.plane = ControlPlane(self.controller, self._delete_rows)
 
     def _delete_rows(self, freed: dict[str, list[int]]) -> None:
+        """Tell the units to delete reclaimed rows, after the current call has answered
+        (the deletes are fire and forget: no caller waits for them)."""
+        asyncio.get_running_loop().call_soon(self._send_deletes, freed)
+
+    def _send_deletes(self, freed: dict[str, list[int]]) -> None:
         for key, rows in freed.items():
             for unit, mine in zip(self.units, rows_by_unit(rows, len(self.units)), strict=True):
                 if mine:  # fire and forget: a dead unit's rows are lost anyway
@@ -735,9 +790,10 @@ class RayDataStore:
             partition, prep.schemas, prep.row_bytes, prep.n, row_ids, tag_list, overwrite, timeout
         )
         n_units = len(self.units)
-        try:  # while the controller answers, pack each unit's share (its one copy here)
+        try:  # while the controller answers, pack each unit's share and put it into the object
+            # store (Ray's copy): the unit maps it, the reader maps it
             groups = _put_groups(row_ids, prep.n, n_units)
-            shares = [_share(data, prep.cells, g) for g in groups]
+            shares = [_by_ref(_share(data, prep.cells, g)) for g in groups]
         except BaseException:
             _background(self._settle_reserve(ref))
             raise
@@ -745,7 +801,7 @@ class RayDataStore:
         plan = _plan(ticket.rows, groups, n_units)
         if plan is None:  # the ids do not group as expected: split again by the granted ids
             groups = _put_groups(list(ticket.rows), prep.n, n_units)
-            shares = [_share(data, prep.cells, g) for g in groups]
+            shares = [_by_ref(_share(data, prep.cells, g)) for g in groups]
             plan = _plan(ticket.rows, groups, n_units)
             assert plan is not None  # grouped by the very ids
         # from here the put runs to its end (or rolls back) even if the caller is cancelled
@@ -761,7 +817,7 @@ class RayDataStore:
             await self._abort(await self._ctl(ref))
 
     async def _write_and_commit(
-        self, ticket: PutTicket, plan: list[tuple[int, list[int]]], shares: list[Share]
+        self, ticket: PutTicket, plan: list[tuple[int, list[int]]], shares: list[Share | list[Any]]
     ) -> None:
         """Write share ``i`` (the rows ``plan[i] = (unit, rows)``) into its unit, all units
         at once, then commit the ticket; on a failure undo every write and abort."""
@@ -908,18 +964,37 @@ class RayDataStore:
     ) -> dict[str, list[CellValue]]:
         n = len(self.units)
         by_unit = rows_by_unit(rows, n)
+        ray = import_ray()
         try:
             got = await asyncio.gather(
                 *(
-                    self._unit_call(u, rs, "read", key, rs, list(fields)) if rs else _empty()
+                    self._unit_call(u, rs, "read_refs", key, rs, list(fields)) if rs else _empty()
                     for u, rs in enumerate(by_unit)
                 )
             )
+            refs = [ref for g in got for ref in g[0]]
+            try:  # the large shares: mapped from this node's object store (pulled if remote)
+                shares = await asyncio.gather(*refs)
+            except ray.exceptions.ObjectLostError:  # e.g. its producer's node is gone: the
+                # unit still holds the bytes, so read them by value
+                got = await asyncio.gather(
+                    *(
+                        self._unit_call(u, rs, "read", key, rs, list(fields)) if rs else _empty()
+                        for u, rs in enumerate(by_unit)
+                    )
+                )
+                columns = [{f: unpack_read(c) for f, c in g.items()} for g in got]
+                return merge_by_unit(rows, columns, fields, n)
         except StorageUnitLostError:
             raise
         except StorageUnitError as e:
             raise UnknownRowError(str(e)) from None
-        columns = [{f: unpack_read(c) for f, c in g.items()} for g in got]
+        columns = []
+        base = 0
+        for unit_refs, cols in got:
+            mine = shares[base : base + len(unit_refs)]
+            base += len(unit_refs)
+            columns.append({f: _resolve(f, c, mine) for f, c in cols.items()})
         return merge_by_unit(rows, columns, fields, n)
 
     # -- consumption ---------------------------------------------------------------------------
@@ -930,8 +1005,23 @@ class RayDataStore:
         await self._ctl(self.controller.nack.remote(meta))
 
 
-async def _empty() -> dict[str, ReadColumn]:
-    return {}
+async def _empty() -> tuple[list[Any], dict[str, Any]]:
+    return [], {}
+
+
+def _resolve(field: str, column: RefColumn, shares: Sequence[Share]) -> list[CellValue]:
+    """The per-row values of a ``read_refs`` column, its ``RefSegment``s sliced out of the
+    mapped ``shares`` (views, no copy)."""
+    if not column or not isinstance(column[0], PackedColumn | tuple):
+        return list(cast(list[PlainValue], column))
+    out: list[CellValue] = []
+    for seg in column:
+        if not isinstance(seg, PackedColumn):
+            i, a, b, lo, hi = seg
+            held = cast(PackedColumn, shares[i][field])
+            seg = PackedColumn(held.dtype, held.shapes[a:b], held.data[lo:hi])
+        out.extend(unpack(seg, copy=False))
+    return out
 
 
 def _put_groups(rows: list[int] | None, n: int, n_units: int) -> list[range | list[int]]:
@@ -959,6 +1049,13 @@ def _plan(
             return None
         plan.append((unit, rows))
     return plan
+
+
+def _by_ref(share: Share) -> Share | list[Any]:
+    """A large share as ``[ObjectRef]`` (put into the object store now), a small one as is."""
+    if _share_bytes(share) < BY_REF_MIN_BYTES:
+        return share
+    return [import_ray().put(share)]
 
 
 def _share(
