@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from asyncflow_core.errors import BadRequestError, SchemaError
 from asyncflow_core.protocols import BatchMeta as StoreMeta
 from asyncflow_core.protocols import Candidates, DataStore, SampleRequest, Selection
 from asyncflow_tq.metadata import BatchMeta, Schema, field_schema_of
@@ -251,6 +252,7 @@ class _Controller:
 class _Group:
     name: str
     fields: tuple[str, ...]
+    key: tuple[tuple[str, str, int], ...]  # (field, dtype, ndim) of every column
     live: dict[int, int] = field(default_factory=dict)  # store row -> live cells in it
 
 
@@ -269,48 +271,73 @@ class _Cells:
 
     def __init__(self, store: DataStore) -> None:
         self.store = store
-        self.groups: dict[str, dict[tuple[str, ...], _Group]] = {}
+        self.groups: dict[str, dict[tuple[tuple[str, str, int], ...], _Group]] = {}
         self.where: dict[str, dict[str, dict[int, tuple[_Group, int]]]] = {}
         self._names = 0
 
-    async def write(self, pid: str, indexes: Sequence[int], columns: Mapping[str, Any]) -> None:
+    async def write(
+        self,
+        pid: str,
+        columns: Mapping[str, Any],
+        n: int,
+        indexes: Sequence[int] | None,
+        allocate: Callable[[], list[int]] | None = None,
+    ) -> list[int]:
+        """Store ``n`` samples' cells. ``indexes=None``: new samples, whose global indexes
+        ``allocate()`` gives once the store took the values (so a put the store rejects
+        takes no index). Returns the indexes written."""
         names = tuple(sorted(columns))
+        # the store fixes a field's dtype and rank at its first write: a field written with
+        # another dtype or rank goes to other columns (its old cells are freed)
+        key = tuple((f, *_kind(columns[f])) for f in names)
         groups = self.groups.setdefault(pid, {})
         where = self.where.setdefault(pid, {})
-        grp = groups.get(names)
+        grp = groups.get(key)
+        created = grp is None
         if grp is None:
             self._names += 1
-            grp = _Group(f"tq{self._names}:{pid}", names)
+            grp = _Group(f"tq{self._names}:{pid}", names, key)
             await self.store.create_partition(grp.name, list(names), tasks=(_CLEAR_TASK,))
-            groups[names] = grp
+            groups[key] = grp
         # rows whose every written field already lives in one row of this group: overwrite
         in_place: list[int] = []
         in_rows: list[int] = []
         fresh: list[int] = []
-        for pos, g in enumerate(indexes):
-            locs = {where.get(f, {}).get(g) for f in names}
-            loc = locs.pop() if len(locs) == 1 else None
+        for pos, g in enumerate(indexes if indexes is not None else range(n)):
+            loc = None
+            if indexes is not None:
+                locs = {where.get(f, {}).get(g) for f in names}
+                loc = locs.pop() if len(locs) == 1 else None
             if loc is not None and loc[0] is grp:
                 in_place.append(pos)
                 in_rows.append(loc[1])
             else:
                 fresh.append(pos)
+        rows: Sequence[int] = ()
+        try:  # each store put is all or nothing
+            if in_place:
+                await self.store.put(
+                    grp.name, _take(columns, in_place, n), rows=in_rows, overwrite=True
+                )
+            if fresh:
+                rows = await self.store.put(grp.name, _take(columns, fresh, n))
+        except BaseException:
+            if created and not grp.live:
+                groups.pop(key, None)
+                await self.store.delete_partition(grp.name)
+            raise
+        idx = list(indexes) if indexes is not None else (allocate() if allocate else [])
         dead: list[tuple[_Group, int]] = []
-        if fresh:
-            rows = await self.store.put(grp.name, _take(columns, fresh, len(indexes)))
-            for pos, row in zip(fresh, rows, strict=True):
-                g = indexes[pos]
-                for f in names:
-                    old = where.setdefault(f, {}).get(g)
-                    if old is not None:
-                        dead.append(old)
-                    where[f][g] = (grp, row)
-                grp.live[row] = len(names)
-        if in_place:
-            await self.store.put(
-                grp.name, _take(columns, in_place, len(indexes)), rows=in_rows, overwrite=True
-            )
+        for pos, row in zip(fresh, rows, strict=True):
+            g = idx[pos]
+            for f in names:
+                old = where.setdefault(f, {}).get(g)
+                if old is not None:
+                    dead.append(old)
+                where[f][g] = (grp, row)
+            grp.live[row] = len(names)
         await self._free(pid, dead)
+        return idx
 
     async def read(self, pid: str, indexes: Sequence[int], fields: Sequence[str]) -> dict[str, Any]:
         where = self.where.get(pid, {})
@@ -358,7 +385,7 @@ class _Cells:
         for grp, gone in rows.values():
             if not grp.live:
                 await self.store.delete_partition(grp.name)
-                groups.pop(grp.fields, None)
+                groups.pop(grp.key, None)
                 continue
             meta = await self.store.get_meta(
                 grp.name, _CLEAR_TASK, list(grp.fields), len(gone),
@@ -387,7 +414,17 @@ class _Cells:
         for pid, cols in cells.items():
             for f, col in cols.items():
                 idx = sorted(col)
-                await self.write(pid, idx, {f: [col[g] for g in idx]})
+                await self.write(pid, {f: [col[g] for g in idx]}, len(idx), idx)
+
+
+def _kind(column: Any) -> tuple[str, int]:
+    """A column's cell dtype and rank (plain values: ``("plain", 0)``)."""
+    if isinstance(column, torch.Tensor):
+        return str(column.dtype), column.dim() - 1
+    first = column[0] if len(column) else None
+    if isinstance(first, torch.Tensor):
+        return str(first.dtype), first.dim()
+    return "plain", 0
 
 
 def _take(columns: Mapping[str, Any], pos: list[int], n: int) -> dict[str, Any]:
@@ -699,21 +736,28 @@ class TransferQueueClient:
         cols, shapes = _columns(data)
         if data_parser is not None:
             data_parser(cols)
-        if metadata is None:
-            assert partition_id is not None
-            metadata = await self._get_meta(
-                list(data.keys()), n, partition_id, "insert", None, None
-            )
-        by_pid: dict[str, list[int]] = {}
-        for i, pid in enumerate(metadata.partition_ids):
-            by_pid.setdefault(pid, []).append(i)
-        for pid, pos in by_pid.items():
-            idx = [metadata.global_indexes[i] for i in pos]
-            part = cols if len(pos) == n else _take(cols, pos, n)
-            await self._cells.write(pid, idx, part)
-            self._ctl.produced(
-                pid, idx, schema, {f: [s[i] for i in pos] for f, s in shapes.items()}
-            )
+        try:
+            if metadata is None:  # new samples: their indexes once the store took the values
+                pid = _check_pid("put: partition_id", partition_id)
+                ctl = self._ctl
+                idx = await self._cells.write(
+                    pid, cols, n, None, lambda: ctl.activate(ctl.create(pid), n)
+                )
+                metadata = ctl.batch_meta(ctl.partitions[pid], idx, list(schema), "insert")
+                ctl.produced(pid, idx, schema, shapes)
+            else:
+                by_pid: dict[str, list[int]] = {}
+                for i, pid in enumerate(metadata.partition_ids):
+                    by_pid.setdefault(pid, []).append(i)
+                for pid, pos in by_pid.items():
+                    idx = [metadata.global_indexes[i] for i in pos]
+                    part = cols if len(pos) == n else _take(cols, pos, n)
+                    await self._cells.write(pid, part, len(pos), idx)
+                    self._ctl.produced(
+                        pid, idx, schema, {f: [s[i] for i in pos] for f, s in shapes.items()}
+                    )
+        except (BadRequestError, SchemaError) as e:  # the store refused a value
+            raise BadArgumentError(f"put: {e}") from e
         await self._set_custom_meta(metadata)
         self._notify()
         return metadata.add_fields(data)
