@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import math
 import os
+import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -96,7 +95,7 @@ from asyncflow_core.store import (
     prepare_put,
     rows_by_unit,
 )
-from asyncflow_ray.runtime import alive_nodes, bytes_tensor, first_line, import_ray, tensor_bytes
+from asyncflow_ray.runtime import alive_nodes, first_line, import_ray
 
 UNIT_CONCURRENCY = 8
 """Calls a storage-unit actor serves at once (threads; a unit's state has its own lock)."""
@@ -106,101 +105,109 @@ UNIT_CONCURRENCY = 8
 # Wire format
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class PackedColumn:
-    """The tensors of one field for some rows: ``data`` holds their bytes back to back."""
+class RowsColumn:
+    """The tensors of one field for some rows: one numpy array per row, a view of the
+    sender's tensor (no copy; Ray copies each into the object store once, out of band). A
+    dtype numpy lacks (``bfloat16``, the float8s, ``complex32``) travels as an integer view
+    of the same width; ``dtype`` (a torch dtype's name) says what to view it as."""
 
     dtype: str
-    shapes: tuple[tuple[int, ...], ...]
-    data: np.ndarray[Any, np.dtype[np.uint8]]
+    rows: list[np.ndarray[Any, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.rows)
 
 
-Segments = list[PackedColumn]
-"""A tensor field read from a unit: runs of rows, each a slice of one packed column as the
-unit received it (no copy in the unit)."""
-Column = PackedColumn | list[PlainValue]
+PackedColumn = RowsColumn
+"""The former name of ``RowsColumn`` (rows used to travel packed into one buffer)."""
+
+Column = RowsColumn | list[PlainValue]
 Share = dict[str, Column]
 """A unit's part of a put: ``field -> values`` of its rows (the rows are sent alongside)."""
-ReadColumn = Segments | list[PlainValue]
-RefSegment = tuple[int, int, int, int, int]
-"""Rows ``a..b-1`` of a put's share held in the object store: ``(i, a, b, lo, hi)``, ``i``
-the index of the share's ``ObjectRef`` in the reply, ``lo..hi`` the rows' bytes in the
-field's ``PackedColumn`` there."""
-RefColumn = list[PackedColumn | RefSegment] | list[PlainValue]
+ReadColumn = list[RowsColumn] | list[PlainValue]
+RefSegment = tuple[int, int, int]
+"""Rows ``a..b-1`` of a put's share held in the object store: ``(i, a, b)``, ``i`` the index
+of the share's ``ObjectRef`` in the reply."""
+RefColumn = list[RowsColumn | RefSegment] | list[PlainValue]
 
 BY_REF_MIN_BYTES = 1 << 20
 """A put's share of at least this many tensor bytes goes to its unit by reference (the client
 ``ray.put``s it, the unit keeps the reference and a view) and is read by reference: a reader
 on the same node maps it, with no copy. Smaller shares travel by value."""
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-def pack(values: Sequence[CellValue]) -> Column:
-    """One column for the wire: tensors packed into one byte array (one copy), plain values
-    as a list."""
+
+def _row_array(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A CPU tensor as a numpy array sharing its memory (an integer view of the same width
+    for dtypes numpy lacks)."""
+    t = t.detach().resolve_conj().resolve_neg()  # views unless a lazy bit is set
+    if t.device.type != "cpu":
+        t = t.cpu()
+    try:
+        return t.numpy()
+    except TypeError:  # bfloat16, float8, complex32: numpy has no such dtype
+        return t.view(_SAME_WIDTH_INT[t.element_size()]).numpy()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_wire(values: Sequence[CellValue]) -> Column:
+    """One column for the wire: tensors as a ``RowsColumn`` of views, plain values as a list."""
     if not values or not isinstance(values[0], torch.Tensor):
         return list(values)  # type: ignore[arg-type]  # a plain field holds plain values
     tensors: list[torch.Tensor] = list(values)  # type: ignore[arg-type]
-    shapes = tuple(tuple(t.shape) for t in tensors)
-    if len(set(shapes)) == 1:
-        flat = torch.stack([t.detach() for t in tensors])  # one copy, equal rows
-    else:
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    return PackedColumn(str(tensors[0].dtype).removeprefix("torch."), shapes, tensor_bytes(flat))
+    return RowsColumn(_dtype_name(tensors[0].dtype), [_row_array(t) for t in tensors])
 
 
-def pack_rows(source: torch.Tensor, positions: range | list[int]) -> PackedColumn:
-    """The rows ``positions`` of a batch tensor (dim 0 = rows) as one column: one copy (a
-    strided slice for a ``range``, a gather for a list)."""
-    src = source.detach()
+def rows_to_wire(source: torch.Tensor, positions: range | list[int]) -> RowsColumn:
+    """The rows ``positions`` of a batch tensor (dim 0 = rows) as a ``RowsColumn``: one
+    conversion for the whole tensor, then numpy row views."""
+    whole = _row_array(source)
     if isinstance(positions, range):
-        picked = src[positions.start : positions.stop : positions.step]
+        picked = list(whole[positions.start : positions.stop : positions.step])
     else:
-        picked = src[torch.as_tensor(positions, dtype=torch.long)]
-    return PackedColumn(
-        str(src.dtype).removeprefix("torch."),
-        (tuple(src.shape[1:]),) * len(positions),
-        tensor_bytes(picked.contiguous()),
-    )
+        picked = [whole[i] for i in positions]
+    return RowsColumn(_dtype_name(source.dtype), picked)
 
 
-def unpack(column: PackedColumn, *, copy: bool) -> list[torch.Tensor]:
-    """The per-row tensors of a column: views of one buffer (``copy``: of a private copy of
-    it, else of the received, read-only bytes)."""
-    flat = bytes_tensor(column.data, column.dtype, copy=copy)
-    shapes = column.shapes
-    if not shapes:
-        return []
-    first = shapes[0]
-    if all(s == first for s in shapes):  # equal rows: one view, unbound
-        return list(flat.view(len(shapes), *first).unbind(0))
-    if all(len(s) == 1 for s in shapes):  # ragged 1-d rows: one split
-        return list(flat.split_with_sizes([s[0] for s in shapes]))
-    parts = flat.split_with_sizes([math.prod(s) for s in shapes])
-    return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
+def from_wire(column: RowsColumn, *, copy: bool) -> list[torch.Tensor]:
+    """The per-row tensors of a column: views of the received (read-only) arrays, or of
+    private copies of them (``copy``)."""
+    dtype = getattr(torch, column.dtype)
+    out = []
+    with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only
+        warnings.simplefilter("ignore", UserWarning)
+        for a in column.rows:
+            t = torch.from_numpy(np.array(a, copy=True) if copy else a)
+            out.append(t if t.dtype == dtype else t.view(dtype))
+    return out
 
 
 def unpack_read(column: ReadColumn, *, copy: bool = False) -> list[CellValue]:
-    """The per-row values of a unit's ``read`` of one field (see ``unpack``)."""
-    if column and isinstance(column[0], PackedColumn):
-        return [t for seg in column for t in unpack(seg, copy=copy)]
+    """The per-row values of a unit's ``read`` of one field (see ``from_wire``)."""
+    if column and isinstance(column[0], RowsColumn):
+        return [t for seg in column for t in from_wire(seg, copy=copy)]
     return list(cast(list[PlainValue], column))
 
 
 class _Held:
-    """A packed column as a storage unit received it, kept as is (a read-only view of the
-    object store's copy of the put's argument) with each row's byte offset."""
+    """A tensor column as a storage unit received it, kept as is (its arrays are read-only
+    views of the object store's copy of the put), and the ``ObjectRef`` of the share it came
+    in when it came by reference."""
 
-    __slots__ = ("column", "offsets", "ref")
+    __slots__ = ("column", "ref")
 
-    def __init__(self, column: PackedColumn, ref: Any = None) -> None:
+    def __init__(self, column: RowsColumn, ref: Any = None) -> None:
         self.column = column
-        self.ref = ref  # the share's ObjectRef when it came by reference
-        itemsize = getattr(torch, column.dtype).itemsize
-        self.offsets = [0, *itertools.accumulate(math.prod(s) * itemsize for s in column.shapes)]
+        self.ref = ref
 
-    def segment(self, a: int, b: int) -> PackedColumn:
-        """Rows ``a..b-1`` as a column: a view, no copy."""
-        c = self.column
-        return PackedColumn(c.dtype, c.shapes[a:b], c.data[self.offsets[a] : self.offsets[b]])
+    def segment(self, a: int, b: int) -> RowsColumn:
+        """Rows ``a..b-1`` as a column of the same arrays (no copy)."""
+        return RowsColumn(self.column.dtype, self.column.rows[a:b])
 
 
 class _RowCell:
@@ -229,13 +236,13 @@ def _runs(cells: Sequence[_RowCell]) -> list[tuple[_Held, int, int]]:
     return out
 
 
-def _segments(cells: Sequence[_RowCell]) -> Segments:
-    """Tensor cells as slices (views) of the received columns, one per run."""
+def _segments(cells: Sequence[_RowCell]) -> list[RowsColumn]:
+    """Tensor cells as columns of the received arrays, one per run."""
     return [held.segment(a, b) for held, a, b in _runs(cells)]
 
 
 def _share_bytes(share: Share) -> int:
-    return sum(c.data.nbytes for c in share.values() if isinstance(c, PackedColumn))
+    return sum(c.nbytes for c in share.values() if isinstance(c, RowsColumn))
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,7 +273,7 @@ class StorageUnitServer:
             share = payload
         cells: dict[str, dict[int, CellValue]] = {}
         for f, col in share.items():
-            if isinstance(col, PackedColumn):
+            if isinstance(col, RowsColumn):
                 held = _Held(col, ref)
                 cells[f] = {r: cast(CellValue, _RowCell(held, i)) for i, r in enumerate(rows)}
             else:
@@ -307,7 +314,7 @@ class StorageUnitServer:
             if not (v and isinstance(v[0], _RowCell)):
                 out[f] = cast(list[PlainValue], v)
                 continue
-            col: list[PackedColumn | RefSegment] = []
+            col: list[RowsColumn | RefSegment] = []
             for held, a, b in _runs(v):
                 if held.ref is None:
                     col.append(held.segment(a, b))
@@ -315,7 +322,7 @@ class StorageUnitServer:
                 i = index.setdefault(id(held.ref), len(refs))
                 if i == len(refs):
                     refs.append(held.ref)
-                col.append((i, a, b, held.offsets[a], held.offsets[b]))
+                col.append((i, a, b))
             out[f] = col
         return refs, out
 
@@ -1012,15 +1019,15 @@ async def _empty() -> tuple[list[Any], dict[str, Any]]:
 def _resolve(field: str, column: RefColumn, shares: Sequence[Share]) -> list[CellValue]:
     """The per-row values of a ``read_refs`` column, its ``RefSegment``s sliced out of the
     mapped ``shares`` (views, no copy)."""
-    if not column or not isinstance(column[0], PackedColumn | tuple):
+    if not column or not isinstance(column[0], RowsColumn | tuple):
         return list(cast(list[PlainValue], column))
     out: list[CellValue] = []
     for seg in column:
-        if not isinstance(seg, PackedColumn):
-            i, a, b, lo, hi = seg
-            held = cast(PackedColumn, shares[i][field])
-            seg = PackedColumn(held.dtype, held.shapes[a:b], held.data[lo:hi])
-        out.extend(unpack(seg, copy=False))
+        if not isinstance(seg, RowsColumn):
+            i, a, b = seg
+            held = cast(RowsColumn, shares[i][field])
+            seg = RowsColumn(held.dtype, held.rows[a:b])
+        out.extend(from_wire(seg, copy=False))
     return out
 
 
@@ -1067,9 +1074,9 @@ def _share(
     for f, values in cells.items():
         source = data[f]
         if isinstance(source, torch.Tensor):
-            out[f] = pack_rows(source, positions)
+            out[f] = rows_to_wire(source, positions)
         else:
-            out[f] = pack([values[i] for i in positions])
+            out[f] = to_wire([values[i] for i in positions])
     return out
 
 
