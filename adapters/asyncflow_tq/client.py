@@ -34,10 +34,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from asyncflow_core.errors import BadRequestError, SchemaError
+from asyncflow_core.errors import BadRequestError, SchemaError, UnknownRowError
 from asyncflow_core.protocols import BatchMeta as StoreMeta
 from asyncflow_core.protocols import Candidates, DataStore, SampleRequest, Selection
 from asyncflow_tq.metadata import BatchMeta, Schema, field_schema_of
+from asyncflow_tq.sampler import SequentialSampler
 
 __all__ = [
     "BadArgumentError",
@@ -266,6 +267,55 @@ class _ExactRows:
         return Selection(rows=tuple(int(r) for r in candidates.rows.tolist() if r in self.rows))
 
 
+@dataclass
+class WritePlan:
+    """Where a put's cells go (from the controller to the writer, who stores the values)."""
+
+    pid: str
+    key: tuple[tuple[str, str, int], ...]
+    group: str
+    created: bool
+    in_place: list[int]  # positions overwriting the rows in_rows
+    in_rows: list[int]
+    fresh: list[int]  # positions stored in new rows
+    indexes: list[int] | None  # None: new samples
+    n: int
+
+
+@dataclass
+class ReadPlan:
+    """Where a batch's cells are: per store partition its rows and fields, and per field each
+    sample's (store partition position, row)."""
+
+    groups: list[tuple[str, tuple[int, ...], tuple[str, ...]]]
+    locs: dict[str, list[tuple[int, int]]]
+
+
+async def store_write(
+    store: DataStore, plan: WritePlan, columns: Mapping[str, Any]
+) -> Sequence[int]:
+    """Store the values as ``plan`` says (each store put is all or nothing); the new rows."""
+    if plan.in_place:
+        await store.put(
+            plan.group, _take(columns, plan.in_place, plan.n), rows=plan.in_rows, overwrite=True
+        )
+    if plan.fresh:
+        return await store.put(plan.group, _take(columns, plan.fresh, plan.n))
+    return ()
+
+
+async def store_fetch(store: DataStore, plan: ReadPlan) -> dict[str, list[Any]]:
+    """Read the cells ``plan`` names: per field, one value per sample."""
+    values: list[dict[str, dict[int, Any]]] = []
+    for name, rows, fields in plan.groups:
+        try:
+            batch = await store.get_data(StoreMeta(name, _CLEAR_TASK, rows, fields), layout="list")
+        except UnknownRowError as e:  # cleared since the plan was made
+            raise StorageKeyNotFoundError(str(e)) from None
+        values.append({f: dict(zip(rows, batch.data[f], strict=True)) for f in fields})
+    return {f: [values[k][f][row] for k, row in locs] for f, locs in plan.locs.items()}
+
+
 class _Cells:
     """Where each (partition, field, global index) cell lives in the store."""
 
@@ -275,21 +325,13 @@ class _Cells:
         self.where: dict[str, dict[str, dict[int, tuple[_Group, int]]]] = {}
         self._names = 0
 
-    async def write(
-        self,
-        pid: str,
-        columns: Mapping[str, Any],
-        n: int,
-        indexes: Sequence[int] | None,
-        allocate: Callable[[], list[int]] | None = None,
-    ) -> list[int]:
-        """Store ``n`` samples' cells. ``indexes=None``: new samples, whose global indexes
-        ``allocate()`` gives once the store took the values (so a put the store rejects
-        takes no index). Returns the indexes written."""
-        names = tuple(sorted(columns))
-        # the store fixes a field's dtype and rank at its first write: a field written with
-        # another dtype or rank goes to other columns (its old cells are freed)
-        key = tuple((f, *_kind(columns[f])) for f in names)
+    async def begin_write(
+        self, pid: str, key: tuple[tuple[str, str, int], ...], n: int, indexes: list[int] | None
+    ) -> WritePlan:
+        """Where ``n`` samples' cells go: the store partition of this field set (created on
+        first use) and, per sample, an existing row to overwrite or a new row. ``indexes=None``:
+        new samples (their indexes are allocated by ``end_write``)."""
+        names = tuple(k[0] for k in key)
         groups = self.groups.setdefault(pid, {})
         where = self.where.setdefault(pid, {})
         grp = groups.get(key)
@@ -299,73 +341,90 @@ class _Cells:
             grp = _Group(f"tq{self._names}:{pid}", names, key)
             await self.store.create_partition(grp.name, list(names), tasks=(_CLEAR_TASK,))
             groups[key] = grp
-        # rows whose every written field already lives in one row of this group: overwrite
-        in_place: list[int] = []
-        in_rows: list[int] = []
-        fresh: list[int] = []
+        plan = WritePlan(pid, key, grp.name, created, [], [], [], indexes, n)
         for pos, g in enumerate(indexes if indexes is not None else range(n)):
             loc = None
             if indexes is not None:
                 locs = {where.get(f, {}).get(g) for f in names}
                 loc = locs.pop() if len(locs) == 1 else None
             if loc is not None and loc[0] is grp:
-                in_place.append(pos)
-                in_rows.append(loc[1])
+                plan.in_place.append(pos)
+                plan.in_rows.append(loc[1])
             else:
-                fresh.append(pos)
-        rows: Sequence[int] = ()
-        try:  # each store put is all or nothing
-            if in_place:
-                await self.store.put(
-                    grp.name, _take(columns, in_place, n), rows=in_rows, overwrite=True
-                )
-            if fresh:
-                rows = await self.store.put(grp.name, _take(columns, fresh, n))
-        except BaseException:
-            if created and not grp.live:
-                groups.pop(key, None)
-                await self.store.delete_partition(grp.name)
-            raise
-        idx = list(indexes) if indexes is not None else (allocate() if allocate else [])
+                plan.fresh.append(pos)
+        return plan
+
+    async def abort_write(self, plan: WritePlan) -> None:
+        grp = self.groups.get(plan.pid, {}).get(plan.key)
+        if plan.created and grp is not None and grp.name == plan.group and not grp.live:
+            self.groups[plan.pid].pop(plan.key, None)
+            await self.store.delete_partition(grp.name)
+
+    async def end_write(
+        self, plan: WritePlan, rows: Sequence[int], allocate: Callable[[], list[int]]
+    ) -> list[int]:
+        """Record the rows the store wrote for ``plan``; returns the samples' indexes."""
+        grp = self.groups.get(plan.pid, {}).get(plan.key)
+        if grp is None or grp.name != plan.group:
+            raise RequestError(f"put: partition {plan.pid!r} was cleared during the put")
+        idx = list(plan.indexes) if plan.indexes is not None else allocate()
+        where = self.where.setdefault(plan.pid, {})
         dead: list[tuple[_Group, int]] = []
-        for pos, row in zip(fresh, rows, strict=True):
+        for pos, row in zip(plan.fresh, rows, strict=True):
             g = idx[pos]
-            for f in names:
+            for f in grp.fields:
                 old = where.setdefault(f, {}).get(g)
                 if old is not None:
                     dead.append(old)
-                where[f][g] = (grp, row)
-            grp.live[row] = len(names)
-        await self._free(pid, dead)
+                where[f][g] = (grp, int(row))
+            grp.live[int(row)] = len(grp.fields)
+        await self._free(plan.pid, dead)
         return idx
 
-    async def read(self, pid: str, indexes: Sequence[int], fields: Sequence[str]) -> dict[str, Any]:
-        where = self.where.get(pid, {})
-        plan: dict[int, tuple[_Group, list[int], set[str]]] = {}
-        locs: dict[str, list[tuple[_Group, int]]] = {}
+    def plan_read(
+        self, pids: Sequence[str], indexes: Sequence[int], fields: Sequence[str]
+    ) -> ReadPlan:
+        """Which store partitions and rows hold these samples' ``fields``."""
+        plan = ReadPlan([], {})
+        slot: dict[int, int] = {}
+        rows_of: list[set[int]] = []
+        wanted: list[set[str]] = []
         for f in fields:
-            col = where.get(f, {})
-            got = []
-            for g in indexes:
-                loc = col.get(g)
+            got: list[tuple[int, int]] = []
+            for pid, g in zip(pids, indexes, strict=True):
+                loc = self.where.get(pid, {}).get(f, {}).get(g)
                 if loc is None:
                     raise StorageKeyNotFoundError(
                         f"sample {g} of partition {pid!r} has no value for field {f!r}"
                     )
-                got.append(loc)
-                entry = plan.setdefault(id(loc[0]), (loc[0], [], set()))
-                entry[2].add(f)
-            locs[f] = got
-        values: dict[tuple[int, str], dict[int, Any]] = {}
-        for grp, _, wanted in plan.values():
-            rows = sorted({r for f in wanted for (gg, r) in locs[f] if gg is grp})
-            batch = await self.store.get_data(
-                StoreMeta(grp.name, _CLEAR_TASK, tuple(rows), tuple(sorted(wanted))),
-                layout="list",
-            )
-            for f in wanted:
-                values[(id(grp), f)] = dict(zip(rows, batch.data[f], strict=True))
-        return {f: [values[(id(gg), f)][r] for (gg, r) in locs[f]] for f in fields}
+                grp, row = loc
+                k = slot.get(id(grp))
+                if k is None:
+                    k = slot[id(grp)] = len(plan.groups)
+                    plan.groups.append((grp.name, (), ()))
+                    rows_of.append(set())
+                    wanted.append(set())
+                rows_of[k].add(row)
+                wanted[k].add(f)
+                got.append((k, row))
+            plan.locs[f] = got
+        plan.groups = [
+            (name, tuple(sorted(rows_of[k])), tuple(sorted(wanted[k])))
+            for k, (name, _, _) in enumerate(plan.groups)
+        ]
+        return plan
+
+    async def write_values(
+        self, pid: str, columns: Mapping[str, Any], n: int, indexes: list[int]
+    ) -> None:
+        key = tuple((f, *_kind(columns[f])) for f in sorted(columns))
+        plan = await self.begin_write(pid, key, n, indexes)
+        try:
+            rows = await store_write(self.store, plan, columns)
+        except BaseException:
+            await self.abort_write(plan)
+            raise
+        await self.end_write(plan, rows, list)
 
     async def free(self, pid: str, indexes: Sequence[int]) -> None:
         where = self.where.get(pid, {})
@@ -404,7 +463,8 @@ class _Cells:
             for f, col in where.items():
                 idx = sorted(col)
                 if idx:
-                    vals = (await self.read(pid, idx, [f]))[f]
+                    plan = self.plan_read([pid] * len(idx), idx, [f])
+                    vals = (await store_fetch(self.store, plan))[f]
                     out.setdefault(pid, {})[f] = dict(zip(idx, vals, strict=True))
         return out
 
@@ -414,7 +474,7 @@ class _Cells:
         for pid, cols in cells.items():
             for f, col in cols.items():
                 idx = sorted(col)
-                await self.write(pid, {f: [col[g] for g in idx]}, len(idx), idx)
+                await self.write_values(pid, {f: [col[g] for g in idx]}, len(idx), idx)
 
 
 def _kind(column: Any) -> tuple[str, int]:
@@ -493,90 +553,64 @@ def pack(values: list[Any]) -> Any:
 # ----------------------------------------------------------------------------------------------
 # the client
 # ----------------------------------------------------------------------------------------------
-class _Loop:
-    """An event loop in a daemon thread; coroutines are submitted to it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="asyncflow-tq-loop", daemon=True
-        )
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
-def _check_names(what: str, value: object) -> list[str]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
-        raise BadArgumentError(f"{what} must be a list of field names, got {value!r:.80}")
-    return list(value)
-
-
-def _check_pid(what: str, value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise BadArgumentError(f"{what} must be a non-empty str, got {value!r:.80}")
-    return value
-
-
-def _batch_size(data: Any) -> int:
-    from tensordict import TensorDictBase
-
-    if not isinstance(data, TensorDictBase):
-        raise BadArgumentError(f"put: data must be a TensorDict, got {type(data).__name__}")
-    if len(data.batch_size) < 1:
-        raise BadArgumentError("put: data must have a batch dimension (batch_size=[n])")
-    return int(data.batch_size[0])
-
-
-class TransferQueueClient:
-    """TransferQueue's client API (sync methods and their ``async_`` twins) over an AsyncFlow
-    ``DataStore``. Built by ``asyncflow_tq.init``; ``get_client()`` returns it."""
+class _Core:
+    """TransferQueue's controller over a store: the bookkeeping and where each cell lives.
+    Runs on one event loop: the client's (in-process) or a Ray actor's (shared by every
+    process that attached)."""
 
     def __init__(
         self,
         store: DataStore,
-        *,
         sampler: Callable[..., tuple[list[int], list[int]]],
-        polling_mode: bool = False,
-        get_meta_timeout_s: float = 5.0,
+        polling_mode: bool,
+        get_meta_timeout_s: float,
         pre_alloc: int = 1,
-        client_id: str | None = None,
-        owns_store: Callable[[], None] | None = None,
     ) -> None:
-        self.client_id = client_id or f"TransferQueueClient_{os.getpid()}"
         self.store = store
         self.polling_mode = polling_mode
         self.get_meta_timeout_s = get_meta_timeout_s
         self._ctl = _Controller(sampler, pre_alloc)
         self._cells = _Cells(store)
-        self._loop = _Loop()
         self._changed: asyncio.Event | None = None
-        self._closed = False
-        self._on_close = owns_store
 
-    # -- plumbing ------------------------------------------------------------------------------
-    def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise RuntimeError(f"[{self.client_id}]: the client is closed")
-        return self._loop.submit(coro).result()
+    async def get_store(self) -> DataStore:
+        return self.store
 
-    async def _async(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._closed:
-            coro.close()
-            raise RuntimeError(f"[{self.client_id}]: the client is closed")
-        return await asyncio.wrap_future(self._loop.submit(coro))
+    async def begin_write(
+        self, pid: str, key: tuple[tuple[str, str, int], ...], n: int, indexes: list[int] | None
+    ) -> WritePlan:
+        return await self._cells.begin_write(pid, key, n, indexes)
+
+    async def abort_write(self, plan: WritePlan) -> None:
+        await self._cells.abort_write(plan)
+
+    async def end_write(
+        self,
+        plan: WritePlan,
+        rows: Sequence[int],
+        schema: Schema,
+        shapes: Mapping[str, list[tuple[int, ...] | None]],
+        custom_meta: Sequence[dict[str, Any]],
+    ) -> list[int]:
+        ctl = self._ctl
+        idx = await self._cells.end_write(
+            plan, rows, lambda: ctl.activate(ctl.create(plan.pid), plan.n)
+        )
+        ctl.produced(plan.pid, idx, schema, shapes)
+        p = ctl.partitions[plan.pid]
+        for g, meta in zip(idx, custom_meta, strict=True):
+            p.custom_meta[g] = copy.deepcopy(meta)
+        self._notify()
+        return idx
+
+    async def plan_read(
+        self, pids: Sequence[str], indexes: Sequence[int], fields: Sequence[str]
+    ) -> ReadPlan:
+        return self._cells.plan_read(pids, indexes, fields)
+
+    async def shutdown(self) -> None:
+        for pid in list(self._ctl.partitions):
+            await self.clear_partition(pid)
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -590,12 +624,7 @@ class TransferQueueClient:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ev.wait(), timeout)
 
-    @property
-    def sampler(self) -> Callable[..., tuple[list[int], list[int]]]:
-        return self._ctl.sampler
-
-    # -- get_meta ------------------------------------------------------------------------------
-    async def _get_meta(
+    async def get_meta(
         self,
         data_fields: list[str],
         batch_size: int,
@@ -660,6 +689,385 @@ class TransferQueueClient:
             p.consumed.setdefault(task, set()).update(consumed)
         return self._ctl.batch_meta(p, sampled, fields, "fetch")
 
+    async def set_custom_meta(self, metadata: BatchMeta) -> None:
+        if not isinstance(metadata, BatchMeta):
+            raise BadArgumentError(
+                f"set_custom_meta: metadata must be a BatchMeta, got {type(metadata).__name__}"
+            )
+        for g, pid, meta in zip(
+            metadata.global_indexes, metadata.partition_ids, metadata.custom_meta, strict=True
+        ):
+            p = self._ctl.partitions.get(pid)
+            if p is not None:
+                p.custom_meta[g] = copy.deepcopy(meta)
+
+    async def clear_partition(self, partition_id: str) -> None:
+        pid = _check_pid("clear_partition: partition_id", partition_id)
+        if pid not in self._ctl.partitions:
+            return
+        await self._cells.drop(pid)
+        self._ctl.drop_partition(pid)
+        self._notify()
+
+    async def clear_samples(self, metadata: BatchMeta) -> None:
+        if not isinstance(metadata, BatchMeta):
+            raise BadArgumentError(
+                f"clear_samples: metadata must be a BatchMeta, got {type(metadata).__name__}"
+            )
+        by_pid: dict[str, list[int]] = {}
+        for g, pid in zip(metadata.global_indexes, metadata.partition_ids, strict=True):
+            by_pid.setdefault(pid, []).append(g)
+        for pid, idx in by_pid.items():
+            p = self._ctl.partitions.get(pid)
+            if p is None:
+                continue
+            gone = self._ctl.forget(p, idx)
+            await self._cells.free(pid, gone)
+        self._notify()
+
+    async def consumption(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        task = _check_pid("get_consumption_status: task_name", task_name)
+        p = self._ctl.partitions.get(partition_id)
+        if p is None:
+            return None, None
+        idx = p.all_indexes()
+        done = p.consumed.setdefault(task, set())
+        return (
+            torch.tensor(idx, dtype=torch.long),
+            torch.tensor([1 if g in done else 0 for g in idx], dtype=torch.int8),
+        )
+
+    async def production(
+        self, data_fields: list[str], partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        fields = _check_names("get_production_status: data_fields", data_fields)
+        p = self._ctl.partitions.get(partition_id)
+        if p is None or not fields or any(f not in p.fields for f in fields):
+            return None, None
+        cols = sorted(set(fields), key=p.fields.__getitem__)  # registration order
+        idx = p.all_indexes()
+        status = torch.tensor(
+            [[1 if f in p.produced.get(g, ()) else 0 for f in cols] for g in idx],
+            dtype=torch.int8,
+        ).reshape(len(idx), len(cols))
+        return torch.tensor(idx, dtype=torch.long), status
+
+    async def reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
+        if task_name is not None:
+            _check_pid("reset_consumption: task_name", task_name)
+        p = self._ctl.partitions.get(partition_id)
+        if p is not None:
+            for task, done in p.consumed.items():
+                if task_name is None or task == task_name:
+                    done.clear()
+            self._notify()
+        return True
+
+    async def partition_list(self) -> list[str]:
+        return list(self._ctl.partitions)
+
+    async def kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool
+    ) -> BatchMeta:
+        if isinstance(keys, str):
+            keys = [keys]
+        elif isinstance(keys, list):
+            if not keys:
+                raise ValueError("kv_retrieve_meta: keys is an empty list")
+            if not all(isinstance(k, str) for k in keys):
+                raise TypeError("kv_retrieve_meta: not every element of keys is a str")
+        else:
+            raise TypeError(
+                f"kv_retrieve_meta: keys must be a str or a list of str, got {keys!r:.80}"
+            )
+        if len(set(keys)) != len(keys):
+            raise BadArgumentError("kv_retrieve_meta: keys contain duplicates")
+        pid = _check_pid("kv_retrieve_meta: partition_id", partition_id)
+        p = self._ctl.partitions.get(pid)
+        if p is None:
+            if not create:
+                return BatchMeta.empty()
+            p = self._ctl.create(pid)
+        idx: list[int | None] = [p.keys.get(k) for k in keys]
+        missing = [i for i, g in enumerate(idx) if g is None]
+        if missing and create:
+            new = self._ctl.activate(p, len(missing))
+            for i, g in zip(missing, new, strict=True):
+                idx[i] = g
+                p.keys[keys[i]] = g
+                p.rkeys[g] = keys[i]
+        found = [g for g in idx if g is not None]
+        common = [f for f in p.fields if all(f in p.produced.get(g, ()) for g in found)]
+        return self._ctl.batch_meta(p, found, common, "force_fetch")
+
+    async def kv_retrieve_keys(
+        self, global_indexes: list[int] | int, partition_id: str
+    ) -> list[str]:
+        if isinstance(global_indexes, int) and not isinstance(global_indexes, bool):
+            global_indexes = [global_indexes]
+        elif isinstance(global_indexes, list):
+            if not global_indexes:
+                raise ValueError("kv_retrieve_keys: global_indexes is an empty list")
+            if not all(isinstance(g, int) and not isinstance(g, bool) for g in global_indexes):
+                raise TypeError("kv_retrieve_keys: not every element of global_indexes is an int")
+        else:
+            raise TypeError(
+                f"kv_retrieve_keys: global_indexes must be an int or a list of int, got "
+                f"{global_indexes!r:.80}"
+            )
+        p = self._ctl.partitions.get(partition_id)
+        keys = [p.rkeys.get(g) for g in global_indexes] if p is not None else []
+        if len(keys) != len(global_indexes) or any(k is None for k in keys):
+            raise RequestError(
+                f"kv_retrieve_keys: some of {global_indexes} have no key in partition "
+                f"{partition_id!r}"
+            )
+        return [k for k in keys if k is not None]
+
+    async def kv_list(self, partition_id: str | None) -> dict[str, dict[str, Any]]:
+        pids = list(self._ctl.partitions) if partition_id is None else [partition_id]
+        out: dict[str, dict[str, Any]] = {}
+        for pid in pids:
+            p = self._ctl.partitions.get(pid)
+            if p is not None:
+                out[pid] = {k: copy.deepcopy(p.custom_meta.get(g, {})) for k, g in p.keys.items()}
+        return out
+
+    async def save_controller(self, path: str) -> None:
+        state = self._ctl.state()
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+
+    async def load_controller(self, path: str) -> None:
+        with open(path, "rb") as f:
+            state = pickle.load(f)
+        if not isinstance(state, dict) or "partitions" not in state:
+            raise RequestError(f"load_controller_checkpoint: {path} is not a controller state")
+        self._ctl.restore(state)
+        self._notify()
+
+    async def save_storage(self, checkpoint_dir: str) -> None:
+        cells = await self._cells.dump()
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        torch.save(cells, Path(checkpoint_dir) / STORAGE_FILE)
+
+    async def load_storage(self, checkpoint_dir: str) -> None:
+        path = Path(checkpoint_dir) / STORAGE_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"{STORAGE_FILE} not found in {checkpoint_dir}")
+        cells = torch.load(path, weights_only=False)
+        await self._cells.load(cells)
+
+
+class _Loop:
+    """An event loop in a daemon thread; coroutines are submitted to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="asyncflow-tq-loop", daemon=True
+        )
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _check_names(what: str, value: object) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+        raise BadArgumentError(f"{what} must be a list of field names, got {value!r:.80}")
+    return list(value)
+
+
+def _check_pid(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadArgumentError(f"{what} must be a non-empty str, got {value!r:.80}")
+    return value
+
+
+def _batch_size(data: Any) -> int:
+    from tensordict import TensorDictBase
+
+    if not isinstance(data, TensorDictBase):
+        raise BadArgumentError(f"put: data must be a TensorDict, got {type(data).__name__}")
+    if len(data.batch_size) < 1:
+        raise BadArgumentError("put: data must have a batch dimension (batch_size=[n])")
+    return int(data.batch_size[0])
+
+
+class TransferQueueClient:
+    """TransferQueue's client API (sync methods and their ``async_`` twins) over an AsyncFlow
+    ``DataStore``. Built by ``asyncflow_tq.init``; ``get_client()`` returns it."""
+
+    def __init__(
+        self,
+        store: DataStore,
+        *,
+        sampler: Callable[..., tuple[list[int], list[int]]] | None = None,
+        polling_mode: bool = False,
+        get_meta_timeout_s: float = 5.0,
+        pre_alloc: int = 1,
+        client_id: str | None = None,
+        owns_store: Callable[[], None] | None = None,
+        remote: Any = None,
+    ) -> None:
+        """In-process controller over ``store`` (the default), or, with ``remote``, a client
+        of the controller actor ``remote`` (see ``asyncflow_tq.remote``; ``store`` is then
+        its store, written and read directly by this client)."""
+        self.client_id = client_id or f"TransferQueueClient_{os.getpid()}"
+        self.store = store
+        self._core: _Core | None = None
+        self._remote = remote
+        if remote is None:
+            self._core = _Core(
+                store,
+                sampler if sampler is not None else SequentialSampler(),
+                polling_mode,
+                get_meta_timeout_s,
+                pre_alloc,
+            )
+        self._loop = _Loop()
+        self._closed = False
+        self._on_close = owns_store
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"[{self.client_id}]: the client is closed")
+        return self._loop.submit(coro).result()
+
+    async def _async(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"[{self.client_id}]: the client is closed")
+        return await asyncio.wrap_future(self._loop.submit(coro))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """A controller call: in this process, or on the controller actor (its errors
+        re-raised as themselves, not wrapped in Ray's)."""
+        if self._core is not None:
+            return await getattr(self._core, method)(*args)
+        try:
+            return await self._remote.call.remote(method, *args)
+        except Exception as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
+
+    @property
+    def is_attached(self) -> bool:
+        """Whether this client talks to a controller actor (shared by processes)."""
+        return self._remote is not None
+
+    # -- control-plane calls ------------------------------------------------------------------
+    async def _get_meta(
+        self,
+        data_fields: list[str],
+        batch_size: int,
+        partition_id: str,
+        mode: str,
+        task_name: str | None,
+        sampling_config: dict[str, Any] | None,
+    ) -> BatchMeta:
+        meta: BatchMeta = await self._call(
+            "get_meta", data_fields, batch_size, partition_id, mode, task_name, sampling_config
+        )
+        return meta
+
+    async def _set_custom_meta(self, metadata: BatchMeta) -> None:
+        await self._call("set_custom_meta", metadata)
+
+    async def _clear_partition(self, partition_id: str) -> None:
+        await self._call("clear_partition", partition_id)
+
+    async def _clear_samples(self, metadata: BatchMeta) -> None:
+        await self._call("clear_samples", metadata)
+
+    async def _consumption(
+        self, task_name: str, partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        out: tuple[torch.Tensor | None, torch.Tensor | None] = await self._call(
+            "consumption", task_name, partition_id
+        )
+        return out
+
+    async def _production(
+        self, data_fields: list[str], partition_id: str
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        out: tuple[torch.Tensor | None, torch.Tensor | None] = await self._call(
+            "production", data_fields, partition_id
+        )
+        return out
+
+    async def _reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
+        return bool(await self._call("reset_consumption", partition_id, task_name))
+
+    async def _partition_list(self) -> list[str]:
+        return list(await self._call("partition_list"))
+
+    async def _kv_retrieve_meta(
+        self, keys: list[str] | str, partition_id: str, create: bool
+    ) -> BatchMeta:
+        meta: BatchMeta = await self._call("kv_retrieve_meta", keys, partition_id, create)
+        return meta
+
+    async def _kv_retrieve_keys(
+        self, global_indexes: list[int] | int, partition_id: str
+    ) -> list[str]:
+        return list(await self._call("kv_retrieve_keys", global_indexes, partition_id))
+
+    async def _kv_list(self, partition_id: str | None) -> dict[str, dict[str, Any]]:
+        return dict(await self._call("kv_list", partition_id))
+
+    async def _save_controller(self, path: str) -> None:
+        await self._call("save_controller", path)
+
+    async def _load_controller(self, path: str) -> None:
+        await self._call("load_controller", path)
+
+    async def _save_storage(self, checkpoint_dir: str) -> None:
+        await self._call("save_storage", checkpoint_dir)
+
+    async def _load_storage(self, checkpoint_dir: str) -> None:
+        await self._call("load_storage", checkpoint_dir)
+
+    async def _write(
+        self,
+        pid: str,
+        columns: Mapping[str, Any],
+        n: int,
+        indexes: list[int] | None,
+        schema: Schema,
+        shapes: Mapping[str, list[tuple[int, ...] | None]],
+        custom_meta: Sequence[dict[str, Any]],
+    ) -> list[int]:
+        """Store the values (this process writes the store directly), then record them."""
+        key = tuple((f, *_kind(columns[f])) for f in sorted(columns))
+        plan: WritePlan = await self._call("begin_write", pid, key, n, indexes)
+        try:
+            rows = await store_write(self.store, plan, columns)
+        except BaseException:
+            await self._call("abort_write", plan)
+            raise
+        return list(await self._call("end_write", plan, rows, schema, shapes, custom_meta))
+
+    # -- get_meta ------------------------------------------------------------------------------
     def get_meta(
         self,
         data_fields: list[str],
@@ -687,18 +1095,6 @@ class TransferQueueClient:
         )
 
     # -- custom meta ---------------------------------------------------------------------------
-    async def _set_custom_meta(self, metadata: BatchMeta) -> None:
-        if not isinstance(metadata, BatchMeta):
-            raise BadArgumentError(
-                f"set_custom_meta: metadata must be a BatchMeta, got {type(metadata).__name__}"
-            )
-        for g, pid, meta in zip(
-            metadata.global_indexes, metadata.partition_ids, metadata.custom_meta, strict=True
-        ):
-            p = self._ctl.partitions.get(pid)
-            if p is not None:
-                p.custom_meta[g] = copy.deepcopy(meta)
-
     def set_custom_meta(self, metadata: BatchMeta) -> None:
         self._sync(self._set_custom_meta(metadata))
 
@@ -739,27 +1135,24 @@ class TransferQueueClient:
         try:
             if metadata is None:  # new samples: their indexes once the store took the values
                 pid = _check_pid("put: partition_id", partition_id)
-                ctl = self._ctl
-                idx = await self._cells.write(
-                    pid, cols, n, None, lambda: ctl.activate(ctl.create(pid), n)
-                )
-                metadata = ctl.batch_meta(ctl.partitions[pid], idx, list(schema), "insert")
-                ctl.produced(pid, idx, schema, shapes)
+                idx = await self._write(pid, cols, n, None, schema, shapes, [{}] * n)
+                metadata = BatchMeta(idx, [pid] * n)
             else:
                 by_pid: dict[str, list[int]] = {}
                 for i, pid in enumerate(metadata.partition_ids):
                     by_pid.setdefault(pid, []).append(i)
                 for pid, pos in by_pid.items():
-                    idx = [metadata.global_indexes[i] for i in pos]
-                    part = cols if len(pos) == n else _take(cols, pos, n)
-                    await self._cells.write(pid, part, len(pos), idx)
-                    self._ctl.produced(
-                        pid, idx, schema, {f: [s[i] for i in pos] for f, s in shapes.items()}
+                    await self._write(
+                        pid,
+                        cols if len(pos) == n else _take(cols, pos, n),
+                        len(pos),
+                        [metadata.global_indexes[i] for i in pos],
+                        schema,
+                        {f: [s[i] for i in pos] for f, s in shapes.items()},
+                        [metadata.custom_meta[i] for i in pos],
                     )
         except (BadRequestError, SchemaError) as e:  # the store refused a value
             raise BadArgumentError(f"put: {e}") from e
-        await self._set_custom_meta(metadata)
-        self._notify()
         return metadata.add_fields(data)
 
     def put(
@@ -791,15 +1184,10 @@ class TransferQueueClient:
         if metadata.size == 0 or not metadata.field_names:
             return TensorDict({}, batch_size=0)
         names = metadata.field_names
-        cols: dict[str, list[Any]] = {f: [None] * metadata.size for f in names}
-        by_pid: dict[str, list[int]] = {}
-        for i, pid in enumerate(metadata.partition_ids):
-            by_pid.setdefault(pid, []).append(i)
-        for pid, pos in by_pid.items():
-            got = await self._cells.read(pid, [metadata.global_indexes[i] for i in pos], names)
-            for f in names:
-                for i, v in zip(pos, got[f], strict=True):
-                    cols[f][i] = v
+        plan: ReadPlan = await self._call(
+            "plan_read", metadata.partition_ids, metadata.global_indexes, names
+        )
+        cols = await store_fetch(self.store, plan)
         return TensorDict({f: pack(v) for f, v in cols.items()}, batch_size=metadata.size)
 
     def get_data(self, metadata: BatchMeta) -> Any:
@@ -809,35 +1197,11 @@ class TransferQueueClient:
         return await self._async(self._get_data(metadata))
 
     # -- clear ---------------------------------------------------------------------------------
-    async def _clear_partition(self, partition_id: str) -> None:
-        pid = _check_pid("clear_partition: partition_id", partition_id)
-        if pid not in self._ctl.partitions:
-            return
-        await self._cells.drop(pid)
-        self._ctl.drop_partition(pid)
-        self._notify()
-
     def clear_partition(self, partition_id: str) -> None:
         self._sync(self._clear_partition(partition_id))
 
     async def async_clear_partition(self, partition_id: str) -> None:
         await self._async(self._clear_partition(partition_id))
-
-    async def _clear_samples(self, metadata: BatchMeta) -> None:
-        if not isinstance(metadata, BatchMeta):
-            raise BadArgumentError(
-                f"clear_samples: metadata must be a BatchMeta, got {type(metadata).__name__}"
-            )
-        by_pid: dict[str, list[int]] = {}
-        for g, pid in zip(metadata.global_indexes, metadata.partition_ids, strict=True):
-            by_pid.setdefault(pid, []).append(g)
-        for pid, idx in by_pid.items():
-            p = self._ctl.partitions.get(pid)
-            if p is None:
-                continue
-            gone = self._ctl.forget(p, idx)
-            await self._cells.free(pid, gone)
-        self._notify()
 
     def clear_samples(self, metadata: BatchMeta) -> None:
         self._sync(self._clear_samples(metadata))
@@ -846,35 +1210,6 @@ class TransferQueueClient:
         await self._async(self._clear_samples(metadata))
 
     # -- status --------------------------------------------------------------------------------
-    async def _consumption(
-        self, task_name: str, partition_id: str
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        task = _check_pid("get_consumption_status: task_name", task_name)
-        p = self._ctl.partitions.get(partition_id)
-        if p is None:
-            return None, None
-        idx = p.all_indexes()
-        done = p.consumed.setdefault(task, set())
-        return (
-            torch.tensor(idx, dtype=torch.long),
-            torch.tensor([1 if g in done else 0 for g in idx], dtype=torch.int8),
-        )
-
-    async def _production(
-        self, data_fields: list[str], partition_id: str
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        fields = _check_names("get_production_status: data_fields", data_fields)
-        p = self._ctl.partitions.get(partition_id)
-        if p is None or not fields or any(f not in p.fields for f in fields):
-            return None, None
-        cols = sorted(set(fields), key=p.fields.__getitem__)  # registration order
-        idx = p.all_indexes()
-        status = torch.tensor(
-            [[1 if f in p.produced.get(g, ()) else 0 for f in cols] for g in idx],
-            dtype=torch.int8,
-        ).reshape(len(idx), len(cols))
-        return torch.tensor(idx, dtype=torch.long), status
-
     def get_consumption_status(
         self, task_name: str, partition_id: str
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -919,17 +1254,6 @@ class TransferQueueClient:
         _, s = await self.async_get_production_status(data_fields, partition_id)
         return self._all_produced(s)
 
-    async def _reset_consumption(self, partition_id: str, task_name: str | None) -> bool:
-        if task_name is not None:
-            _check_pid("reset_consumption: task_name", task_name)
-        p = self._ctl.partitions.get(partition_id)
-        if p is not None:
-            for task, done in p.consumed.items():
-                if task_name is None or task == task_name:
-                    done.clear()
-            self._notify()
-        return True
-
     def reset_consumption(self, partition_id: str, task_name: str | None = None) -> bool:
         return self._sync(self._reset_consumption(partition_id, task_name))
 
@@ -938,9 +1262,6 @@ class TransferQueueClient:
     ) -> bool:
         return await self._async(self._reset_consumption(partition_id, task_name))
 
-    async def _partition_list(self) -> list[str]:
-        return list(self._ctl.partitions)
-
     def get_partition_list(self) -> list[str]:
         return self._sync(self._partition_list())
 
@@ -948,40 +1269,6 @@ class TransferQueueClient:
         return await self._async(self._partition_list())
 
     # -- keys ----------------------------------------------------------------------------------
-    async def _kv_retrieve_meta(
-        self, keys: list[str] | str, partition_id: str, create: bool
-    ) -> BatchMeta:
-        if isinstance(keys, str):
-            keys = [keys]
-        elif isinstance(keys, list):
-            if not keys:
-                raise ValueError("kv_retrieve_meta: keys is an empty list")
-            if not all(isinstance(k, str) for k in keys):
-                raise TypeError("kv_retrieve_meta: not every element of keys is a str")
-        else:
-            raise TypeError(
-                f"kv_retrieve_meta: keys must be a str or a list of str, got {keys!r:.80}"
-            )
-        if len(set(keys)) != len(keys):
-            raise BadArgumentError("kv_retrieve_meta: keys contain duplicates")
-        pid = _check_pid("kv_retrieve_meta: partition_id", partition_id)
-        p = self._ctl.partitions.get(pid)
-        if p is None:
-            if not create:
-                return BatchMeta.empty()
-            p = self._ctl.create(pid)
-        idx: list[int | None] = [p.keys.get(k) for k in keys]
-        missing = [i for i, g in enumerate(idx) if g is None]
-        if missing and create:
-            new = self._ctl.activate(p, len(missing))
-            for i, g in zip(missing, new, strict=True):
-                idx[i] = g
-                p.keys[keys[i]] = g
-                p.rkeys[g] = keys[i]
-        found = [g for g in idx if g is not None]
-        common = [f for f in p.fields if all(f in p.produced.get(g, ()) for g in found)]
-        return self._ctl.batch_meta(p, found, common, "force_fetch")
-
     def kv_retrieve_meta(
         self, keys: list[str] | str, partition_id: str, create: bool = False
     ) -> BatchMeta:
@@ -992,30 +1279,6 @@ class TransferQueueClient:
     ) -> BatchMeta:
         return await self._async(self._kv_retrieve_meta(keys, partition_id, create))
 
-    async def _kv_retrieve_keys(
-        self, global_indexes: list[int] | int, partition_id: str
-    ) -> list[str]:
-        if isinstance(global_indexes, int) and not isinstance(global_indexes, bool):
-            global_indexes = [global_indexes]
-        elif isinstance(global_indexes, list):
-            if not global_indexes:
-                raise ValueError("kv_retrieve_keys: global_indexes is an empty list")
-            if not all(isinstance(g, int) and not isinstance(g, bool) for g in global_indexes):
-                raise TypeError("kv_retrieve_keys: not every element of global_indexes is an int")
-        else:
-            raise TypeError(
-                f"kv_retrieve_keys: global_indexes must be an int or a list of int, got "
-                f"{global_indexes!r:.80}"
-            )
-        p = self._ctl.partitions.get(partition_id)
-        keys = [p.rkeys.get(g) for g in global_indexes] if p is not None else []
-        if len(keys) != len(global_indexes) or any(k is None for k in keys):
-            raise RequestError(
-                f"kv_retrieve_keys: some of {global_indexes} have no key in partition "
-                f"{partition_id!r}"
-            )
-        return [k for k in keys if k is not None]
-
     def kv_retrieve_keys(self, global_indexes: list[int] | int, partition_id: str) -> list[str]:
         return self._sync(self._kv_retrieve_keys(global_indexes, partition_id))
 
@@ -1024,15 +1287,6 @@ class TransferQueueClient:
     ) -> list[str]:
         return await self._async(self._kv_retrieve_keys(global_indexes, partition_id))
 
-    async def _kv_list(self, partition_id: str | None) -> dict[str, dict[str, Any]]:
-        pids = list(self._ctl.partitions) if partition_id is None else [partition_id]
-        out: dict[str, dict[str, Any]] = {}
-        for pid in pids:
-            p = self._ctl.partitions.get(pid)
-            if p is not None:
-                out[pid] = {k: copy.deepcopy(p.custom_meta.get(g, {})) for k, g in p.keys.items()}
-        return out
-
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Any]]:
         return self._sync(self._kv_list(partition_id))
 
@@ -1040,33 +1294,6 @@ class TransferQueueClient:
         return await self._async(self._kv_list(partition_id))
 
     # -- checkpoints ---------------------------------------------------------------------------
-    async def _save_controller(self, path: str) -> None:
-        state = self._ctl.state()
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-
-    async def _load_controller(self, path: str) -> None:
-        with open(path, "rb") as f:
-            state = pickle.load(f)
-        if not isinstance(state, dict) or "partitions" not in state:
-            raise RequestError(f"load_controller_checkpoint: {path} is not a controller state")
-        self._ctl.restore(state)
-        self._notify()
-
-    async def _save_storage(self, checkpoint_dir: str) -> None:
-        cells = await self._cells.dump()
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(cells, Path(checkpoint_dir) / STORAGE_FILE)
-
-    async def _load_storage(self, checkpoint_dir: str) -> None:
-        path = Path(checkpoint_dir) / STORAGE_FILE
-        if not path.exists():
-            raise FileNotFoundError(f"{STORAGE_FILE} not found in {checkpoint_dir}")
-        cells = torch.load(path, weights_only=False)
-        await self._cells.load(cells)
-
     def save_controller_checkpoint(self, path: str) -> None:
         self._sync(self._save_controller(path))
 
@@ -1093,12 +1320,13 @@ class TransferQueueClient:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Drop every partition from the store, stop the client's loop (idempotent)."""
+        """Stop this client (idempotent). An in-process controller drops every partition from
+        the store first; an attached client leaves the shared state to its owner."""
         if self._closed:
             return
         try:
-            for pid in list(self._ctl.partitions):
-                self._sync(self._clear_partition(pid))
+            if self._core is not None:
+                self._sync(self._core.shutdown())
         finally:
             self._closed = True
             self._loop.stop()

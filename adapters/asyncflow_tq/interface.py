@@ -125,7 +125,6 @@ def _build(conf: dict[str, Any], store: DataStore | None) -> TransferQueueClient
             f"controller.get_meta_timeout_s must be a number >= 0, got {timeout!r:.80}"
         )
     sampler = _sampler_of(ctl.get("sampler", "SequentialSampler"))
-    on_close: Callable[[], None] | None = None
     if store is None:
         backend = conf.get("backend", {})
         name = backend.get("storage_backend", "SimpleStorage")
@@ -143,9 +142,25 @@ def _build(conf: dict[str, Any], store: DataStore | None) -> TransferQueueClient
         if name == "Ray":
             from asyncflow_ray import RayDataStore
 
+            from asyncflow_tq import remote
+
+            attached = _attach()
+            if attached is not None:
+                return attached
             ray_store = RayDataStore.create(units)
-            store = ray_store
-            on_close = ray_store.shutdown
+            try:
+                handle = remote.start_controller(ray_store, sampler, polling, float(timeout))
+            except BaseException:
+                ray_store.shutdown()
+                raise
+
+            def stop() -> None:
+                try:
+                    remote.stop_controller(handle)
+                finally:
+                    ray_store.shutdown()
+
+            return TransferQueueClient(ray_store, remote=handle, owns_store=stop)
         else:
             from asyncflow_core import InProcessDataStore
 
@@ -160,8 +175,18 @@ def _build(conf: dict[str, Any], store: DataStore | None) -> TransferQueueClient
         sampler=sampler,
         polling_mode=polling,
         get_meta_timeout_s=float(timeout),
-        owns_store=on_close,
     )
+
+
+def _attach() -> TransferQueueClient | None:
+    """A client of the cluster's running controller actor, if there is one."""
+    from asyncflow_tq import remote
+
+    handle = remote.find_controller()
+    if handle is None:
+        return None
+    store = remote._ray().get(handle.call.remote("get_store"))
+    return TransferQueueClient(store, remote=handle)
 
 
 # ==================== lifecycle ====================
@@ -174,11 +199,18 @@ def _config(conf: Any) -> dict[str, Any]:
 
 def init(conf: Any = None, *, store: DataStore | None = None) -> Any:
     """Start the client (once per process): TransferQueue's defaults merged with ``conf``.
-    Returns the merged config, or ``conf`` unchanged when already initialised (as
-    TransferQueue does when it attaches to a running controller)."""
+    When this process is connected to a Ray cluster where a process already started a
+    controller (``storage_backend="Ray"``), attach to it instead, ignoring ``conf``, as
+    TransferQueue does. Returns the merged config, or ``conf`` unchanged when attaching or
+    already initialised."""
     global _CLIENT
     if _CLIENT is not None:
         return conf
+    if store is None:
+        attached = _attach()  # a controller actor started by another process of the cluster
+        if attached is not None:
+            _CLIENT = attached
+            return conf
     merged = _config(conf)
     _CLIENT = _build(merged, store)
     return merged

@@ -114,6 +114,15 @@ class BatchMeta:
         else:
             self.custom_meta = [{} for _ in range(n)]
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            if isinstance(v, np.ndarray) and not v.flags.writeable:
+                v = v.copy()  # Ray hands arrays over as read-only views of its object store
+            setattr(self, k, v)
+
     # -- views ---------------------------------------------------------------------------------
     @property
     def size(self) -> int:
