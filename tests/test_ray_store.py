@@ -18,7 +18,7 @@ from asyncflow_core.protocols import BatchMeta, CellValue, DataStore
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
 
-from asyncflow_ray.store import RayDataStore, unpack_read  # noqa: E402
+from asyncflow_ray.store import ROWS_PER_BLOCK, RayDataStore, unit_of, unpack_read  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ class TestRayDataStore(DataStoreConformance):
     def direct_read(self, store: DataStore, partition: str, row: int, field: str) -> CellValue:
         assert isinstance(store, RayDataStore)
         key = ray.get(store.controller.storage_key.remote(partition))
-        unit = store.units[row % len(store.units)]
+        unit = store.units[unit_of(row, len(store.units))]
         column = ray.get(unit.read.remote(key, [row], [field]))[field]
         return unpack_read(column, copy=True)[0]
 
@@ -103,19 +103,23 @@ def test_a_dead_storage_unit_is_named_with_its_rows_and_the_rest_survive(
 
     store = RayDataStore.create(2)
     try:
+        n = ROWS_PER_BLOCK + 3  # rows 0..31 on unit 0, 32..34 on unit 1
+        on_1 = tuple(r for r in range(n) if unit_of(r, 2) == 1)
+        on_0 = tuple(r for r in range(n) if unit_of(r, 2) == 0)
+        assert on_1 == (32, 33, 34)
 
         async def go() -> None:
             await store.create_partition("p", ["x", "y"], tasks=["t"])
-            await store.put("p", {"x": [torch.full((3,), float(i)) for i in range(6)]})
+            await store.put("p", {"x": [torch.full((3,), float(i)) for i in range(n)]})
             ray.kill(store.units[1], no_restart=True)
             with pytest.raises(StorageUnitLostError) as lost:
-                await store.get_data(BatchMeta("p", "t", tuple(range(6)), ("x",)))
+                await store.get_data(BatchMeta("p", "t", tuple(range(n)), ("x",)))
             err = lost.value
-            assert err.unit == 1 and err.rows == (1, 3, 5), (err.unit, err.rows)
-            assert "storage unit 1 of 2" in str(err) and "[1, 3, 5]" in str(err)
+            assert err.unit == 1 and err.rows == on_1, (err.unit, err.rows)
+            assert "storage unit 1 of 2" in str(err) and "32" in str(err)
             # the rows of the live unit are intact
-            got = await store.get_data(BatchMeta("p", "t", (0, 2, 4), ("x",)))
-            assert got["x"][:, 0].tolist() == [0.0, 2.0, 4.0]
+            got = await store.get_data(BatchMeta("p", "t", on_0, ("x",)))
+            assert got["x"][:, 0].tolist() == [float(r) for r in on_0]
             # a put that needs the dead unit is rejected and leaves the store as it was
             before = await store.stats("p")
             with pytest.raises(StorageUnitLostError) as put_lost:
@@ -123,7 +127,7 @@ def test_a_dead_storage_unit_is_named_with_its_rows_and_the_rest_survive(
             assert put_lost.value.unit == 1
             assert await store.stats("p") == before
             with pytest.raises(StorageUnitLostError):  # writing into its rows, too
-                await store.put("p", {"y": [1, 2]}, rows=[0, 1])
+                await store.put("p", {"y": [1, 2]}, rows=[32, 33])
             assert await store.stats("p") == before
 
         run(go())

@@ -9,7 +9,8 @@ Control plane and data plane are separate, as in TransferQueue:
   sees a value. It is an asyncio actor: a ``get_meta`` (or a put waiting for capacity) waits
   inside it, and many can wait at once.
 * Each **storage-unit actor** holds the cells of the rows routed to it (row ``r`` on unit
-  ``r % N``), in a ``StorageUnit``. ``create()`` places unit ``u`` on node ``u % nodes``.
+  ``(r // 32) % N``: blocks of 32 consecutive rows), in a ``StorageUnit``. ``create()``
+  places unit ``u`` on node ``u % nodes``.
 * The **client** asks the controller for a ticket (put) or a lease (``get_meta``), then writes
   or reads the units directly, all units in parallel: values never pass through the
   controller.
@@ -37,8 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import math
 import os
-import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -91,11 +93,9 @@ from asyncflow_core.store import (
     check_get_data,
     check_get_meta,
     loop_clock,
-    merge_by_unit,
     prepare_put,
-    rows_by_unit,
 )
-from asyncflow_ray.runtime import alive_nodes, first_line, import_ray
+from asyncflow_ray.runtime import alive_nodes, bytes_tensor, first_line, import_ray
 
 UNIT_CONCURRENCY = 8
 """Calls a storage-unit actor serves at once (threads; a unit's state has its own lock)."""
@@ -105,109 +105,151 @@ UNIT_CONCURRENCY = 8
 # Wire format
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class RowsColumn:
-    """The tensors of one field for some rows: one numpy array per row, a view of the
-    sender's tensor (no copy; Ray copies each into the object store once, out of band). A
-    dtype numpy lacks (``bfloat16``, the float8s, ``complex32``) travels as an integer view
-    of the same width; ``dtype`` (a torch dtype's name) says what to view it as."""
+class PackedColumn:
+    """The tensors of one field for some rows: ``data`` holds their bytes back to back."""
 
     dtype: str
-    rows: list[np.ndarray[Any, Any]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.rows)
+    shapes: tuple[tuple[int, ...], ...]
+    data: np.ndarray[Any, np.dtype[np.uint8]]
 
 
-PackedColumn = RowsColumn
-"""The former name of ``RowsColumn`` (rows used to travel packed into one buffer)."""
-
-Column = RowsColumn | list[PlainValue]
+Segments = list[PackedColumn]
+"""A tensor field read from a unit: runs of rows, each a slice of one packed column as the
+unit received it (no copy in the unit)."""
+Column = list[PackedColumn] | list[PlainValue]
 Share = dict[str, Column]
-"""A unit's part of a put: ``field -> values`` of its rows (the rows are sent alongside)."""
-ReadColumn = list[RowsColumn] | list[PlainValue]
-RefSegment = tuple[int, int, int]
-"""Rows ``a..b-1`` of a put's share held in the object store: ``(i, a, b)``, ``i`` the index
-of the share's ``ObjectRef`` in the reply."""
-RefColumn = list[RowsColumn | RefSegment] | list[PlainValue]
+"""A unit's part of a put: ``field -> values`` of its rows (the rows are sent alongside); a
+tensor field as one ``PackedColumn`` per run of consecutive rows of the put."""
+ReadColumn = Segments | list[PlainValue]
+RefSegment = tuple[int, int, int, int, int, int]
+"""Rows ``a..b-1`` of a put's share held in the object store: ``(i, p, a, b, lo, hi)``,
+``i`` the index of the share's ``ObjectRef`` in the reply, ``p`` the field's piece there,
+``lo..hi`` the rows' bytes in it."""
+
+ROWS_PER_BLOCK = 32
+"""Rows are routed to units by blocks of consecutive ids: row ``r`` lives on unit
+``(r // ROWS_PER_BLOCK) % N``, so a put of consecutive rows of a batch tensor sends each unit
+contiguous slices of it (views: no copy before Ray's) and a batch of consecutive rows is read
+as few runs."""
+
+
+def unit_of(row: int, n_units: int) -> int:
+    """The storage unit holding ``row``."""
+    return (row // ROWS_PER_BLOCK) % n_units
+
+
+def rows_by_unit(rows: Sequence[int], n_units: int) -> list[list[int]]:
+    """``rows`` grouped by the unit holding them (order kept within each unit)."""
+    by_unit: list[list[int]] = [[] for _ in range(n_units)]
+    for r in rows:
+        by_unit[unit_of(r, n_units)].append(r)
+    return by_unit
+
+
+def merge_by_unit(
+    rows: Sequence[int], got: Sequence[Mapping[str, Sequence[CellValue]]], fields: Sequence[str]
+) -> dict[str, list[CellValue]]:
+    """Undo ``rows_by_unit``: ``got[u][field]`` holds unit ``u``'s values in its rows'
+    order; returns ``field -> values`` in ``rows``' order."""
+    n = len(got)
+    order = [unit_of(r, n) for r in rows]
+    out: dict[str, list[CellValue]] = {}
+    for f in fields:
+        iters = [iter(g.get(f, ())) for g in got]
+        out[f] = [next(iters[u]) for u in order]
+    return out
+
+
+RefColumn = list[PackedColumn | RefSegment] | list[PlainValue]
 
 BY_REF_MIN_BYTES = 1 << 20
 """A put's share of at least this many tensor bytes goes to its unit by reference (the client
 ``ray.put``s it, the unit keeps the reference and a view) and is read by reference: a reader
 on the same node maps it, with no copy. Smaller shares travel by value."""
 
+
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _row_array(t: torch.Tensor) -> np.ndarray[Any, Any]:
+def _as_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A CPU tensor as a numpy array sharing its memory (an integer view of the same width
-    for dtypes numpy lacks)."""
+    for the dtypes numpy lacks: bfloat16, the float8s, complex32)."""
     t = t.detach().resolve_conj().resolve_neg()  # views unless a lazy bit is set
     if t.device.type != "cpu":
         t = t.cpu()
     try:
         return t.numpy()
-    except TypeError:  # bfloat16, float8, complex32: numpy has no such dtype
+    except TypeError:
         return t.view(_SAME_WIDTH_INT[t.element_size()]).numpy()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _as_bytes(a: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """A C-contiguous array's bytes as a flat ``uint8`` view."""
+    return a.reshape(-1).view(np.uint8)
 
 
-def to_wire(values: Sequence[CellValue]) -> Column:
-    """One column for the wire: tensors as a ``RowsColumn`` of views, plain values as a list."""
+def pack(values: Sequence[CellValue]) -> PackedColumn | list[PlainValue]:
+    """One column for the wire: tensors packed into one byte array (one copy, by numpy),
+    plain values as a list."""
     if not values or not isinstance(values[0], torch.Tensor):
-        return list(values)  # type: ignore[arg-type]  # a plain field holds plain values
-    tensors: list[torch.Tensor] = list(values)  # type: ignore[arg-type]
-    return RowsColumn(_dtype_name(tensors[0].dtype), [_row_array(t) for t in tensors])
+        return cast(list[PlainValue], list(values))  # a plain field holds plain values
+    tensors = cast(list[torch.Tensor], list(values))
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    flat = np.concatenate([_as_numpy(t).reshape(-1) for t in tensors])
+    return PackedColumn(str(tensors[0].dtype).removeprefix("torch."), shapes, _as_bytes(flat))
 
 
-def rows_to_wire(source: torch.Tensor, positions: range | list[int]) -> RowsColumn:
-    """The rows ``positions`` of a batch tensor (dim 0 = rows) as a ``RowsColumn``: one
-    conversion for the whole tensor, then numpy row views."""
-    whole = _row_array(source)
-    if isinstance(positions, range):
-        picked = list(whole[positions.start : positions.stop : positions.step])
-    else:
-        picked = [whole[i] for i in positions]
-    return RowsColumn(_dtype_name(source.dtype), picked)
+def rows_view(source: torch.Tensor, run: range) -> PackedColumn:
+    """Consecutive rows of a batch tensor (dim 0 = rows) as one column: a view of its
+    memory when it is contiguous (Ray copies it once into the object store), else a copy."""
+    picked = np.ascontiguousarray(_as_numpy(source)[run.start : run.stop])
+    return PackedColumn(
+        str(source.dtype).removeprefix("torch."),
+        (tuple(source.shape[1:]),) * len(run),
+        _as_bytes(picked),
+    )
 
 
-def from_wire(column: RowsColumn, *, copy: bool) -> list[torch.Tensor]:
-    """The per-row tensors of a column: views of the received (read-only) arrays, or of
-    private copies of them (``copy``)."""
-    dtype = getattr(torch, column.dtype)
-    out = []
-    with warnings.catch_warnings():  # Ray's zero-copy arrays are read-only
-        warnings.simplefilter("ignore", UserWarning)
-        for a in column.rows:
-            t = torch.from_numpy(np.array(a, copy=True) if copy else a)
-            out.append(t if t.dtype == dtype else t.view(dtype))
-    return out
+def unpack(column: PackedColumn, *, copy: bool) -> list[torch.Tensor]:
+    """The per-row tensors of a column: views of one buffer (``copy``: of a private copy of
+    it, else of the received, read-only bytes)."""
+    flat = bytes_tensor(column.data, column.dtype, copy=copy)
+    shapes = column.shapes
+    if not shapes:
+        return []
+    first = shapes[0]
+    if all(s == first for s in shapes):  # equal rows: one view, unbound
+        return list(flat.view(len(shapes), *first).unbind(0))
+    if all(len(s) == 1 for s in shapes):  # ragged 1-d rows: one split
+        return list(flat.split_with_sizes([s[0] for s in shapes]))
+    parts = flat.split_with_sizes([math.prod(s) for s in shapes])
+    return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
 
 
 def unpack_read(column: ReadColumn, *, copy: bool = False) -> list[CellValue]:
-    """The per-row values of a unit's ``read`` of one field (see ``from_wire``)."""
-    if column and isinstance(column[0], RowsColumn):
-        return [t for seg in column for t in from_wire(seg, copy=copy)]
+    """The per-row values of a unit's ``read`` of one field (see ``unpack``)."""
+    if column and isinstance(column[0], PackedColumn):
+        return [t for seg in column for t in unpack(seg, copy=copy)]
     return list(cast(list[PlainValue], column))
 
 
 class _Held:
-    """A tensor column as a storage unit received it, kept as is (its arrays are read-only
-    views of the object store's copy of the put), and the ``ObjectRef`` of the share it came
-    in when it came by reference."""
+    """A packed column as a storage unit received it, kept as is (a read-only view of the
+    object store's copy of the put's argument) with each row's byte offset."""
 
-    __slots__ = ("column", "ref")
+    __slots__ = ("column", "offsets", "piece", "ref")
 
-    def __init__(self, column: RowsColumn, ref: Any = None) -> None:
+    def __init__(self, column: PackedColumn, ref: Any = None, piece: int = 0) -> None:
         self.column = column
-        self.ref = ref
+        self.ref = ref  # the share's ObjectRef when it came by reference
+        self.piece = piece  # which of the field's pieces in that share
+        itemsize = getattr(torch, column.dtype).itemsize
+        self.offsets = [0, *itertools.accumulate(math.prod(s) * itemsize for s in column.shapes)]
 
-    def segment(self, a: int, b: int) -> RowsColumn:
-        """Rows ``a..b-1`` as a column of the same arrays (no copy)."""
-        return RowsColumn(self.column.dtype, self.column.rows[a:b])
+    def segment(self, a: int, b: int) -> PackedColumn:
+        """Rows ``a..b-1`` as a column: a view, no copy."""
+        c = self.column
+        return PackedColumn(c.dtype, c.shapes[a:b], c.data[self.offsets[a] : self.offsets[b]])
 
 
 class _RowCell:
@@ -236,13 +278,13 @@ def _runs(cells: Sequence[_RowCell]) -> list[tuple[_Held, int, int]]:
     return out
 
 
-def _segments(cells: Sequence[_RowCell]) -> list[RowsColumn]:
-    """Tensor cells as columns of the received arrays, one per run."""
+def _segments(cells: Sequence[_RowCell]) -> Segments:
+    """Tensor cells as slices (views) of the received columns, one per run."""
     return [held.segment(a, b) for held, a, b in _runs(cells)]
 
 
 def _share_bytes(share: Share) -> int:
-    return sum(c.nbytes for c in share.values() if isinstance(c, RowsColumn))
+    return sum(p.data.nbytes for c in share.values() for p in c if isinstance(p, PackedColumn))
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,11 +315,19 @@ class StorageUnitServer:
             share = payload
         cells: dict[str, dict[int, CellValue]] = {}
         for f, col in share.items():
-            if isinstance(col, RowsColumn):
-                held = _Held(col, ref)
-                cells[f] = {r: cast(CellValue, _RowCell(held, i)) for i, r in enumerate(rows)}
+            if col and isinstance(col[0], PackedColumn):
+                mine: dict[int, CellValue] = {}
+                at = 0
+                for p, piece in enumerate(col):
+                    held = _Held(piece, ref, p)
+                    for i in range(len(piece.shapes)):
+                        mine[rows[at]] = cast(CellValue, _RowCell(held, i))
+                        at += 1
+                if at != len(rows):
+                    raise BadRequestError(f"field {f!r}: {at} values for {len(rows)} rows")
+                cells[f] = mine
             else:
-                cells[f] = dict(zip(rows, col, strict=True))
+                cells[f] = dict(zip(rows, cast(list[CellValue], col), strict=True))
         replaced = self.unit.write(key, cells)
         self._undo[(key, ticket_id)] = (cells, replaced)
 
@@ -314,7 +364,7 @@ class StorageUnitServer:
             if not (v and isinstance(v[0], _RowCell)):
                 out[f] = cast(list[PlainValue], v)
                 continue
-            col: list[RowsColumn | RefSegment] = []
+            col: list[PackedColumn | RefSegment] = []
             for held, a, b in _runs(v):
                 if held.ref is None:
                     col.append(held.segment(a, b))
@@ -322,7 +372,7 @@ class StorageUnitServer:
                 i = index.setdefault(id(held.ref), len(refs))
                 if i == len(refs):
                     refs.append(held.ref)
-                col.append((i, a, b))
+                col.append((i, held.piece, a, b, held.offsets[a], held.offsets[b]))
             out[f] = col
         return refs, out
 
@@ -727,7 +777,8 @@ class RayDataStore:
             raise StorageUnitLostError(
                 f"storage unit {u} of {len(self.units)} is gone ({type(e).__name__}: "
                 f"{first_line(e)}); rows {fmt_rows(rows)} held there are lost (row r lives "
-                f"on unit r % {len(self.units)}); the other units' rows are intact",
+                f"on unit (r // {ROWS_PER_BLOCK}) % {len(self.units)}); the other units' rows are "
+                "intact",
                 u,
                 tuple(rows),
             ) from None
@@ -793,47 +844,37 @@ class RayDataStore:
         timeout: float | None = DEFAULT_GET_TIMEOUT_S,
     ) -> tuple[int, ...]:
         prep, row_ids, tag_list = prepare_put(partition, data, rows, tags, timeout, copy=False)
-        ref = self.controller.reserve_put.remote(
-            partition, prep.schemas, prep.row_bytes, prep.n, row_ids, tag_list, overwrite, timeout
-        )
-        n_units = len(self.units)
-        try:  # while the controller answers, pack each unit's share and put it into the object
-            # store (Ray's copy): the unit maps it, the reader maps it
-            groups = _put_groups(row_ids, prep.n, n_units)
-            shares = [_by_ref(_share(data, prep.cells, g)) for g in groups]
-        except BaseException:
-            _background(self._settle_reserve(ref))
-            raise
-        ticket: PutTicket = await self._cancellable(ref, self._abort)
-        plan = _plan(ticket.rows, groups, n_units)
-        if plan is None:  # the ids do not group as expected: split again by the granted ids
-            groups = _put_groups(list(ticket.rows), prep.n, n_units)
-            shares = [_by_ref(_share(data, prep.cells, g)) for g in groups]
-            plan = _plan(ticket.rows, groups, n_units)
-            assert plan is not None  # grouped by the very ids
+        ticket: PutTicket = await self._cancellable(
+            self.controller.reserve_put.remote(
+                partition, prep.schemas, prep.row_bytes, prep.n, row_ids, tag_list, overwrite,
+                timeout,
+            ),
+            self._abort,
+        )  # fmt: skip
         # from here the put runs to its end (or rolls back) even if the caller is cancelled
-        await asyncio.shield(self._write_and_commit(ticket, plan, shares))
+        await asyncio.shield(self._write_and_commit(ticket, data, prep.cells))
         return ticket.rows
 
     async def _abort(self, ticket: PutTicket) -> None:
         await self._ctl(self.controller.abort_put.remote(ticket))
 
-    async def _settle_reserve(self, ref: Any) -> None:
-        """Abort the ticket of a reservation whose put failed before writing."""
-        with contextlib.suppress(Exception):
-            await self._abort(await self._ctl(ref))
-
     async def _write_and_commit(
-        self, ticket: PutTicket, plan: list[tuple[int, list[int]]], shares: list[Share | list[Any]]
+        self, ticket: PutTicket, data: Mapping[str, Any], cells: Mapping[str, list[CellValue]]
     ) -> None:
-        """Write share ``i`` (the rows ``plan[i] = (unit, rows)``) into its unit, all units
+        """Write every unit's share (put into the object store first when large), all units
         at once, then commit the ticket; on a failure undo every write and abort."""
         key, tid = ticket.storage_key, ticket.ticket_id
-        used = [u for u, _ in plan]
+        try:
+            plan = _plan(ticket.rows, len(self.units))
+            shares = [_by_ref(_share(data, cells, runs)) for _, _, runs in plan]
+        except BaseException:
+            await self._abort(ticket)
+            raise
+        used = [u for u, _, _ in plan]
         results = await asyncio.gather(
             *(
                 self._unit_call(u, rows, "write", key, rows, share, tid)
-                for (u, rows), share in zip(plan, shares, strict=True)
+                for (u, rows, _), share in zip(plan, shares, strict=True)
             ),
             return_exceptions=True,
         )
@@ -991,7 +1032,7 @@ class RayDataStore:
                     )
                 )
                 columns = [{f: unpack_read(c) for f, c in g.items()} for g in got]
-                return merge_by_unit(rows, columns, fields, n)
+                return merge_by_unit(rows, columns, fields)
         except StorageUnitLostError:
             raise
         except StorageUnitError as e:
@@ -1002,7 +1043,7 @@ class RayDataStore:
             mine = shares[base : base + len(unit_refs)]
             base += len(unit_refs)
             columns.append({f: _resolve(f, c, mine) for f, c in cols.items()})
-        return merge_by_unit(rows, columns, fields, n)
+        return merge_by_unit(rows, columns, fields)
 
     # -- consumption ---------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:
@@ -1019,43 +1060,32 @@ async def _empty() -> tuple[list[Any], dict[str, Any]]:
 def _resolve(field: str, column: RefColumn, shares: Sequence[Share]) -> list[CellValue]:
     """The per-row values of a ``read_refs`` column, its ``RefSegment``s sliced out of the
     mapped ``shares`` (views, no copy)."""
-    if not column or not isinstance(column[0], RowsColumn | tuple):
+    if not column or not isinstance(column[0], PackedColumn | tuple):
         return list(cast(list[PlainValue], column))
     out: list[CellValue] = []
     for seg in column:
-        if not isinstance(seg, RowsColumn):
-            i, a, b = seg
-            held = cast(RowsColumn, shares[i][field])
-            seg = RowsColumn(held.dtype, held.rows[a:b])
-        out.extend(from_wire(seg, copy=False))
+        if not isinstance(seg, PackedColumn):
+            i, p, a, b, lo, hi = seg
+            held = cast(PackedColumn, shares[i][field][p])
+            seg = PackedColumn(held.dtype, held.shapes[a:b], held.data[lo:hi])
+        out.extend(unpack(seg, copy=False))
     return out
 
 
-def _put_groups(rows: list[int] | None, n: int, n_units: int) -> list[range | list[int]]:
-    """The positions in a put of ``n`` rows that go to one unit together. New rows
-    (``rows`` None) get consecutive ids, so positions ``k, k + n_units, ...`` share a unit
-    whatever the first id is: the shares can be packed before the controller answers."""
-    if rows is None:
-        return [range(k, n, n_units) for k in range(min(n, n_units))]
-    by_unit: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        by_unit.setdefault(r % n_units, []).append(i)
-    return list(by_unit.values())
-
-
-def _plan(
-    ids: Sequence[int], groups: Sequence[range | list[int]], n_units: int
-) -> list[tuple[int, list[int]]] | None:
-    """``(unit, row ids)`` of each group under the granted ``ids``; None if a group's rows
-    would span units."""
-    plan = []
-    for g in groups:
-        rows = [ids[i] for i in g]
-        unit = rows[0] % n_units
-        if any(r % n_units != unit for r in rows):
-            return None
-        plan.append((unit, rows))
-    return plan
+def _plan(ids: Sequence[int], n_units: int) -> list[tuple[int, list[int], list[range]]]:
+    """Each unit's part of a put of rows ``ids``: ``(unit, its row ids, the runs of
+    positions in the put they come from)``, a run being consecutive positions of one unit."""
+    parts: dict[int, tuple[list[int], list[range]]] = {}
+    start = 0
+    for i in range(1, len(ids) + 1):
+        u = unit_of(ids[start], n_units)
+        if i < len(ids) and unit_of(ids[i], n_units) == u and ids[i] == ids[i - 1] + 1:
+            continue
+        rows, runs = parts.setdefault(u, ([], []))
+        rows.extend(ids[start:i])
+        runs.append(range(start, i))
+        start = i
+    return [(u, rows, runs) for u, (rows, runs) in parts.items()]
 
 
 def _by_ref(share: Share) -> Share | list[Any]:
@@ -1066,17 +1096,19 @@ def _by_ref(share: Share) -> Share | list[Any]:
 
 
 def _share(
-    data: Mapping[str, Any], cells: Mapping[str, list[CellValue]], positions: range | list[int]
+    data: Mapping[str, Any], cells: Mapping[str, list[CellValue]], runs: Sequence[range]
 ) -> Share:
-    """The values at ``positions`` of every field, packed for the wire: a batch tensor's
-    rows by one slice or gather, a list of tensors by one concatenation."""
+    """The values at the positions ``runs`` of every field, for the wire: a batch tensor as
+    one slice (a view) per run, a list of tensors packed per run, plain values as a list."""
     out: Share = {}
     for f, values in cells.items():
         source = data[f]
         if isinstance(source, torch.Tensor):
-            out[f] = rows_to_wire(source, positions)
+            out[f] = [rows_view(source, run) for run in runs]
+        elif values and isinstance(values[0], torch.Tensor):
+            out[f] = [cast(PackedColumn, pack(values[run.start : run.stop])) for run in runs]
         else:
-            out[f] = to_wire([values[i] for i in positions])
+            out[f] = cast(list[PlainValue], [values[i] for run in runs for i in run])
     return out
 
 
