@@ -1,6 +1,6 @@
 """TransferQueue-shaped benchmark: TransferQueue 0.1.11's perftest workload through
-``asyncflow_tq`` (the TransferQueue-compatible facade) over the in-process store and over the
-Ray store, and through the real ``transfer_queue`` 0.1.11, in one run (see
+``asyncflow_tq`` (the TransferQueue-compatible facade) over the Ray store and over the
+in-process store, and through the real ``transfer_queue`` 0.1.11, in one run (see
 /work/shared/BENCHMARKING.md).
 
 Workload (TransferQueue's ``scripts/performance_test/perftest.py``, simple case): one
@@ -15,16 +15,16 @@ Systems, each with 2 storage units, all three alive at once on one local Ray clu
 logical CPUs: TransferQueue's controller and units reserve 3):
 
 * ``tq`` — the real TransferQueue (controller and 2 SimpleStorage units as Ray actors; data
-  over ZMQ), its client in this process.
+  over ZMQ). The perftest's shape: the driver calls ``init``; a writer actor and a reader
+  actor (0 CPUs each) call ``init()`` to attach; the writer puts, the reader lists and gets;
+  the driver times each call around ``ray.get``.
+* ``ray`` — ``asyncflow_tq`` with ``storage_backend="Ray"``: its controller actor and a
+  ``RayDataStore`` with 2 storage-unit actors; the same writer / reader actor shape (values go
+  from the writer to the units and from the units to the reader, through Ray's object store).
 * ``inproc`` — ``asyncflow_tq`` over ``InProcessDataStore(2)`` with its default
   ``copy_on_put=True`` (a put copies, so the caller may reuse its tensors, as with
-  TransferQueue); the facade's controller and the store in this process.
-* ``ray`` — ``asyncflow_tq`` over ``RayDataStore(2)``: 2 storage-unit actors and the store's
-  controller actor, data through Ray's object store.
-
-Unlike the perftest, which puts from one Ray actor and reads from another, every system is
-driven from this process (the facade's controller lives in the process that called ``init``:
-it cannot be joined from another process), so no system pays a hop to a client actor.
+  TransferQueue). An in-process store cannot be shared by processes, so the driver itself puts
+  and gets: no process boundary at all, the single-process user's case.
 
 Repetitions interleave the systems, rotating their order every repetition (A B C, B C A, ...);
 after one untimed warm-up pass of each (skipped by ``--quick``). Figures are medians with
@@ -44,14 +44,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 import torch
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-SYSTEMS = ("tq", "inproc", "ray")
+SYSTEMS = ("tq", "ray", "inproc")
 PARTITION = "train_0"
 
 
@@ -104,6 +103,48 @@ def one_rep(
     return put_s, get_s
 
 
+class PerftestClient:
+    """A perftest client actor: ``init()`` attaches to the queue the driver started."""
+
+    def __init__(self, system: str, batch: int, seq_len: int, fields: int, writer: bool) -> None:
+        if system == "tq":
+            import transfer_queue as api
+        else:
+            import asyncflow_tq as api
+        api.init()
+        self.api: Any = api
+        self.system = system
+        self.shape = (batch, seq_len, fields)
+        self.data = make_batch(*self.shape) if writer else None
+        self.keys = [f"test_key_{i}" for i in range(batch)]
+
+    def put(self) -> None:
+        self.api.kv_batch_put(keys=self.keys, partition_id=PARTITION, fields=self.data)
+
+    def list_keys(self) -> list[str]:
+        return list(self.api.kv_list(partition_id=PARTITION)[PARTITION].keys())
+
+    def get(self, keys: list[str], verify: bool) -> None:
+        result = self.api.kv_batch_get(keys=keys, partition_id=PARTITION)
+        if verify:
+            check(result, make_batch(*self.shape), self.system)
+
+    def clear(self, keys: list[str]) -> None:
+        self.api.kv_clear(keys=keys, partition_id=PARTITION)
+
+
+def actor_rep(ray: Any, writer: Any, reader: Any, verify: bool) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    ray.get(writer.put.remote())
+    put_s = time.perf_counter() - t0
+    keys = ray.get(reader.list_keys.remote())
+    t0 = time.perf_counter()
+    ray.get(reader.get.remote(keys, verify))
+    get_s = time.perf_counter() - t0
+    ray.get(writer.clear.remote(keys))
+    return put_s, get_s
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--batch", type=int, default=None, help="samples (1024; quick 16)")
@@ -142,47 +183,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     store_gib = 0.5 if args.quick else max(2.0, 3 * nbytes / 2**30)
     rt = RayRuntime(num_cpus=4, object_store_bytes=int(store_gib * 2**30)).start()
-    clients: dict[str, Any] = {}
+    inproc: Any = None
+    ray_client: Any = None
+    actors: list[Any] = []
     try:
         transfer_queue.init({"backend": {"SimpleStorage": {"num_data_storage_units": 2}}})
         units = {"num_data_storage_units": 2}
-        clients["inproc"] = asyncflow_tq.make_client(
+        asyncflow_tq.init({"backend": {"storage_backend": "Ray", "Ray": units}})
+        inproc = asyncflow_tq.make_client(
             {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": units}}
         )
-        clients["ray"] = asyncflow_tq.make_client(
-            {"backend": {"storage_backend": "Ray", "Ray": units}}
-        )
-        apis: dict[str, tuple[ModuleType, Callable[[], object]]] = {
-            "tq": (transfer_queue, lambda: None),
-            "inproc": (asyncflow_tq, lambda: asyncflow_tq.use_client(clients["inproc"])),
-            "ray": (asyncflow_tq, lambda: asyncflow_tq.use_client(clients["ray"])),
-        }
-        data = make_batch(args.batch, args.seq_len, args.fields)
+        ray_client = asyncflow_tq.use_client(None)  # the driver's own client of the Ray queue
+        shape = (args.batch, args.seq_len, args.fields)
+        cls = ray.remote(num_cpus=0)(PerftestClient)
+        pairs = {}
+        for s in ("tq", "ray"):
+            pairs[s] = (cls.remote(s, *shape, True), cls.remote(s, *shape, False))
+            actors.extend(pairs[s])
+        data = make_batch(*shape)
         keys = [f"test_key_{i}" for i in range(args.batch)]
+
+        def rep(system: str, verify: bool) -> tuple[float, float]:
+            if system == "inproc":
+                return one_rep(
+                    asyncflow_tq,
+                    lambda: asyncflow_tq.use_client(inproc),
+                    data,
+                    keys,
+                    system if verify else None,
+                )
+            return actor_rep(ray, *pairs[system], verify)
+
         checked: set[str] = set()
         if not args.quick:
             for s in SYSTEMS:
-                one_rep(*apis[s], data, keys, s)
+                rep(s, True)
                 checked.add(s)
         put: dict[str, list[float]] = {s: [] for s in SYSTEMS}
         get: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-        for rep in range(args.reps):
-            order = SYSTEMS[rep % 3 :] + SYSTEMS[: rep % 3]
+        for r in range(args.reps):
+            order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
             for s in order:
-                verify = None if s in checked else s
-                put_s, get_s = one_rep(*apis[s], data, keys, verify)
+                put_s, get_s = rep(s, s not in checked)
                 checked.add(s)
                 put[s].append(put_s)
                 get[s].append(get_s)
             print(
-                f"  rep {rep + 1}: "
+                f"  rep {r + 1}: "
                 + "  ".join(f"{s} put {put[s][-1]:.3f}s get {get[s][-1]:.3f}s" for s in order),
                 flush=True,
             )
     finally:
-        asyncflow_tq.use_client(None)
-        for c in clients.values():
-            c.close()
+        ray_client = asyncflow_tq.use_client(None) or ray_client
+        for a in actors:
+            ray.kill(a)
+        for c in (inproc, ray_client):
+            if c is not None:
+                c.close()
         transfer_queue.close()
         rt.shutdown()
         if ray.is_initialized():
