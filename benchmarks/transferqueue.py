@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         units = {"num_data_storage_units": 2}
         asyncflow_tq.init({"backend": {"storage_backend": "Ray", "Ray": units}})
         inproc = asyncflow_tq.make_client(
-            {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": units}}
+            {"backend": {"storage_backend": "InProcess", "InProcess": units}}
         )
         ray_client = asyncflow_tq.use_client(None)  # the driver's own client of the Ray queue
         shape = (args.batch, args.seq_len, args.fields)

@@ -47,7 +47,8 @@ def records(ray_runtime: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[
         out["real"] = run_scenario(transfer_queue, tmp_path_factory.mktemp("real"))
     finally:
         transfer_queue.close()
-    for name, backend in (("ray", "Ray"), ("inproc", "SimpleStorage")):
+    # "SimpleStorage", TransferQueue's default, is the Ray store when Ray is up, as here
+    for name, backend in (("ray", "SimpleStorage"), ("inproc", "InProcess")):
         asyncflow_tq.init(
             {"controller": {"polling_mode": True}, "backend": {"storage_backend": backend}}
         )

@@ -2,9 +2,11 @@
 stores: ``init``/``close``, the ``kv_*`` calls and their ``async_`` twins, and checkpoints.
 
 ``init(conf)`` takes TransferQueue's config layout. ``backend.storage_backend`` picks the
-store: ``"SimpleStorage"`` (TransferQueue's default name) or ``"InProcess"``: an
-``InProcessDataStore`` with ``num_data_storage_units`` units; ``"Ray"``: a ``RayDataStore``
-on the connected Ray cluster. ``init(conf, store=...)`` uses a store you built instead.
+store: ``"Ray"``: a ``RayDataStore`` on the connected Ray cluster, shared by every process
+that attaches; ``"InProcess"``: an ``InProcessDataStore`` with ``num_data_storage_units``
+units, for this process; ``"SimpleStorage"`` (TransferQueue's default name; its units are Ray
+actors): ``"Ray"`` when this process is connected to Ray, else ``"InProcess"``.
+``init(conf, store=...)`` uses a store you built instead.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def _build(conf: dict[str, Any], store: DataStore | None) -> TransferQueueClient
             raise BadArgumentError(
                 f"backend.{name}.num_data_storage_units must be an int >= 1, got {units!r:.80}"
             )
-        if name == "Ray":
+        if name == "Ray" or (name == "SimpleStorage" and _ray_connected()):
             from asyncflow_ray import RayDataStore
 
             from asyncflow_tq import remote
@@ -176,6 +178,16 @@ def _build(conf: dict[str, Any], store: DataStore | None) -> TransferQueueClient
         polling_mode=polling,
         get_meta_timeout_s=float(timeout),
     )
+
+
+def _ray_connected() -> bool:
+    """Whether Ray is installed and initialised in this process."""
+    try:
+        from asyncflow_ray.runtime import import_ray
+
+        return bool(import_ray().is_initialized())
+    except ImportError:
+        return False
 
 
 def _attach() -> TransferQueueClient | None:
