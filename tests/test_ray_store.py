@@ -18,7 +18,13 @@ from asyncflow_core.protocols import BatchMeta, CellValue, DataStore
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
 
-from asyncflow_ray.store import ROWS_PER_BLOCK, RayDataStore, unit_of, unpack_read  # noqa: E402
+from asyncflow_ray.store import (  # noqa: E402
+    BY_REF_MIN_BYTES,
+    ROWS_PER_BLOCK,
+    RayDataStore,
+    unit_of,
+    unpack_read,
+)
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +216,122 @@ def test_the_store_works_from_inside_actors_and_by_name(ray_runtime: Any) -> Non
 
     with pytest.raises(ConfigError, match="no RayDataStore named 'nope'"):
         RayDataStore.connect("nope")
+
+
+# --------------------------------------------------------------------------------------------
+# The data plane: large shares by reference, small ones by value; the store owns what it holds
+# --------------------------------------------------------------------------------------------
+WIDE = 8192  # float32 row of 32 KiB: a block of 32 rows is 1 MiB, a by-reference share
+
+
+def _refs_held(store: RayDataStore, partition: str, rows: list[int], fields: list[str]) -> int:
+    """How many object-store references the units answer ``rows`` with (0: all by value)."""
+    key = ray.get(store.controller.storage_key.remote(partition))
+    n = len(store.units)
+    total = 0
+    for u, unit in enumerate(store.units):
+        mine = [r for r in rows if unit_of(r, n) == u]
+        if mine:
+            refs, _ = ray.get(unit.read_refs.remote(key, mine, fields))
+            total += len(refs)
+    return total
+
+
+def test_large_puts_go_by_reference_small_ones_by_value_and_read_back_exactly(
+    shared_store: RayDataStore,
+) -> None:
+    _reset(shared_store)
+    assert BY_REF_MIN_BYTES <= ROWS_PER_BLOCK * WIDE * 4
+    n = 2 * ROWS_PER_BLOCK + 16  # three blocks: unit 0, unit 1, unit 0
+    lengths = [WIDE + 37 * i for i in range(n)]
+
+    async def go() -> None:
+        store = shared_store
+        await store.create_partition("p", ["x", "r", "s"], tasks=["t"])
+        x = torch.arange(n * WIDE, dtype=torch.float32).reshape(n, WIDE)
+        ragged = [torch.full((k,), float(i), dtype=torch.bfloat16) for i, k in enumerate(lengths)]
+        text = [f"row {i}" for i in range(n)]
+        await store.put("p", {"x": x, "r": ragged, "s": text})
+        want = x.clone()
+        x.zero_()  # the caller may reuse its buffers at once: the store holds its own bytes
+        for t in ragged:
+            t.zero_()
+        assert _refs_held(store, "p", list(range(n)), ["x", "r"]) == 2  # one share per unit
+        # overwrite 3 rows with a small put (by value): reads mix both kinds of rows
+        await store.put("p", {"x": torch.full((3, WIDE), -1.0)}, rows=[10, 11, 12], overwrite=True)
+        want[10:13] = -1.0
+        assert _refs_held(store, "p", [10, 11, 12], ["x"]) == 0
+        sel = (79, 0, 11, 33, 64, 12, 5, 40, 10, 63, 32, 31)  # across blocks and units
+        got = await store.get_data(BatchMeta("p", "t", sel, ("x", "r", "s")), layout="list")
+        for i, r in enumerate(sel):
+            assert torch.equal(got["x"][i], want[r]), r
+            assert got["r"][i].dtype == torch.bfloat16 and got["r"][i].shape == (lengths[r],)
+            assert bool((got["r"][i] == float(r)).all()), r
+            assert got["s"][i] == f"row {r}"
+        padded = await store.get_data(BatchMeta("p", "t", sel, ("x",)))
+        assert torch.equal(padded["x"], want[list(sel)])
+        padded["x"].add_(1.0)  # a padded batch is the caller's own memory
+        again = await store.get_data(BatchMeta("p", "t", sel, ("x",)))
+        assert torch.equal(again["x"], want[list(sel)])
+
+    run(go())
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    def __init__(self, store: RayDataStore) -> None:
+        self.store = store
+
+    async def put(self, n: int) -> tuple[int, ...]:
+        x = torch.arange(n * WIDE, dtype=torch.float32).reshape(n, WIDE)
+        return await self.store.put("p", {"x": x})
+
+    def ping(self) -> bool:
+        return True
+
+
+def test_rows_put_by_reference_outlive_the_producer_that_put_them(
+    shared_store: RayDataStore,
+) -> None:
+    """A large put's bytes are in the object store, put there by the producer; the unit holds
+    them, so they stay readable after the producer is gone."""
+    _reset(shared_store)
+    n = 2 * ROWS_PER_BLOCK
+    run(shared_store.create_partition("p", ["x"], tasks=["t"]))
+    producer = Producer.remote(shared_store)
+    assert ray.get(producer.put.remote(n), timeout=60) == tuple(range(n))
+    assert _refs_held(shared_store, "p", list(range(n)), ["x"]) == 2
+    ray.kill(producer, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # returns once the actor is dead
+        ray.get(producer.ping.remote(), timeout=60)
+    got = run(shared_store.get_data(BatchMeta("p", "t", tuple(range(n)), ("x",))))
+    want = torch.arange(n * WIDE, dtype=torch.float32).reshape(n, WIDE)
+    assert torch.equal(got["x"], want)
+
+
+class _LosesObjects(RayDataStore):
+    """A client for which every object-store reference is lost (as when the node holding a
+    share's primary copy is gone)."""
+
+    async def _map(self, refs: Any) -> Any:
+        raise ray.exceptions.OwnerDiedError("00" * 28, "", "")
+
+
+def test_a_read_whose_objects_are_lost_falls_back_to_the_unit_s_copy(
+    shared_store: RayDataStore,
+) -> None:
+    _reset(shared_store)
+    n = 2 * ROWS_PER_BLOCK
+    want = torch.arange(n * WIDE, dtype=torch.float32).reshape(n, WIDE)
+
+    async def go() -> None:
+        await shared_store.create_partition("p", ["x", "s"], tasks=["t"])
+        await shared_store.put("p", {"x": want.clone(), "s": [str(i) for i in range(n)]})
+        assert _refs_held(shared_store, "p", list(range(n)), ["x"]) == 2
+        lossy = _LosesObjects(shared_store.controller, shared_store.units)
+        sel = tuple(range(n - 1, -1, -3))
+        got = await lossy.get_data(BatchMeta("p", "t", sel, ("x", "s")))
+        assert torch.equal(got["x"], want[list(sel)])
+        assert got["s"] == [str(r) for r in sel]
+
+    run(go())

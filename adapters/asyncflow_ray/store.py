@@ -1021,8 +1021,8 @@ class RayDataStore:
                 )
             )
             refs = [ref for g in got for ref in g[0]]
-            try:  # the large shares: mapped from this node's object store (pulled if remote)
-                shares = await asyncio.gather(*refs)
+            try:
+                shares = await self._map(refs)
             except ray.exceptions.ObjectLostError:  # e.g. its producer's node is gone: the
                 # unit still holds the bytes, so read them by value
                 got = await asyncio.gather(
@@ -1044,6 +1044,11 @@ class RayDataStore:
             base += len(unit_refs)
             columns.append({f: _resolve(f, c, mine) for f, c in cols.items()})
         return merge_by_unit(rows, columns, fields)
+
+    async def _map(self, refs: Sequence[Any]) -> list[Share]:
+        """The shares behind ``refs``: mapped from this node's object store (pulled first
+        if they are on another node)."""
+        return list(await asyncio.gather(*refs))
 
     # -- consumption ---------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:
