@@ -29,7 +29,9 @@ logical CPUs: TransferQueue's controller and units reserve 3):
 Repetitions interleave the systems, rotating their order every repetition (A B C, B C A, ...);
 after one untimed warm-up pass of each (skipped by ``--quick``). Figures are medians with
 [min-max]; ``<sys>_put_vs_tq`` = that system's GB/s over TransferQueue's in the same
-repetition. The first get of every system is checked against the data put.
+repetition. The first get of every system is checked against the data put. Each repetition
+also times one ``clone`` of the batch in the driver (``copy``: the memcpy floor of a put or a
+get that copies once); ``inproc_put_vs_copy`` = copy seconds / in-process put seconds.
 
 Usage: ``python benchmarks/transferqueue.py [--batch B] [--seq-len L] [--fields F] [--reps N]
 [--quick]``. The last stdout line is one JSON object with every figure.
@@ -221,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checked.add(s)
         put: dict[str, list[float]] = {s: [] for s in SYSTEMS}
         get: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        copy_s: list[float] = []
         for r in range(args.reps):
             order = SYSTEMS[r % 3 :] + SYSTEMS[: r % 3]
             for s in order:
@@ -228,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 checked.add(s)
                 put[s].append(put_s)
                 get[s].append(get_s)
+            t0 = time.perf_counter()  # the memcpy floor: one copy of the batch's bytes
+            copies = [data.get(f).clone() for f in list(data.keys())]
+            copy_s.append(time.perf_counter() - t0)
+            del copies
             print(
                 f"  rep {r + 1}: "
                 + "  ".join(f"{s} put {put[s][-1]:.3f}s get {get[s][-1]:.3f}s" for s in order),
@@ -274,6 +281,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             res[f"{s}_get_vs_tq_range"] = [round(min(gr), 3), round(max(gr), 3)]
             line += f" {med(pr):.2f}x    {med(gr):.2f}x"
         print(line)
+    cg = [gb / t for t in copy_s]
+    res["copy_gbps"] = round(med(cg), 4)
+    res["copy_gbps_range"] = [round(min(cg), 4), round(max(cg), 4)]
+    print(f" {'copy':<8} {fmt(cg):<24} (one clone of the batch, the driver, each repetition)")
+    for d, times in (("put", put["inproc"]), ("get", get["inproc"])):
+        # the in-process facade against one copy of the same bytes, same repetition
+        rr = [c / t for c, t in zip(copy_s, times, strict=True)]
+        res[f"inproc_{d}_vs_copy"] = round(med(rr), 3)
+        res[f"inproc_{d}_vs_copy_range"] = [round(min(rr), 3), round(max(rr), 3)]
+    vs = (res["inproc_put_vs_copy"], res["inproc_get_vs_copy"])
+    print(f" inproc vs copy: put {vs[0]:.2f}x, get {vs[1]:.2f}x")
     print(json.dumps(res, separators=(",", ":")), flush=True)
     return 0
 
