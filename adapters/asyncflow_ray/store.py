@@ -15,14 +15,39 @@ Control plane and data plane are separate, as in TransferQueue:
   or reads the units directly, all units in parallel: values never pass through the
   controller.
 
-On the wire a column of tensors is one ``PackedColumn``: every row's bytes back to back in one
-numpy ``uint8`` array, plus dtype and shapes (ragged rows stay unpadded). Ray moves numpy
-arrays through its shared-memory object store and hands the receiver a view: within a node the
-bytes are written once by the sender and read in place (no pickling of tensor data, which is
-~20x slower for torch tensors in Ray 2.60). A unit copies what it receives into its own heap
-once per put, so the object store stays a transit area and a unit's memory is freed when its
-rows are reclaimed. Reads come back as read-only views of the returned object (treat
-``layout="list"`` tensors as read-only, as with the in-process store).
+The data plane moves each byte once per direction (within a node):
+
+* **Put.** The client splits the put by unit; a batch tensor's rows for one unit are
+  contiguous slices of it (blocks of consecutive ids), sent as numpy views (a list of row
+  tensors is packed per run first: one copy). A unit's share of 1 MiB or more
+  (``BY_REF_MIN_BYTES``) is ``ray.put`` by the client (Ray's copy into the node's
+  shared-memory object store: the only copy) and the unit gets its ``ObjectRef``; a smaller
+  share travels by value in the call. Either way the unit **keeps what it received**, no copy:
+  read-only numpy views of the object store's copy (pulled to the unit's node first when the
+  producer is on another node), plus the ``ObjectRef``.
+* **Get.** A unit answers a read of large shares with their ``ObjectRef``s and the rows'
+  places in them; the reader maps them from its node's object store (no copy in the unit, none
+  in Ray's reply; pulled once across nodes) and takes views of its rows. Small shares come by
+  value (Ray copies them into the reply). ``get_data`` then assembles the batch: ``padded`` and
+  ``nested`` copy the rows once into tensors the caller owns; ``list`` hands out the views.
+  If a large share's object is lost (its producer's node is gone) the read falls back to the
+  unit's own mapped copy, by value.
+
+Ownership rule: what a unit holds is immutable. A put's bytes are copied out of the caller's
+tensors before ``put`` returns (the caller may reuse its buffers at once); nobody writes the
+object-store copies afterwards: units keep read-only views, ``list``-layout reads are
+read-only views of them (never modify those tensors in place; ``padded`` / ``nested`` batches
+are the caller's own memory). An object is freed when every row of it has been reclaimed
+(acked by every task, or its partition deleted) and no reader still holds a view of it: the
+store's live data lives in Ray's object store, so size it for them
+(``RayRuntime(object_store_bytes=...)``; when it is full, Ray falls back to disk-backed
+memory). An overwritten cell keeps the rest of its put's object alive until those rows go.
+
+Control plane per call: a put is 3 round trips (the controller's ticket, the units' writes in
+parallel, the controller's commit); a ``get_meta`` with a built-in sampler 1; ``get_data`` 1
+(the controller's readability check and the units' reads in parallel, then mapping the
+objects); ``ack`` 1, durable when it returns (the deletes it frees are sent after the
+controller has answered).
 
 Trust: every message is a Ray call between members of one cluster (Ray's own serialization);
 AsyncFlow opens no port and unpickles nothing from outside the cluster. Use Ray's token
@@ -618,7 +643,8 @@ class RayDataStore:
     coroutine of the caller's event loop; values never pass through the controller.
 
     Unlike the in-process store, a put always copies its tensors (they cross processes), so
-    the caller may reuse its buffers at once.
+    the caller may reuse its buffers at once. See the module docstring for what is copied
+    where, and the ownership rule.
     """
 
     def __init__(self, controller: Any, units: Sequence[Any], name: str | None = None) -> None:
