@@ -348,3 +348,45 @@ def test_a_field_may_change_dtype_and_rank(q: Any) -> None:
     assert got["x"].dtype == torch.int64 and got["x"].tolist() == [0, 1]
     assert len(store_partitions(q)) == 1  # the float columns held nothing live: deleted
     assert q.put(td(2, x=torch.ones(2, 4)), partition_id="p").global_indexes == [2, 3]
+
+
+def test_init_takes_an_omegaconf_config_and_returns_the_merged_one() -> None:
+    omegaconf = pytest.importorskip("omegaconf", reason="OmegaConf comes with [tq-bench]")
+    conf = omegaconf.OmegaConf.create(
+        {
+            "controller": {"polling_mode": True},
+            "backend": {"SimpleStorage": {"num_data_storage_units": 3}},
+        }
+    )
+    merged = tq.init(conf)
+    try:
+        assert merged["controller"]["polling_mode"] is True
+        assert merged["controller"]["sampler"] == "SequentialSampler"
+        assert merged["backend"]["SimpleStorage"]["num_data_storage_units"] == 3
+        assert len(tq.get_client().store.units) == 3  # type: ignore[attr-defined]
+        assert tq.init({"controller": {"polling_mode": False}}) == {
+            "controller": {"polling_mode": False}
+        }  # already initialised: conf returned as given, nothing changed
+        assert tq.get_client().get_meta(["x"], 1, "p", task_name="t").size == 0  # still polling
+    finally:
+        tq.close()
+
+
+def test_make_client_and_use_client_switch_the_module_api() -> None:
+    a = tq.make_client({"controller": {"polling_mode": True}})
+    b = tq.make_client({"controller": {"polling_mode": True}})
+    try:
+        assert tq.use_client(a) is None
+        tq.kv_put(key="k", partition_id="p", tag={"on": "a"})
+        assert tq.use_client(b) is a
+        assert tq.kv_list() == {}
+        tq.use_client(a)
+        assert tq.kv_list() == {"p": {"k": {"on": "a"}}}
+        with pytest.raises(ValueError, match="TransferQueueClient"):
+            tq.use_client("a")  # type: ignore[arg-type]
+    finally:
+        tq.use_client(None)
+        a.close()
+        b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.get_partition_list()
