@@ -199,6 +199,10 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 def _as_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A CPU tensor as a numpy array sharing its memory (an integer view of the same width
     for the dtypes numpy lacks: bfloat16, the float8s, complex32)."""
+    try:  # the common case, one call: a plain CPU tensor of a numpy dtype
+        return t.numpy()
+    except (RuntimeError, TypeError):
+        pass
     t = t.detach().resolve_conj().resolve_neg()  # views unless a lazy bit is set
     if t.device.type != "cpu":
         t = t.cpu()
