@@ -968,14 +968,20 @@ class AdamWTrainer(ThreadedTrainer):
 
     # -- weights -------------------------------------------------------------------------------
     async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        named: list[tuple[str, Tensor]] = await self._run(self._snapshot)
-        for bucket in bucketize(named, bucket_bytes):
+        buckets: list[WeightBucket] = await self._run(self._snapshot, bucket_bytes)
+        for bucket in buckets:
             yield bucket
 
-    def _snapshot(self) -> list[tuple[str, Tensor]]:
+    def _snapshot(self, bucket_bytes: int) -> list[WeightBucket]:
         """A copy (on the CPU) of every tensor ``export_weights`` sends, taken on the worker
-        thread so that no step runs halfway through it."""
-        return [(n, t.detach().to("cpu", copy=True)) for n, t in unique_named_tensors(self.model)]
+        thread so that no step runs halfway through it: copied straight into the broadcast's
+        wire layout (snapshot buckets), so a collective sync sends them without packing."""
+        return bucketize(self._exported(), bucket_bytes, pack=True, device="cpu")
+
+    def _exported(self) -> list[tuple[str, Tensor]]:
+        """What ``export_weights`` sends: each of the model's tensors once (tied ones under one
+        name), uncopied."""
+        return [(n, t.detach()) for n, t in unique_named_tensors(self.model)]
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save(self, path: Path) -> None:

@@ -568,10 +568,16 @@ def inflight_load_refusal(engine: object) -> str | None:
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class WeightBucket:
-    """A group of full (gathered) tensors, in the inference side's parameter names."""
+    """A group of full (gathered) tensors, in the inference side's parameter names.
+
+    ``snapshot``: the tensors are a copy made for this sync that nobody changes afterwards
+    (``bucketize(..., pack=True)`` makes such buckets): a transport may then still be sending
+    them after ``update`` returns. False (the default): they may be the trainer's live
+    parameters, and ``update`` returns only once the transport is done reading them."""
 
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
+    snapshot: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -495,6 +495,16 @@ class WeightSyncGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None) -> None:
         """Rank ``src``'s ``tensor`` into every rank's ``tensor`` (blocking); see the class."""
+        self.broadcast_start(tensor, src, timeout_s=timeout_s)()
+
+    def broadcast_start(
+        self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None
+    ) -> Callable[[], None]:
+        """Start ``broadcast`` and return at once; calling the returned function blocks until
+        it is done (raising as ``broadcast`` does). Every rank must start its broadcasts in the
+        same order; two started ones may be on the wire at once (gloo runs two at a time), so
+        a small header can travel while a bucket's bytes do. ``tensor`` must not be touched
+        until the wait returns."""
         from datetime import timedelta
 
         from torch.distributed import BroadcastOptions
@@ -516,15 +526,27 @@ class WeightSyncGroup:
         opts.rootRank = src
         opts.rootTensor = 0
         opts.timeout = timedelta(seconds=limit)
-        try:
-            self._pg.broadcast([tensor], opts).wait()
-            self.platform.synchronize(self._device)
-        except RuntimeError as exc:
-            raise WeightSyncError(
+
+        def failed(exc: RuntimeError) -> WeightSyncError:
+            return WeightSyncError(
                 f"{self._where()}: broadcast from rank {src} failed ({exc}); a peer process "
                 f"may have died, or the call outlasted its {limit:g} s timeout; close this "
                 "group and build a new one on every rank"
-            ) from exc
+            )
+
+        try:
+            work = self._pg.broadcast([tensor], opts)
+        except RuntimeError as exc:
+            raise failed(exc) from exc
+
+        def wait() -> None:
+            try:
+                work.wait()
+                self.platform.synchronize(self._device)
+            except RuntimeError as exc:
+                raise failed(exc) from exc
+
+        return wait
 
     def close(self) -> None:
         """Release the group (final; safe to repeat)."""
@@ -697,6 +719,27 @@ class _Channel:
 
             dist.broadcast(tensor, self.src, group=self.group)
 
+    def start(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """Start a broadcast of ``tensor``; the returned function waits for it. Overlaps with
+        the next broadcast where the group can (a ``WeightSyncGroup``, a torch.distributed
+        group); another ``BroadcastGroup`` broadcasts here and now, in order all the same."""
+        start = getattr(self.group, "broadcast_start", None)
+        if isinstance(self.group, BroadcastGroup):
+            if callable(start):
+                started: Callable[[], None] = start(tensor, self.src)
+                return started
+            self.group.broadcast(tensor, self.src)
+            return _nothing
+        import torch.distributed as dist
+
+        work = dist.broadcast(tensor, self.src, group=self.group, async_op=True)
+
+        def wait() -> None:
+            if work is not None:
+                work.wait()
+
+        return wait
+
     def send_header(self, header: dict[str, Any]) -> None:
         data = json.dumps(header).encode()
         framed = len(data).to_bytes(8, "little") + data
@@ -739,6 +782,10 @@ class _Channel:
 
 
 _OPS = frozenset({"start", "bucket", "finish", "close"})
+
+
+def _nothing() -> None:
+    return None
 
 
 def _parse_bucket(
@@ -797,24 +844,31 @@ class DistributedWeightSync:
     or cpu for torch.distributed groups). ``init()`` connects a ``WeightSyncGroup`` and
     checks that this process is rank ``src``.
 
-    **Wire.** Each sync is a ``start`` header, per bucket a header (names, dtypes, shapes,
-    byte count: JSON in one fixed-size broadcast, no pickle) and one broadcast of the bucket's
-    bytes — its tensors at 64-byte-aligned offsets, so that receivers view them in place —
-    then a ``finish`` header with the version. The collectives run in order on the sender's
-    own thread; the event loop stays free.
+    **Wire.** Per bucket a header (names, dtypes, shapes, byte count: JSON in one fixed-size
+    broadcast, no pickle) and one broadcast of the bucket's bytes — its tensors at 64-byte-
+    aligned offsets, so that receivers view them in place — then a ``finish`` header with the
+    version. The first bucket's header is the sync's ``start`` (a sync of no buckets sends a
+    bare one). Each bucket's bytes stay on the wire while the next header travels: both sides
+    start the broadcasts in the same order, and a ``WeightSyncGroup`` (gloo runs two at a
+    time) or a torch.distributed group lets them overlap; another ``BroadcastGroup`` runs them
+    one after the other. The collectives run on the sender's own thread; the event loop
+    stays free.
 
     **Copies.** A bucket whose tensors already lie at that layout in one buffer on ``device``
     (``bucketize(..., pack=True)``, or a bucket of one contiguous tensor) is sent from its own
-    memory, and ``update`` returns once it is sent. Any other bucket is packed into one of two
-    pack buffers kept across syncs, concurrently with the previous bucket's broadcast, and
-    ``update`` returns once its bytes are copied: the caller may change its tensors then.
-    ``finish`` returns once every byte was sent.
+    memory: ``update`` returns once it is sent, or at once for a ``snapshot`` bucket (what
+    ``bucketize(..., pack=True)`` makes; nobody changes it), which is then sent while the
+    next bucket is handed over. Any other bucket is packed into one of two pack buffers kept
+    across syncs, concurrently with the previous bucket's broadcast, and ``update`` returns
+    once its bytes are copied: the caller may change its tensors then. ``finish`` returns
+    once every byte was sent.
 
-    **Cost** (``benchmarks/weight_sync.py``: 2 processes on the shared 2-core dev box, gloo
-    over loopback, a 208 MiB model; medians of 5 rounds, over 5 runs): each broadcast costs
-    about a millisecond besides its bytes, and a sync makes two per bucket plus two. With
-    64 MiB buckets, pre-packed, it moved the model at 0.87-0.97x the bandwidth of one flat
-    broadcast; with 32 MiB buckets 0.78-0.88x; packed on send (64 MiB) 0.69-0.89x.
+    **Cost** (``benchmarks/weight_sync.py``: 2 processes on the 2-core dev box, gloo over
+    loopback, a 208 MiB model in 64 MiB buckets, against one flat broadcast of the same bytes):
+    see the README's weight-sync section for the measured ratio. Each broadcast costs a
+    fraction of a millisecond besides its bytes; with the start folded into the first header
+    and each header overlapping the previous bucket's bytes, a sync exposes about one header
+    more than the flat broadcast, plus one fixed cost per bucket.
 
     A failed collective leaves the transport unusable (every later call raises that error):
     close the group and rebuild it. ``close()`` tells the receivers to stop (their ``serve``
@@ -834,8 +888,13 @@ class DistributedWeightSync:
         self._comm = _SerialThread("weightsync-send")
         self._packer = _SerialThread("weightsync-pack")
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._buffer_busy: list[concurrent.futures.Future[None] | None] = [None, None]
         self._next_buffer = 0
-        self._inflight: concurrent.futures.Future[None] | None = None
+        self._on_wire = False  # this sync's start has gone out
+        # sends and bucket-sent futures not yet awaited (the event loop's side)
+        self._sends: list[concurrent.futures.Future[None]] = []
+        # the sending thread's side: the bucket bytes on the wire now, and their future
+        self._on_wire_now: tuple[Callable[[], None], concurrent.futures.Future[None]] | None = None
         self._failed: BaseException | None = None
         self._closed = False
 
@@ -868,8 +927,8 @@ class DistributedWeightSync:
     async def start(self) -> None:
         self._usable()
         self._phases.expect("start")
-        # not awaited: the first bucket's header follows on the same thread without a hop
-        self._inflight = self._comm.submit(self._channel.send_header, {"op": "start"})
+        # nothing on the wire yet: the start travels in the first bucket's header
+        self._on_wire = False
         self._seen = set()
         self._phases.move("start")
 
@@ -877,33 +936,45 @@ class DistributedWeightSync:
         self._usable()
         self._phases.expect("update")
         _check_bucket("DistributedWeightSync", bucket, self._seen)
+        self._raise_failed_send()
         tensors = bucket.tensors
         offsets, nbytes = _layout([t.dtype for t in tensors], [t.shape for t in tensors])
         header = {
-            "op": "bucket",
+            "op": "bucket" if self._on_wire else "start",
             "names": list(bucket.names),
             "dtypes": [str(t.dtype) for t in tensors],
             "shapes": [list(t.shape) for t in tensors],
             "nbytes": nbytes,
         }
+        sent: concurrent.futures.Future[None] = concurrent.futures.Future()
         in_place = _wire_view(tensors, offsets, nbytes, self.device)
         if in_place is None:
-            buffer = self._pack_buffer(nbytes)
+            index = self._next_buffer
+            self._next_buffer ^= 1
+            busy, self._buffer_busy[index] = self._buffer_busy[index], sent
+            if busy is not None:  # the bucket two back still on the wire from this buffer
+                await self._failing_on(asyncio.wrap_future(busy))
+            buffer = self._pack_buffer(index, nbytes)
             payload = await self._packer.run(_pack_into, buffer, tensors, offsets)
         else:
             payload = in_place
-        await self._drain()  # the previous bucket is sent: its pack buffer is free again
+        # the caller's own memory must be sent before update() returns; a snapshot may go on
+        # the wire while the next bucket's header does
+        wait_now = in_place is not None and not bucket.snapshot
+        self._on_wire = True
         self._seen.update(bucket.names)
-        self._inflight = self._comm.submit(self._send_bucket, header, payload)
-        if in_place is not None:  # the caller's memory: sent before update() returns
-            await self._drain()
+        self._sends.append(self._comm.submit(self._send_bucket, header, payload, sent, wait_now))
+        self._sends.append(sent)
+        if wait_now:
+            await self._failing_on(asyncio.wrap_future(sent))
 
     async def finish(self, version: Version) -> None:
         self._usable()
         self._phases.expect("finish")
         _check_version("DistributedWeightSync", version)
+        first = None if self._on_wire else {"op": "start"}  # a sync of no buckets
+        await self._comm_call(self._send_finish, first, {"op": "finish", "version": version})
         await self._drain()
-        await self._comm_call(self._channel.send_header, {"op": "finish", "version": version})
         self._phases.move("finish")
 
     async def close(self) -> None:
@@ -914,8 +985,8 @@ class DistributedWeightSync:
             return
         try:
             if self._failed is None and self._phases.state != "new":
+                await self._comm_call(self._send_finish, None, {"op": "close"})
                 await self._drain()
-                await self._comm_call(self._channel.send_header, {"op": "close"})
         finally:
             self._closed = True
             self._comm.close()
@@ -932,10 +1003,16 @@ class DistributedWeightSync:
                 "group and build a new one on every rank"
             ) from self._failed
 
-    def _pack_buffer(self, nbytes: int) -> torch.Tensor:
-        """One of two pack buffers, alternately: the other may still be on the wire."""
-        index = self._next_buffer
-        self._next_buffer ^= 1
+    def _raise_failed_send(self) -> None:
+        """A send that already failed makes this transport unusable now, not at ``finish``."""
+        for future in self._sends:
+            if future.done() and future.exception() is not None:
+                self._failed = future.exception()
+                self._usable()
+
+    def _pack_buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        """Pack buffer ``index`` (two, used alternately: the other may still be on the wire),
+        grown when too small."""
         buffer = self._buffers[index]
         if buffer is None or buffer.numel() < nbytes:
             self._buffers[index] = None  # let the old one go before the bigger one is made
@@ -943,15 +1020,56 @@ class DistributedWeightSync:
             self._buffers[index] = buffer
         return buffer[:nbytes]
 
-    def _send_bucket(self, header: dict[str, Any], payload: torch.Tensor) -> None:
-        self._channel.send_header(header)
-        if payload.numel():
-            self._channel.broadcast(payload)
+    # on the sending thread: one sync's broadcasts in order, each bucket's bytes overlapping
+    # the next header (the receiver posts them in the same order)
+    def _send_bucket(
+        self,
+        header: dict[str, Any],
+        payload: torch.Tensor,
+        sent: concurrent.futures.Future[None],
+        wait_now: bool,
+    ) -> None:
+        try:
+            self._channel.send_header(header)
+        except BaseException as exc:
+            self._end_on_wire(exc)
+            sent.set_exception(exc)
+            raise
+        self._end_on_wire()
+        self._on_wire_now = (self._channel.start(payload) if payload.numel() else _nothing, sent)
+        if wait_now:
+            self._end_on_wire()
+
+    def _send_finish(self, first: dict[str, Any] | None, header: dict[str, Any]) -> None:
+        try:
+            if first is not None:
+                self._channel.send_header(first)
+            self._channel.send_header(header)
+        except BaseException as exc:
+            self._end_on_wire(exc)
+            raise
+        self._end_on_wire()
+
+    def _end_on_wire(self, error: BaseException | None = None) -> None:
+        """Wait for the bucket bytes on the wire (if any) and settle their future."""
+        pending, self._on_wire_now = self._on_wire_now, None
+        if pending is None:
+            return
+        wait, sent = pending
+        if error is not None:
+            sent.set_exception(error)
+            return
+        try:
+            wait()
+        except BaseException as exc:
+            sent.set_exception(exc)
+            raise
+        sent.set_result(None)
 
     async def _drain(self) -> None:
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            await self._failing_on(asyncio.wrap_future(inflight))
+        sends, self._sends = self._sends, []
+        for future in sends:
+            await self._failing_on(asyncio.wrap_future(future))
 
     async def _comm_call(self, fn: Callable[..., None], *args: Any) -> None:
         await self._failing_on(self._comm.run(fn, *args))
@@ -1047,7 +1165,7 @@ class DistributedWeightReceiver:
                 return None
             if self.on_start is not None:
                 await self.on_start()
-            received = await self._comm.run(self._receive_sync)
+            received = await self._comm.run(self._receive_sync, header)
         except BaseException as exc:
             self._failed = exc
             raise
@@ -1117,13 +1235,17 @@ class DistributedWeightReceiver:
             self._buffers[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffers[index][:nbytes]
 
-    def _receive_sync(self) -> tuple[Weights, Version] | None:
+    def _receive_sync(self, start: dict[str, Any]) -> tuple[Weights, Version] | None:
+        """The rest of a sync whose ``start`` header came: bucket headers and bytes, each
+        bucket's bytes received while the next header is (the sender sends them so), up to
+        the finish."""
         staged: Weights = []
         seen: set[str] = set()
+        # a start header that describes a bucket is that bucket's header too
+        header = start if "names" in start else self._channel.recv_header()
         for index in itertools.count():
-            header = self._channel.recv_header()
             op = header["op"]
-            if op == "bucket":
+            if op == "bucket" or header is start:
                 entries = _parse_bucket(header, seen)
                 try:
                     buffer = self._bucket_buffer(index, header["nbytes"])
@@ -1132,8 +1254,9 @@ class DistributedWeightReceiver:
                         f"weight-sync receiver cannot hold a bucket of {header['nbytes']} bytes "
                         f"({exc})"
                     ) from exc
-                if buffer.numel():
-                    self._channel.broadcast(buffer)
+                wait = self._channel.start(buffer) if buffer.numel() else _nothing
+                header = self._channel.recv_header()  # the next one, while the bytes come
+                wait()
                 for name, dtype, shape, offset in entries:
                     try:
                         staged.append((name, _region(buffer, offset, dtype, shape)))
@@ -1468,15 +1591,22 @@ class EngineGroupWeightSync:
 
 
 def bucketize(
-    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, *, pack: bool = False
+    named: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    pack: bool = False,
+    device: str | torch.device | None = None,
 ) -> list[WeightBucket]:
     """Group named tensors, in order, into buckets of at most ``bucket_bytes`` (a tensor bigger
     than that is a bucket of its own) — the layout ``TrainEngine.export_weights`` yields.
 
     ``pack=True`` also copies each bucket's tensors into one buffer of its own, laid out as
     ``DistributedWeightSync`` puts them on the wire, and returns views of it: a snapshot
-    (later changes to ``named`` do not show) that the sender broadcasts from its own memory,
-    without packing. An exporter that copies the weights anyway can copy them this way."""
+    (later changes to ``named`` do not show; ``WeightBucket.snapshot`` is True) that the
+    sender broadcasts from its own memory, without packing, while the next bucket is handed
+    over. An exporter that copies the weights anyway can copy them this way (one copy, not a
+    copy and then a pack). ``device``: where packed buffers live (default: each bucket's first
+    tensor's device; ``"cpu"`` copies a GPU model's weights to host memory in the same pass)."""
     if bucket_bytes <= 0:
         raise WeightSyncError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     buckets: list[WeightBucket] = []
@@ -1493,16 +1623,17 @@ def bucketize(
         size += nbytes
     if tensors:
         buckets.append(WeightBucket(tuple(names), tuple(tensors)))
-    return [_packed(b) for b in buckets] if pack else buckets
+    return [_packed(b, device) for b in buckets] if pack else buckets
 
 
-def _packed(bucket: WeightBucket) -> WeightBucket:
+def _packed(bucket: WeightBucket, device: str | torch.device | None) -> WeightBucket:
     tensors = bucket.tensors
     offsets, nbytes = _layout([t.dtype for t in tensors], [t.shape for t in tensors])
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+    where = tensors[0].device if device is None else torch.device(device)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=where)
     _pack_into(buffer, tensors, offsets)
     views = (_region(buffer, o, t.dtype, t.shape) for t, o in zip(tensors, offsets, strict=True))
-    return WeightBucket(bucket.names, tuple(views))
+    return WeightBucket(bucket.names, tuple(views), snapshot=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1578,8 +1709,8 @@ class BlockingUpdate:
             await self.transport.init()
             self._ready = True
         t0 = _loop_time()
-        await _pause(self.engines, self.pause_mode)
-        try:
+        try:  # a pause cut short (cancelled, failed) still resumes every engine
+            await _pause(self.engines, self.pause_mode)
             await _send(self.transport, buckets, version)
         finally:
             await _resume(self.engines)
@@ -1639,8 +1770,8 @@ class StagedUpdate:
             return None
         weights, version = staged
         t0 = _loop_time()
-        await _pause(self.engines, self.pause_mode)
-        try:
+        try:  # a pause cut short (the job stopping mid-swap) still resumes every engine
+            await _pause(self.engines, self.pause_mode)
             await _apply(self.engines, weights, version)
         finally:
             await _resume(self.engines)

@@ -117,12 +117,13 @@ def frame(header: object) -> list[bytes]:
     return messages
 
 
-def bucket_messages(named: Sequence[tuple[str, torch.Tensor]]) -> list[bytes]:
-    """One bucket's header and payload, laid out as ``DistributedWeightSync`` sends it."""
+def bucket_messages(named: Sequence[tuple[str, torch.Tensor]], op: str = "bucket") -> list[bytes]:
+    """One bucket's header and payload, laid out as ``DistributedWeightSync`` sends it (the
+    first bucket of a sync has ``op`` "start")."""
     tensors = [t for _, t in named]
     offsets, nbytes = _layout([t.dtype for t in tensors], [t.shape for t in tensors])
     header = {
-        "op": "bucket",
+        "op": op,
         "names": [n for n, _ in named],
         "dtypes": [str(t.dtype) for t in tensors],
         "shapes": [list(t.shape) for t in tensors],
@@ -219,12 +220,11 @@ def syncs(draw: st.DrawFn) -> list[list[tuple[str, torch.Tensor]]]:
 
 
 def stream(sync: list[list[tuple[str, torch.Tensor]]], version: int) -> list[list[bytes]]:
-    """A whole sync as groups of messages: start, one group per bucket, finish."""
-    return [
-        frame({"op": "start"}),
-        *(bucket_messages(b) for b in sync),
-        frame({"op": "finish", "version": version}),
-    ]
+    """A whole sync as groups of messages, as the sender puts it on the wire: one group per
+    bucket, the first bucket's header being the sync's start, then finish. (The receiver also
+    takes a bare start header before the first bucket: see the tests that build one.)"""
+    groups = [bucket_messages(b, op="bucket" if i else "start") for i, b in enumerate(sync)]
+    return [*(groups or [frame({"op": "start"})]), frame({"op": "finish", "version": version})]
 
 
 # --------------------------------------------------------------------------------------------

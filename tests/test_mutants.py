@@ -220,8 +220,8 @@ class TiedExportedTwice(TorchTrainEngine):
     """(f) Exports every ``state_dict`` name: a tied LM head travels twice, under the
     embedding's name and its own."""
 
-    def _snapshot(self) -> list[tuple[str, Tensor]]:
-        return [(n, t.detach().clone()) for n, t in self.model.state_dict().items()]
+    def _exported(self) -> list[tuple[str, Tensor]]:
+        return [(n, t.detach()) for n, t in self.model.state_dict().items()]
 
 
 class TiedSharedCheckpoint(TorchTrainEngine):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -364,6 +365,47 @@ def test_staged_update_keeps_only_the_newest_untaken_version() -> None:
     assert engine.loads == [2]
 
 
+class SlowPause(PausableEngine):
+    """Its ``pause`` marks it paused, then waits for the step in progress to end (as the
+    reference and Hugging Face engines do), announcing that it got there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_pause = asyncio.Event()
+        self.step_done = asyncio.Event()
+
+    async def pause(self, mode: str = "abort") -> None:
+        await super().pause(mode)
+        self.in_pause.set()
+        await self.step_done.wait()
+
+
+@pytest.mark.parametrize("strategy", ["staged", "blocking"])
+def test_a_swap_cancelled_while_pausing_leaves_no_engine_paused(strategy: str) -> None:
+    """The job stopping mid-swap cancels the rollout worker inside ``pause``: every engine is
+    resumed all the same (an engine left paused made the job's final evaluation wait forever,
+    seen as a hang in CI runs under load)."""
+    engine = SlowPause()
+
+    async def go() -> None:
+        if strategy == "staged":
+            staged = StagedUpdate([engine])
+            await staged.sync(bucketize(model_weights(), 1 << 20), version=1)
+            swap = asyncio.create_task(staged.apply())
+        else:
+            swap = asyncio.create_task(
+                BlockingUpdate([engine]).sync(bucketize(model_weights(), 1 << 20), version=1)
+            )
+        await engine.in_pause.wait()
+        assert engine.paused
+        swap.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await swap
+
+    asyncio.run(go())
+    assert engine.pauses == 1 and not engine.paused and engine.loads == []
+
+
 class GatedEngine(PausableEngine):
     """Its ``load_weights`` announces itself and waits for the test to release it."""
 
@@ -574,6 +616,55 @@ def test_reuse_buffers_receives_every_sync_into_the_same_memory() -> None:
             assert same_bytes(loaded[name], tensor), name
 
 
+class GatedLoopback(Loopback):
+    """A ``Loopback`` sender whose bucket-sized broadcasts (anything longer than a header slot)
+    block until ``gate`` opens; ``entered`` is set once one is blocked there."""
+
+    def __init__(self, wire: deque[torch.Tensor]) -> None:
+        super().__init__(wire, 0)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None) -> None:
+        if tensor.numel() > weightsync._HEADER_SLOT:
+            self.entered.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        super().broadcast(tensor, src, timeout_s=timeout_s)
+
+
+def test_a_snapshot_bucket_is_handed_over_while_its_bytes_are_sent_and_live_memory_is_not() -> None:
+    """``bucketize(pack=True)`` makes snapshot buckets: ``update`` returns while their bytes
+    are still on the wire (the next header can follow). A bucket of the caller's live tensor,
+    sent from its own memory, holds ``update`` until every byte is out."""
+    wire: deque[torch.Tensor] = deque()
+    group = GatedLoopback(wire)
+    live = torch.arange(4096, dtype=torch.float32)
+    (snapshot,) = bucketize([("a", live.clone())], 1 << 20, pack=True)
+    assert snapshot.snapshot and not WeightBucket(("b",), (live,)).snapshot
+
+    async def go() -> None:
+        sync = DistributedWeightSync(group=group)
+        await sync.init()
+        await sync.start()
+        await sync.update(snapshot)  # returns with its bytes blocked at the gate
+        assert not group.gate.is_set()
+        await asyncio.to_thread(group.entered.wait, 60)
+        live_update = asyncio.create_task(sync.update(WeightBucket(("b",), (live,))))
+        for _ in range(50):  # event-loop steps: the live bucket cannot be out yet
+            await asyncio.sleep(0)
+        assert not live_update.done(), "update returned while its live tensor was on the wire"
+        group.gate.set()
+        await live_update
+        await sync.finish(1)
+        await sync.close()
+
+    run(go())
+    target = Recorder()
+    receiver = DistributedWeightReceiver(target, group=Loopback(wire, 1))
+    assert run(receiver.receive_one()) == 1
+    loaded = dict(target.loads[0][0])
+    assert torch.equal(loaded["a"], live) and torch.equal(loaded["b"], live)
+
+
 def test_collectives_run_off_the_event_loop() -> None:
     """Every broadcast blocks 50 ms here, on both sides; the loop keeps ticking meanwhile."""
     send_group, recv_group = loopback(delay_s=0.05)
@@ -595,8 +686,8 @@ def test_collectives_run_off_the_event_loop() -> None:
             ticker.cancel()
 
     _, ticks = run(ticking(send_syncs(DistributedWeightSync(group=send_group), [(1, buckets)])))
-    broadcasts = len(send_group.sent)  # start, finish, close headers + 2 per bucket
-    assert broadcasts == 3 + 2 * len(buckets)
+    broadcasts = len(send_group.sent)  # finish, close headers + 2 per bucket (start folded)
+    assert broadcasts == 2 + 2 * len(buckets)
     assert ticks > broadcasts * 2  # ~10 ticks per 50 ms broadcast; ~0 if the loop were blocked
     target = Recorder()
     versions, ticks = run(ticking(DistributedWeightReceiver(target, group=recv_group).serve()))
@@ -683,7 +774,7 @@ def test_the_sender_checks_its_calls_and_a_rejected_one_changes_nothing() -> Non
         ):
             await sync.finish("2")  # type: ignore[arg-type]
         await sync.finish(2)  # the rejected finish left the sync open
-        assert len(send_group.sent) == 4  # start, the bucket's header and bytes, finish
+        assert len(send_group.sent) == 3  # the bucket's header (the start), its bytes, finish
         await sync.close()
         with pytest.raises(WeightSyncError, match="closed; build a new one"):
             await sync.start()
