@@ -390,3 +390,13 @@ def test_make_client_and_use_client_switch_the_module_api() -> None:
         b.close()
     with pytest.raises(RuntimeError, match="closed"):
         a.get_partition_list()
+
+
+def test_a_batch_whose_fields_sit_in_several_store_partitions(q: Any) -> None:
+    meta = q.put(td(4, a=torch.arange(4.0), b=torch.zeros(4)), partition_id="p")
+    q.put(td(2, b=torch.tensor([7.0, 8.0])), metadata=meta[1:3])  # b of samples 1, 2 move
+    got = q.get_data(q.get_meta(["a", "b"], 4, "p", task_name="t"))
+    assert got["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert got["b"].tolist() == [0.0, 7.0, 8.0, 0.0]
+    both = BatchMeta.concat([meta[3:4], meta[0:2]])  # out of order
+    assert q.get_data(both)["b"].tolist() == [0.0, 0.0, 7.0]

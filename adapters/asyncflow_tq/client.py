@@ -284,11 +284,14 @@ class WritePlan:
 
 @dataclass
 class ReadPlan:
-    """Where a batch's cells are: per store partition its rows and fields, and per field each
-    sample's (store partition position, row)."""
+    """Where a batch's cells are: per store partition (``groups``) the rows to read, in order,
+    and the fields; per field either the position in ``groups`` of the one partition whose
+    rows are the batch's samples in order, or each sample's (partition position, position in
+    that partition's rows)."""
 
     groups: list[tuple[str, tuple[int, ...], tuple[str, ...]]]
-    locs: dict[str, list[tuple[int, int]]]
+    locs: dict[str, int | list[tuple[int, int]]]
+    n: int  # samples (a partition read in order holds them first, maybe more rows after)
 
 
 async def store_write(
@@ -306,14 +309,19 @@ async def store_write(
 
 async def store_fetch(store: DataStore, plan: ReadPlan) -> dict[str, list[Any]]:
     """Read the cells ``plan`` names: per field, one value per sample."""
-    values: list[dict[str, dict[int, Any]]] = []
+    data: list[dict[str, Any]] = []
     for name, rows, fields in plan.groups:
         try:
             batch = await store.get_data(StoreMeta(name, _CLEAR_TASK, rows, fields), layout="list")
         except UnknownRowError as e:  # cleared since the plan was made
             raise StorageKeyNotFoundError(str(e)) from None
-        values.append({f: dict(zip(rows, batch.data[f], strict=True)) for f in fields})
-    return {f: [values[k][f][row] for k, row in locs] for f, locs in plan.locs.items()}
+        data.append(batch.data)
+    return {
+        f: list(data[loc][f][: plan.n])
+        if isinstance(loc, int)
+        else [data[k][f][at] for k, at in loc]
+        for f, loc in plan.locs.items()
+    }
 
 
 class _Cells:
@@ -384,35 +392,58 @@ class _Cells:
     def plan_read(
         self, pids: Sequence[str], indexes: Sequence[int], fields: Sequence[str]
     ) -> ReadPlan:
-        """Which store partitions and rows hold these samples' ``fields``."""
-        plan = ReadPlan([], {})
+        """Which store partitions and rows hold these samples' ``fields``. The usual case, a
+        field whose cells all sit in one store partition, is read in the batch's order as
+        is (``locs[field]`` is then that partition's position in ``groups``)."""
+        groups: list[tuple[str, list[int], list[str]]] = []
         slot: dict[int, int] = {}
-        rows_of: list[set[int]] = []
-        wanted: list[set[str]] = []
+        position: dict[int, dict[int, int]] = {}
+        locs: dict[str, int | list[tuple[int, int]]] = {}
+        one_pid = pids[0] if pids and all(p == pids[0] for p in pids) else None
         for f in fields:
+            if one_pid is not None:
+                get = self.where.get(one_pid, {}).get(f, {}).get
+                cells = [get(g) for g in indexes]
+            else:
+                cells = [
+                    self.where.get(p, {}).get(f, {}).get(g)
+                    for p, g in zip(pids, indexes, strict=True)
+                ]
+            if None in cells:
+                i = cells.index(None)
+                raise StorageKeyNotFoundError(
+                    f"sample {indexes[i]} of partition {pids[i]!r} has no value for field {f!r}"
+                )
+            first = cells[0][0]  # type: ignore[index]
+            if all(c[0] is first for c in cells):  # type: ignore[index]
+                rows = [c[1] for c in cells]  # type: ignore[index]
+                k = slot.get(id(first))
+                if k is None and len(set(rows)) == len(rows):
+                    slot[id(first)] = len(groups)
+                    locs[f] = len(groups)
+                    groups.append((first.name, rows, [f]))
+                    continue
+                if k is not None and groups[k][1] == rows:
+                    groups[k][2].append(f)
+                    locs[f] = k
+                    continue
             got: list[tuple[int, int]] = []
-            for pid, g in zip(pids, indexes, strict=True):
-                loc = self.where.get(pid, {}).get(f, {}).get(g)
-                if loc is None:
-                    raise StorageKeyNotFoundError(
-                        f"sample {g} of partition {pid!r} has no value for field {f!r}"
-                    )
-                grp, row = loc
+            for cell in cells:
+                grp, row = cell  # type: ignore[misc]
                 k = slot.get(id(grp))
                 if k is None:
-                    k = slot[id(grp)] = len(plan.groups)
-                    plan.groups.append((grp.name, (), ()))
-                    rows_of.append(set())
-                    wanted.append(set())
-                rows_of[k].add(row)
-                wanted[k].add(f)
-                got.append((k, row))
-            plan.locs[f] = got
-        plan.groups = [
-            (name, tuple(sorted(rows_of[k])), tuple(sorted(wanted[k])))
-            for k, (name, _, _) in enumerate(plan.groups)
-        ]
-        return plan
+                    k = slot[id(grp)] = len(groups)
+                    groups.append((grp.name, [], []))
+                pos = position.setdefault(k, {r: i for i, r in enumerate(groups[k][1])})
+                at = pos.get(row)
+                if at is None:
+                    at = pos[row] = len(groups[k][1])
+                    groups[k][1].append(row)
+                if f not in groups[k][2]:
+                    groups[k][2].append(f)
+                got.append((k, at))
+            locs[f] = got
+        return ReadPlan([(n, tuple(r), tuple(fs)) for n, r, fs in groups], locs, len(indexes))
 
     async def write_values(
         self, pid: str, columns: Mapping[str, Any], n: int, indexes: list[int]
