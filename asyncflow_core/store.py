@@ -4,13 +4,20 @@ driven by an asyncio façade that waits for data and for capacity.
 Values live in the storage units, sharded by row (``row % N``); the controller never sees them.
 The façade speaks to both only through their narrow, picklable method calls, which is what lets
 the Ray runtime put each of them in another process unchanged.
+
+Batch memory (``assemble_batch``, shared with the Ray store's client): a padded or nested batch
+is built in one pass into the memory of ``get_data(..., out=previous_batch)`` when nothing else
+holds it, else into a buffer of ``BATCH_POOL`` (a bounded pool of recently used batch memory),
+so steady-state reads touch no fresh pages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import operator
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,7 +54,7 @@ from asyncflow_core.scheduling import SequentialSampler
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, list, dict)
 _LAYOUTS = ("padded", "nested", "list")
-_SMALL_ROWS_ELEMS = 2048  # mean row length below which padded reads concatenate first
+_SMALL_ROWS_ELEMS = 2048  # mean row length below which padded reads scatter with a mask
 
 
 def loop_clock() -> float:
@@ -571,6 +578,7 @@ class InProcessDataStore:
     ) -> Batch:
         names = check_get_data(meta, fields, layout)
         check_pad_value(pad_value)
+        check_out(out)
         if not meta.rows:
             return Batch((), {}, {}, ())
         key, schemas = self.controller.check_readable(meta.partition, meta.rows, names)
@@ -696,11 +704,30 @@ def assemble_batch(
     out: Batch | None = None,
 ) -> Batch:
     """The ``Batch`` of ``meta``'s rows from the per-row cell values read from storage.
-    ``out``: an earlier batch whose buffers may be reused (see ``DataStore.get_data``)."""
+
+    ``out``: an earlier batch whose buffers the new one may reuse (see ``DataStore.get_data``).
+    A padded or nested field is written into the memory of one of ``out``'s tensors (the one
+    of the same field name first, else any other that is big enough) when nothing but ``out``
+    holds that memory: a tensor that is still viewed elsewhere (a kept micro-batch slice, a
+    tensor saved for backward, a numpy view, shared memory) is never overwritten. Whatever
+    cannot be reused (a list-layout or plain field, a buffer too small, no spare tensor) is
+    simply not reused: the answer is the same either way. ``out`` that is not a ``Batch``
+    raises ``BadRequestError`` before anything is read. The returned batch may share memory
+    with ``out``: the caller must be done with ``out``."""
+    check_out(out)
+    buffers = _Buffers(out if layout != "list" else None)
     batch = Batch(meta.rows, {}, {}, meta.tags)
     for f in names:
-        _assemble(batch, f, schemas[f], values[f], layout, pad_value)
+        _assemble(batch, f, schemas[f], values[f], layout, pad_value, buffers)
     return batch
+
+
+def check_out(out: object) -> None:
+    """``get_data``'s ``out`` is None or a ``Batch``."""
+    if out is not None and not isinstance(out, Batch):
+        raise BadRequestError(
+            f"out must be a Batch an earlier get_data returned, or None; got {type(out).__name__}"
+        )
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -813,6 +840,7 @@ def _assemble(
     values: list[CellValue],
     layout: Layout,
     pad_value: float,
+    buffers: _Buffers,
 ) -> None:
     if not schema.is_tensor:
         batch.data[name] = values
@@ -823,30 +851,287 @@ def _assemble(
         if schema.ndim:
             batch.lengths[name] = torch.tensor([t.shape[0] for t in tensors], dtype=torch.long)
         return
+    dtype = tensors[0].dtype
     if schema.ndim == 0:
-        batch.data[name] = torch.stack(tensors)
+        dst = buffers.tensor(name, dtype, (len(tensors),))
+        batch.data[name] = torch.stack(tensors, out=dst)
         return
-    batch.lengths[name] = torch.tensor([t.shape[0] for t in tensors], dtype=torch.long)
-    if layout == "nested":
-        batch.data[name] = torch.nested.nested_tensor(tensors, layout=torch.jagged)
-        return
+    lens = [t.shape[0] for t in tensors]
+    batch.lengths[name] = torch.tensor(lens, dtype=torch.long)
     trailing = tensors[0].shape[1:]
-    if any(t.shape[1:] != trailing for t in tensors):
+    uniform = schema.ndim == 1 or all(t.shape[1:] == trailing for t in tensors)
+    if layout == "nested":
+        batch.data[name] = _nested(buffers, name, tensors, lens, trailing, uniform)
+        return
+    if not uniform:
         raise BadRequestError(
             f"field {name!r}: rows differ beyond dim 0, so they cannot be padded into one "
             "tensor; read it with layout='list'"
         )
-    lengths = batch.lengths[name]
-    max_len = int(lengths.max())
-    if bool((lengths == max_len).all()):
-        batch.data[name] = torch.stack(tensors)
-    elif int(lengths.sum()) < _SMALL_ROWS_ELEMS * len(tensors):
-        # many short rows: one concatenation and one masked scatter beat a per-row loop
-        out = torch.full((len(tensors), max_len, *trailing), pad_value, dtype=tensors[0].dtype)
-        mask = torch.arange(max_len)[None, :] < lengths[:, None]
-        out[mask] = torch.cat(tensors)
-        batch.data[name] = out
-    else:  # long rows: copy each row once, straight into place
-        batch.data[name] = torch.nn.utils.rnn.pad_sequence(
-            tensors, batch_first=True, padding_value=pad_value
+    batch.data[name] = _padded(buffers, name, tensors, lens, trailing, pad_value)
+
+
+def _padded(
+    buffers: _Buffers,
+    name: str,
+    tensors: list[torch.Tensor],
+    lens: list[int],
+    trailing: torch.Size,
+    pad_value: float,
+) -> torch.Tensor:
+    """``[B, max_len, *trailing]`` in one pass: each row copied into place and only the tail
+    after it filled with ``pad_value`` (one ``torch.cat`` into the output, the padding pieces
+    read from one small filler), into reused memory when ``buffers`` has some."""
+    n, max_len, min_len = len(tensors), max(lens), min(lens)
+    dtype = tensors[0].dtype
+    dst = buffers.tensor(name, dtype, (n, max_len, *trailing))
+    if dst.numel() == 0:
+        return dst
+    flat = dst.view(n * max_len, *trailing)  # row i's slot: flat[i * max_len : (i + 1) * max_len]
+    if min_len == max_len:
+        torch.cat(tensors, out=flat)
+        return dst
+    if sum(lens) < _SMALL_ROWS_ELEMS * n and n > _SMALL_ROWS_MIN_BATCH:
+        # many short rows: the per-piece cost of the copy below dominates, so fill the padding
+        # positions, then scatter the rows into the others (each element written once)
+        mask = torch.arange(max_len)[None, :] < torch.tensor(lens)[:, None]
+        dst.masked_fill_(~mask.view(n, max_len, *([1] * len(trailing))), pad_value)
+        dst[mask] = torch.cat(tensors)
+        return dst
+    gap = max_len - min_len
+    if gap * math.prod(trailing) * dtype.itemsize <= _FILLER_MAX_BYTES:
+        filler = torch.full((gap, *trailing), pad_value, dtype=dtype)
+    else:  # a huge gap (wide trailing dims): one value, broadcast
+        one = torch.full((1,) * (1 + len(trailing)), pad_value, dtype=dtype)
+        filler = one.expand(gap, *trailing)
+    pieces: list[torch.Tensor] = []
+    for t, k in zip(tensors, lens, strict=True):
+        pieces.append(t)
+        if k < max_len:
+            pieces.append(filler[: max_len - k])
+    torch.cat(pieces, out=flat)
+    return dst
+
+
+def _nested(
+    buffers: _Buffers,
+    name: str,
+    tensors: list[torch.Tensor],
+    lens: list[int],
+    trailing: torch.Size,
+    uniform: bool,
+) -> torch.Tensor:
+    """One jagged ``torch.nested`` tensor: the rows concatenated into one values tensor (in
+    reused memory when ``buffers`` has some) plus their offsets."""
+    total = sum(lens)
+    if not uniform or total == 0:  # torch decides which dim is ragged, as before
+        return torch.nested.nested_tensor(tensors, layout=torch.jagged)
+    values = buffers.tensor(name, tensors[0].dtype, (total, *trailing))
+    torch.cat(tensors, out=values)
+    offsets = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long)
+    with torch.no_grad():
+        return torch.nested.nested_tensor_from_jagged(
+            values, offsets, min_seqlen=min(lens), max_seqlen=max(lens)
         )
+
+
+# -- batch memory: reuse of ``out`` and a small pool of recently freed buffers ---------------
+_FILLER_MAX_BYTES = 1 << 20  # a padding filler bigger than this is one broadcast value instead
+_SMALL_ROWS_MIN_BATCH = 8
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_refs(t: torch.Tensor) -> tuple[bool, torch.UntypedStorage, int] | None:
+    """Whether ``t`` is a jagged nested tensor, its memory (for a nested tensor, that of its
+    values) and how many references that memory has, counted the same way for every tensor
+    (see ``_EXCLUSIVE``). Cheap: a nested tensor's own methods dispatch through Python."""
+    if _use_count is None:
+        return None
+    nested = type(t) is not torch.Tensor
+    if nested:  # a torch.nested jagged tensor keeps its values as ``_values``
+        values = getattr(t, "_values", None)
+        if type(values) is not torch.Tensor:
+            return None
+        t = values
+    if t.is_nested or t.layout != torch.strided or t.device.type != "cpu":
+        return None
+    s = t.untyped_storage()
+    return nested, s, int(_use_count(s._cdata))
+
+
+def _ref_counts(
+    data: Mapping[str, object],
+) -> dict[str, tuple[int, tuple[bool, torch.UntypedStorage, int] | None]]:
+    """For each value: its Python reference count and, for a tensor, ``_storage_refs``, all
+    taken the same way for every batch (``_EXCLUSIVE`` holds what they are for a tensor that
+    nothing but ``data`` references)."""
+    found = {}
+    for name, value in data.items():
+        py = sys.getrefcount(value)
+        found[name] = (py, _storage_refs(value) if isinstance(value, torch.Tensor) else None)
+    return found
+
+
+def _probe_exclusive() -> tuple[int, int | None, int] | None:
+    """``_ref_counts`` of a dense and of a nested tensor held by nothing but a dict: the
+    storage reference counts of each (nested None: this torch's nested tensors are not
+    understood, so their memory is not reused) and the Python reference count of a tensor
+    object. None: this torch cannot tell, so nothing is reused."""
+    try:
+        values = torch.empty(4)
+        with torch.no_grad():
+            nt = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 1, 4]))
+        del values
+        data: dict[str, object] = {"dense": torch.empty(4), "nested": nt}
+        del nt
+        counts = _ref_counts(data)
+    except Exception:  # pragma: no cover - a torch without these internals
+        return None
+    (py, dense), (py_nested, nested) = counts["dense"], counts["nested"]
+    if dense is None or dense[0]:
+        return None
+    nested_refs = nested[2] if nested is not None and nested[0] and py_nested == py else None
+    return dense[2], nested_refs, py
+
+
+_EXCLUSIVE = _probe_exclusive()
+
+
+def _spare_storages(data: Mapping[str, object]) -> dict[str, torch.UntypedStorage]:
+    """The memory of each value of ``data`` that the store may write into: a CPU tensor the
+    store could have made (dense or jagged nested, private resizable memory) that nothing
+    else references: neither another tensor viewing its memory nor another reference to the
+    tensor object (a variable, a list, a store cell). Each memory once."""
+    if _EXCLUSIVE is None:
+        return {}
+    spare: dict[str, torch.UntypedStorage] = {}
+    seen: set[int] = set()
+    for name, (py, got) in _ref_counts(data).items():
+        if got is None or py != _EXCLUSIVE[2]:
+            continue
+        nested, s, refs = got
+        if refs != _EXCLUSIVE[1 if nested else 0] or s.is_shared() or not s.resizable():
+            continue
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            spare[name] = s
+    return spare
+
+
+def _on_storage(s: torch.UntypedStorage, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` at the start of ``s``."""
+    stride = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        stride[d] = stride[d + 1] * max(shape[d + 1], 1)
+    return torch.empty(0, dtype=dtype).set_(s, 0, tuple(shape), stride)
+
+
+class BufferPool:
+    """Memory of recent batches, kept so the next batch of a similar size reuses it instead of
+    asking the OS for fresh pages (their first touch costs a page fault each: ~2-3x the cost of
+    a padded batch on these VMs). It holds at most ``max_bytes`` of buffers (LRU eviction of
+    the unused ones; 0 turns it off); a buffer is handed out again only once nothing else
+    references its memory (the batch that used it was dropped), so a batch still in use is
+    never overwritten. Only buffers of at least ``min_bytes`` are pooled: smaller ones come
+    from the allocator's heap, which reuses memory by itself. ``get_data(..., out=)`` is still
+    the faster path: it needs no lookup and keeps the memory with the caller."""
+
+    def __init__(self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._lock = threading.Lock()
+        self._entries: list[torch.UntypedStorage] = []  # least recently used first
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the pool holds (in use by a batch or not)."""
+        with self._lock:
+            return sum(s.nbytes() for s in self._entries)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        """Forget every buffer (memory still used by a batch stays with that batch)."""
+        with self._lock:
+            self._entries.clear()
+
+    def tensor(self, dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> torch.Tensor:
+        """A tensor of ``shape`` in a free pooled buffer of ``nbytes`` to ``2 * nbytes``, else
+        in a new buffer (pooled if it fits in ``max_bytes``, evicting unused ones)."""
+        if _POOL_FREE is None or nbytes < self.min_bytes or self.max_bytes <= 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        with self._lock:
+            best = None
+            for i, s in enumerate(self._entries):
+                cap = s.nbytes()
+                fits = nbytes <= cap <= 2 * nbytes
+                if fits and (best is None or cap < self._entries[best].nbytes()) and _is_free(s):
+                    best = i
+            if best is not None:
+                s = self._entries.pop(best)
+                self._entries.append(s)
+                return _on_storage(s, dtype, shape)  # in use from here: not free any more
+            s = torch.empty(_size_class(nbytes), dtype=torch.uint8).untyped_storage()
+            t = _on_storage(s, dtype, shape)
+            total = sum(e.nbytes() for e in self._entries) + s.nbytes()
+            for e in [e for e in self._entries if _is_free(e)]:  # evict LRU unused buffers
+                if total <= self.max_bytes:
+                    break
+                self._entries.remove(e)
+                total -= e.nbytes()
+            if total <= self.max_bytes:
+                self._entries.append(s)
+            return t
+
+
+def _size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a quarter power of two (at most 19% more), so batches of
+    similar sizes fit each other's buffers."""
+    step = max(1, (1 << max(0, nbytes.bit_length() - 3)))
+    return -(-nbytes // step) * step
+
+
+def _probe_pool_free() -> int | None:
+    """The reference count of a pooled storage that no tensor uses (None: cannot tell)."""
+    if _use_count is None:
+        return None
+    try:
+        s = torch.empty(4).untyped_storage()
+        return int(_use_count(s._cdata))
+    except Exception:  # pragma: no cover - a torch without these internals
+        return None
+
+
+_POOL_FREE = _probe_pool_free()
+
+
+def _is_free(s: torch.UntypedStorage) -> bool:
+    return _use_count is not None and int(_use_count(s._cdata)) == _POOL_FREE
+
+
+BATCH_POOL = BufferPool()
+"""The process's pool of batch memory (``assemble_batch`` allocates from it when ``out`` has
+no buffer to reuse); set ``BATCH_POOL.max_bytes = 0`` to turn it off, ``clear()`` to drop it."""
+
+
+class _Buffers:
+    """Where one batch's tensors go: the spare memory of ``out`` (the same field's first,
+    else the smallest other one that fits), else ``BATCH_POOL``. Each spare is used once."""
+
+    __slots__ = ("_spare",)
+
+    def __init__(self, out: Batch | None) -> None:
+        self._spare = {} if out is None else _spare_storages(out.data)
+
+    def tensor(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        s = self._spare.get(name)
+        if s is None or s.nbytes() < nbytes:
+            fits = [(v.nbytes(), k) for k, v in self._spare.items() if v.nbytes() >= nbytes]
+            s = self._spare[min(fits)[1]] if fits else None
+        if s is not None:
+            del self._spare[next(k for k, v in self._spare.items() if v is s)]
+            return _on_storage(s, dtype, shape)
+        return BATCH_POOL.tensor(dtype, shape, nbytes)

@@ -237,6 +237,22 @@ def same(a: Any, b: Any) -> bool:
     return bool(cell_key(a) == cell_key(b))
 
 
+def batch_key(batch: Batch) -> Any:
+    """Everything a batch says, comparable: row ids, tags, each field's value exactly as laid
+    out (a padded tensor with its padding, a nested tensor row by row, a list cell by cell)
+    and each field's lengths."""
+    data: dict[str, Any] = {}
+    for name, value in batch.data.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            data[name] = ("nested", str(value.dtype), [cell_key(r) for r in value.unbind()])
+        elif isinstance(value, list):
+            data[name] = ("list", [cell_key(v) for v in value])
+        else:
+            data[name] = cell_key(value)
+    lengths = {name: cell_key(v) for name, v in batch.lengths.items()}
+    return batch.rows, batch.tags, data, lengths
+
+
 class FixedSampler:
     """A sampler that answers the same whatever the candidates: ``rows``, or a whole
     ``Selection`` (to test the store's validation and its handling of drops and holds)."""
@@ -543,6 +559,86 @@ class DataStoreConformance:
         assert batch["y"] == ["a", "b"]
         got = unpack(batch, "x", "padded", 1)
         assert all(same(g, w) for g, w in zip(got, values, strict=True))
+
+    # -- get_data(..., out=): reusing an earlier batch's buffers changes no answer -------------
+    async def _put_step(
+        self, store: DataStore, lengths: Sequence[int], step: int
+    ) -> tuple[int, ...]:
+        """Rows of every kind of field: ragged 1-d floats, ragged [len, 2] ints, 0-dim, plain."""
+        return await store.put(
+            "p",
+            {
+                "x": ragged(lengths, start=1000 * step),
+                "z": [torch.arange(2 * n, dtype=torch.int64).reshape(n, 2) + step for n in lengths],
+                "s": [torch.tensor(float(step + i)) for i in range(len(lengths))],
+                "y": [f"row {step}.{i}" for i in range(len(lengths))],
+            },
+        )
+
+    @pytest.mark.parametrize("layout", ["padded", "nested", "list"])
+    @async_test
+    async def test_get_data_with_out_equals_get_data_without(
+        self, store: DataStore, layout: Layout
+    ) -> None:
+        """Each step reads its batch twice, without ``out`` and with the previous step's batch
+        as ``out``; the answers are equal while row counts and lengths shrink and grow, and
+        when ``out`` holds other fields than the read."""
+        await new_partition(store, fields=("x", "z", "s", "y"))
+        steps: list[tuple[list[int], tuple[str, ...], float]] = [
+            ([3, 1, 4], ("x", "z", "s", "y"), 0),
+            ([6, 2, 5, 0, 7], ("x", "z", "s", "y"), -1),  # more rows, longer
+            ([1], ("x", "z", "s", "y"), 0),  # fewer, shorter
+            ([2, 2], ("z",), 5),  # out holds x, z, s, y; read z alone
+            ([9, 3, 3, 8, 1, 1], ("x", "s"), 0),  # out holds z alone; read x and s
+            ([4, 12, 2], ("y", "x"), 2.5),
+            ([3, 0, 1, 2, 5, 1, 1, 4, 2, 2, 3, 1], ("x", "z", "s"), -3),  # many short rows
+            ([2, 1, 1, 1, 1, 1, 1, 1, 1, 1], ("x", "z", "s"), 7),
+        ]
+        prev: Batch | None = None
+        for step, (lengths, fields, pad_value) in enumerate(steps):
+            rows = await self._put_step(store, lengths, step)
+            meta = BatchMeta("p", "t", rows, fields)
+            want = await store.get_data(meta, layout=layout, pad_value=pad_value)
+            got = await store.get_data(meta, layout=layout, pad_value=pad_value, out=prev)
+            assert batch_key(got) == batch_key(want), f"step {step}: out= changed the batch"
+            assert batch_key(want) == batch_key(
+                await store.get_data(meta, layout=layout, pad_value=pad_value)
+            ), f"step {step}: a read with out= changed the stored values"
+            prev = got
+
+    @async_test
+    async def test_out_from_another_layout_changes_nothing(self, store: DataStore) -> None:
+        """``out`` from any layout, passed to a read of any other: the same answer, and the
+        stored cells (which a "list" batch hands out as they are) stay as they were."""
+        await new_partition(store, fields=("x", "z", "s", "y"))
+        rows = await self._put_step(store, [4, 1, 6], 0)
+        meta = BatchMeta("p", "t", rows, ("x", "z", "s", "y"))
+        stored = await snapshot(store, "p", {f: list(rows) for f in ("x", "z", "s", "y")})
+        prev: Batch | None = None
+        for layout in ["list", "padded", "nested", "list", "nested", "padded", "list"]:
+            got = await store.get_data(meta, layout=layout, out=prev)  # type: ignore[arg-type]
+            want = await store.get_data(meta, layout=layout)  # type: ignore[arg-type]
+            assert batch_key(got) == batch_key(want), f"layout {layout}: out= changed the batch"
+            prev = got
+        assert await snapshot(store, "p", {f: list(rows) for f in ("x", "z", "s", "y")}) == stored
+
+    @pytest.mark.parametrize("bad", ["dict", "tensor", "list"])
+    @async_test
+    async def test_out_that_is_not_a_batch_is_rejected(self, store: DataStore, bad: str) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": ragged([2, 3])})
+        out: Any = {
+            "dict": {"x": torch.zeros(2, 3)},
+            "tensor": torch.zeros(2, 3),
+            "list": [torch.zeros(3)],
+        }[bad]
+        await expect_rejected(
+            store,
+            lambda: store.get_data(BatchMeta("p", "t", (0, 1), ("x",)), out=out),
+            BadRequestError,
+            "out",
+            cells={"x": [0, 1]},
+        )
 
     # ========================================================================================
     # Readiness and waiting
