@@ -400,3 +400,28 @@ def test_a_batch_whose_fields_sit_in_several_store_partitions(q: Any) -> None:
     assert got["b"].tolist() == [0.0, 7.0, 8.0, 0.0]
     both = BatchMeta.concat([meta[3:4], meta[0:2]])  # out of order
     assert q.get_data(both)["b"].tolist() == [0.0, 0.0, 7.0]
+
+
+def test_rank_aware_sampler_gives_a_dp_group_the_same_batch() -> None:
+    tq.init({"controller": {"sampler": "RankAwareSampler", "polling_mode": True}})
+    try:
+        c = tq.get_client()
+        c.put(td(6), partition_id="p")
+
+        def ask(rank: int, step: int) -> list[int]:
+            cfg = {"dp_rank": rank, "batch_index": step, "task_name": "t", "partition_id": "p"}
+            return list(
+                c.get_meta(["x"], 2, "p", task_name="t", sampling_config=cfg).global_indexes
+            )
+
+        assert ask(0, 0) == [0, 1]
+        assert ask(0, 0) == [0, 1]  # a second rank of DP group 0, same step: the same batch
+        assert ask(1, 0) == [2, 3]  # another DP group takes the next samples
+        assert ask(0, 1) == [4, 5]
+        assert ask(1, 1) == []  # nothing left for group 1's second step
+        with pytest.raises(RuntimeError, match=r"sampler refused.*dp_rank"):
+            c.get_meta(["x"], 1, "p", task_name="u", sampling_config={"dp_rank": -1})
+        done = c.get_consumption_status("u", "p")[1]
+        assert done is not None and done.tolist() == [0] * 6  # nothing consumed
+    finally:
+        tq.close()

@@ -39,7 +39,12 @@ from asyncflow_tq.interface import (
     use_client,
 )
 from asyncflow_tq.metadata import BatchMeta, KVBatchMeta
-from asyncflow_tq.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler
+from asyncflow_tq.sampler import (
+    BaseSampler,
+    GRPOGroupNSampler,
+    RankAwareSampler,
+    SequentialSampler,
+)
 
 __version__ = "0.1.11"  # the TransferQueue API version this package follows
 
@@ -51,6 +56,7 @@ __all__ = [
     "GRPOGroupNSampler",
     "KVBatchMeta",
     "PartitionView",
+    "RankAwareSampler",
     "RequestError",
     "SequentialSampler",
     "StorageKeyNotFoundError",

@@ -707,7 +707,12 @@ class _Core:
             await self._wait_change(left)
         p = self._ctl.partitions[pid]
         view = PartitionView(pid, tuple(sorted(p.active)), p.custom_meta)
-        sampled, consumed = sampler(ready, batch_size, partition=view, **cfg)
+        try:
+            sampled, consumed = sampler(ready, batch_size, partition=view, **cfg)
+        except ValueError as e:  # TransferQueue's client sees a sampler's error as RuntimeError
+            raise BadArgumentError(f"get_meta: the sampler refused the request: {e}") from e
+        except Exception as e:
+            raise RequestError(f"get_meta: the sampler failed: {type(e).__name__}: {e}") from e
         sampled, consumed = [int(g) for g in sampled], [int(g) for g in consumed]
         if not sampled:
             if self.polling_mode:

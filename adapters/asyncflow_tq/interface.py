@@ -26,7 +26,12 @@ from asyncflow_tq.client import (
     TransferQueueClient,
 )
 from asyncflow_tq.metadata import KVBatchMeta
-from asyncflow_tq.sampler import BaseSampler, GRPOGroupNSampler, SequentialSampler
+from asyncflow_tq.sampler import (
+    BaseSampler,
+    GRPOGroupNSampler,
+    RankAwareSampler,
+    SequentialSampler,
+)
 
 __all__ = [
     "async_kv_batch_get",
@@ -73,6 +78,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 _SAMPLERS: dict[str, type[BaseSampler]] = {
     "SequentialSampler": SequentialSampler,
     "GRPOGroupNSampler": GRPOGroupNSampler,
+    "RankAwareSampler": RankAwareSampler,
 }
 _BACKENDS = ("SimpleStorage", "InProcess", "Ray")
 _METADATA_FILE = "metadata.json"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-__all__ = ["BaseSampler", "GRPOGroupNSampler", "SequentialSampler"]
+__all__ = ["BaseSampler", "GRPOGroupNSampler", "RankAwareSampler", "SequentialSampler"]
 
 
 class BaseSampler(ABC):
@@ -113,4 +113,38 @@ class GRPOGroupNSampler(BaseSampler):
         if dp_rank is not None:
             states.setdefault(dp_rank, {}).setdefault(batch_index, (chosen, list(chosen)))
             self._states.setdefault(partition_id, {})[task_name] = states
+        return chosen, list(chosen)
+
+
+class RankAwareSampler(BaseSampler):
+    """Every rank of one data-parallel group gets the same batch: the first rank to ask for a
+    ``batch_index`` takes the first ``batch_size`` ready samples (nothing if fewer are ready)
+    and the answer is kept for the group's other ranks. Pass ``dp_rank``, ``batch_index``,
+    ``task_name`` and ``partition_id`` in ``sampling_config``."""
+
+    def sample(
+        self,
+        ready_indexes: list[int],
+        batch_size: int,
+        dp_rank: int = 0,
+        batch_index: int = 0,
+        task_name: str = "",
+        partition_id: str = "",
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
+            raise ValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
+        cache = (
+            self._states.setdefault(partition_id, {})
+            .setdefault(task_name, {})
+            .setdefault(dp_rank, {})
+        )
+        if batch_index in cache:
+            kept: list[int] = cache[batch_index]
+            return kept, list(kept)
+        chosen = list(ready_indexes[:batch_size])
+        if len(chosen) < batch_size:
+            return [], []
+        cache[batch_index] = chosen
         return chosen, list(chosen)
