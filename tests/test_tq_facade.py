@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 @pytest.fixture
 def q() -> Iterator[Any]:
-    tq.init({"controller": {"polling_mode": True}})
+    tq.init({"backend": {"storage_backend": "InProcess"}, "controller": {"polling_mode": True}})
     try:
         yield tq.get_client()
     finally:
@@ -134,7 +134,9 @@ def test_bad_kv_calls_change_nothing(q: Any) -> None:
 # waiting, samplers
 # ----------------------------------------------------------------------------------------------
 def test_blocking_fetch_waits_for_a_put_then_times_out() -> None:
-    tq.init({"controller": {"get_meta_timeout_s": 120.0}})
+    tq.init(
+        {"backend": {"storage_backend": "InProcess"}, "controller": {"get_meta_timeout_s": 120.0}}
+    )
     try:
         c = tq.get_client()
         got: list[Any] = []
@@ -148,7 +150,9 @@ def test_blocking_fetch_waits_for_a_put_then_times_out() -> None:
         assert not consumer.is_alive() and got[0].global_indexes == [0, 1, 2]
     finally:
         tq.close()
-    tq.init({"controller": {"get_meta_timeout_s": 0.05}})
+    tq.init(
+        {"backend": {"storage_backend": "InProcess"}, "controller": {"get_meta_timeout_s": 0.05}}
+    )
     try:
         tq.get_client().put(td(1), partition_id="p")
         with pytest.raises(RuntimeError, match=r"timed out.*1 are ready"):
@@ -170,7 +174,12 @@ def test_grpo_sampler_hands_out_whole_consecutive_groups() -> None:
     assert s.sample([3, 4, 5], 3, "t", "p", dp_rank=0, batch_index=0) == first
     assert s.has_cached_result("p", "t", {"dp_rank": 0, "batch_index": 0})
 
-    tq.init({"controller": {"sampler": GRPOGroupNSampler(2), "polling_mode": True}})
+    tq.init(
+        {
+            "backend": {"storage_backend": "InProcess"},
+            "controller": {"sampler": GRPOGroupNSampler(2), "polling_mode": True},
+        }
+    )
     try:
         c = tq.get_client()
         meta = c.put(td(5), partition_id="p")  # 0..4
@@ -194,7 +203,12 @@ class EveryOtherSampler(tq.BaseSampler):
 
 
 def test_custom_sampler_class_and_sampling_config() -> None:
-    tq.init({"controller": {"sampler": EveryOtherSampler, "polling_mode": True}})
+    tq.init(
+        {
+            "backend": {"storage_backend": "InProcess"},
+            "controller": {"sampler": EveryOtherSampler, "polling_mode": True},
+        }
+    )
     try:
         c = tq.get_client()
         c.put(td(6), partition_id="p")
@@ -403,7 +417,12 @@ def test_a_batch_whose_fields_sit_in_several_store_partitions(q: Any) -> None:
 
 
 def test_rank_aware_sampler_gives_a_dp_group_the_same_batch() -> None:
-    tq.init({"controller": {"sampler": "RankAwareSampler", "polling_mode": True}})
+    tq.init(
+        {
+            "backend": {"storage_backend": "InProcess"},
+            "controller": {"sampler": "RankAwareSampler", "polling_mode": True},
+        }
+    )
     try:
         c = tq.get_client()
         c.put(td(6), partition_id="p")

@@ -235,7 +235,9 @@ def run_scenario(tq: ModuleType, tmp: Path) -> dict[str, Any]:
 def facade() -> Iterator[ModuleType]:
     import asyncflow_tq
 
-    asyncflow_tq.init({"controller": {"polling_mode": True}})
+    asyncflow_tq.init(
+        {"backend": {"storage_backend": "InProcess"}, "controller": {"polling_mode": True}}
+    )
     try:
         yield asyncflow_tq
     finally:
