@@ -14,6 +14,7 @@ import pytest
 import torch
 from asyncflow_conformance import DataStoreConformance, StoreFactory
 
+from asyncflow_core.errors import AsyncFlowError, UnknownPartitionError, UnknownRowError
 from asyncflow_core.protocols import BatchMeta, CellValue, DataStore
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
@@ -335,3 +336,33 @@ def test_a_read_whose_objects_are_lost_falls_back_to_the_unit_s_copy(
         assert got["s"] == [str(r) for r in sel]
 
     run(go())
+
+
+def test_a_lease_s_own_check_does_not_outlive_its_partition_or_its_ack(
+    shared_store: RayDataStore,
+) -> None:
+    """``get_data`` trusts the readability check made with a fresh lease; once the partition
+    is deleted or the lease acked, it answers as the controller does, never with stale
+    values."""
+    _reset(shared_store)
+
+    async def go() -> None:
+        store = shared_store
+        await store.create_partition("p", ["x"], tasks=["t"])
+        await store.put("p", {"x": torch.arange(4, dtype=torch.float32).reshape(2, 2)})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=10)
+        assert (await store.get_data(meta))["x"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+        await store.ack(meta)
+        with pytest.raises(AsyncFlowError) as after_ack:
+            await store.get_data(meta)
+        await store.create_partition("q", ["x"], tasks=["t"])
+        await store.put("q", {"x": torch.ones(2, 2)})
+        meta_q = await store.get_meta("q", "t", ["x"], 2, timeout=10)
+        await store.delete_partition("q")
+        with pytest.raises(AsyncFlowError) as after_delete:
+            await store.get_data(meta_q)
+        return after_ack.value, after_delete.value
+
+    after_ack, after_delete = run(go())
+    assert isinstance(after_ack, UnknownRowError) and "no live rows [0, 1]" in str(after_ack)
+    assert isinstance(after_delete, UnknownPartitionError), after_delete

@@ -187,6 +187,12 @@ def merge_by_unit(
 
 RefColumn = list[PackedColumn | RefSegment] | list[PlainValue]
 
+LEASE_TRUST = 0.9
+"""A lease's own readability check (made when the controller granted it) stands in for
+``get_data``'s check while less than this fraction of ``lease_s`` has passed on the client's
+clock since it asked: the lease's rows cannot be reclaimed before it ends, and cells once
+ready stay ready."""
+
 BY_REF_MIN_BYTES = 1 << 20
 """A put's share of at least this many tensor bytes goes to its unit by reference (the client
 ``ray.put``s it, the unit keeps the reference and a view) and is read by reference: a reader
@@ -518,12 +524,19 @@ class ControllerServer:
         dp_rank: int,
         dp_size: int,
         member: int,
-    ) -> BatchMeta:
-        """A whole lease in one call, the (stateless) sampler run here, waiting here."""
-        return await self.plane.lease(
+    ) -> tuple[BatchMeta, tuple[str, dict[str, FieldSchema]] | None]:
+        """A whole lease in one call, the (stateless) sampler run here, waiting here; with
+        what ``check_readable`` says of its rows and fields now (None if it refuses), so the
+        lease's first ``get_data`` needs no check of its own."""
+        meta = await self.plane.lease(
             partition, task, fields, batch_size, sampler, timeout=timeout, lease_s=lease_s,
             current_version=current_version, dp_rank=dp_rank, dp_size=dp_size, member=member,
         )  # fmt: skip
+        checked = None
+        if meta.rows and meta.lease_id is not None:
+            with contextlib.suppress(AsyncFlowError):
+                checked = self.controller.check_readable(partition, meta.rows, fields)
+        return meta, checked
 
     async def peek(
         self,
@@ -658,6 +671,7 @@ class RayDataStore:
         self.units = list(units)
         self.name = name
         self._keys: dict[str, str] = {}
+        self._checked: dict[str, _Checked] = {}  # lease id -> its check (see get_data)
 
     def __reduce__(self) -> tuple[object, ...]:
         return (RayDataStore, (self.controller, self.units, self.name))
@@ -959,13 +973,16 @@ class RayDataStore:
         names = list(fields)
         common = (lease_s, current_version, dp_rank, dp_size, member)
         if getattr(sampler, "stateless", False) is True:  # run it in the controller: 1 call
-            whole: BatchMeta = await self._cancellable(
+            asked = loop_clock()
+            whole, checked = await self._cancellable(
                 self.controller.get_meta.remote(
                     partition, task, names, batch_size, sampler, timeout, *common
                 ),
-                self._give_back,
+                self._give_back_checked,
             )
-            return whole
+            if checked is not None and whole.lease_id is not None:
+                self._remember(whole, asked + LEASE_TRUST * lease_s, *checked)
+            return cast(BatchMeta, whole)
         until = None if timeout is None else loop_clock() + timeout
         while True:
             found, seen, generation = await self._ctl(
@@ -999,6 +1016,39 @@ class RayDataStore:
                 )
             await self._ctl(self.controller.wait_change.remote(partition, generation, left))
 
+    def _remember(
+        self, meta: BatchMeta, until: float, key: str, schemas: dict[str, FieldSchema]
+    ) -> None:
+        """Keep a fresh lease's readability check for its ``get_data``, valid until
+        ``until`` (the client's clock), its ``ack`` or ``nack``."""
+        if len(self._checked) >= 1024:  # leases never acked: forget the expired ones
+            now = loop_clock()
+            for lease in [k for k, v in self._checked.items() if v.until <= now]:
+                del self._checked[lease]
+        assert meta.lease_id is not None
+        self._checked[meta.lease_id] = _Checked(until, meta.partition, meta.rows, key, schemas)
+
+    def _still_checked(self, meta: BatchMeta, names: Sequence[str]) -> _Checked | None:
+        """The check made with ``meta``'s lease if it still holds: the same rows, the
+        fields it covered, and the lease neither ended (ack, nack) nor possibly expired."""
+        if meta.lease_id is None:
+            return None
+        c = self._checked.get(meta.lease_id)
+        if (
+            c is None
+            or loop_clock() >= c.until
+            or c.partition != meta.partition
+            or tuple(c.rows) != tuple(meta.rows)
+            or any(f not in c.schemas for f in names)
+        ):
+            return None
+        return c
+
+    async def _give_back_checked(
+        self, got: tuple[BatchMeta, tuple[str, dict[str, FieldSchema]] | None]
+    ) -> None:
+        await self._give_back(got[0])
+
     async def _give_back(self, meta: BatchMeta) -> None:
         if meta.rows and meta.lease_id is not None:
             await self._ctl(self.controller.nack.remote(meta))
@@ -1015,6 +1065,17 @@ class RayDataStore:
         names = check_get_data(meta, fields, layout)
         if not meta.rows:
             return Batch((), {}, {}, ())
+        fresh = self._still_checked(meta, names)
+        if fresh is not None:  # the lease's own check holds: read at once
+            try:
+                values = await self._read(fresh.key, meta.rows, names)
+            except StorageUnitLostError:
+                raise
+            except AsyncFlowError:  # e.g. its partition was deleted: the check says why
+                pass
+            else:
+                schemas = {f: fresh.schemas[f] for f in names}
+                return assemble_batch(meta, names, schemas, values, layout, pad_value, out=out)
         check = self._ctl(self.controller.check_readable.remote(meta.partition, meta.rows, names))
         cached = self._keys.get(meta.partition)
         if cached is None:  # first read of this partition: learn its storage key first
@@ -1082,10 +1143,28 @@ class RayDataStore:
 
     # -- consumption ---------------------------------------------------------------------------
     async def ack(self, meta: BatchMeta) -> None:
+        self._forget(meta)
         await self._ctl(self.controller.ack.remote(meta))
 
     async def nack(self, meta: BatchMeta) -> None:
+        self._forget(meta)
         await self._ctl(self.controller.nack.remote(meta))
+
+    def _forget(self, meta: object) -> None:
+        lease = getattr(meta, "lease_id", None)
+        if isinstance(lease, str):
+            self._checked.pop(lease, None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """A lease's readability check, made by the controller when it granted the lease."""
+
+    until: float
+    partition: str
+    rows: tuple[int, ...]
+    key: str
+    schemas: dict[str, FieldSchema]
 
 
 async def _empty() -> tuple[list[Any], dict[str, Any]]:
