@@ -215,7 +215,7 @@ def _prepare_put(partition: str, data: Mapping[str, Any], copy: bool) -> _Prepar
                     if copy:
                         v = v.clone(memory_format=torch.contiguous_format)
                     cells.append(v)
-                    sizes.append(_tensor_nbytes(v))
+                    sizes.append(v.nbytes)
                 out.schemas[name] = FieldSchema(str(dtype).removeprefix("torch."), ndim)
                 out.row_bytes[name] = sizes
                 out.cells[name] = cells
@@ -829,7 +829,8 @@ def check_lease_meta(meta: object, verb: str) -> None:
 
 
 def _rows_of(meta: BatchMeta, verb: str) -> None:
-    if not isinstance(meta.rows, tuple | list) or not all(_is_index(r) for r in meta.rows):
+    rows = meta.rows  # a plain int is the common case: test it first, it is 10x cheaper
+    if not isinstance(rows, tuple | list) or not all(type(r) is int or _is_index(r) for r in rows):
         raise BadRequestError(f"{verb}: meta.rows must be row ids, got {meta.rows!r:.80}")
 
 
@@ -929,10 +930,22 @@ def _nested(
     values = buffers.tensor(name, tensors[0].dtype, (total, *trailing))
     torch.cat(tensors, out=values)
     offsets = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long)
-    with torch.no_grad():
-        return torch.nested.nested_tensor_from_jagged(
-            values, offsets, min_seqlen=min(lens), max_seqlen=max(lens)
-        )
+    return _JAGGED_VIEW(values, offsets, min_seqlen=min(lens), max_seqlen=max(lens))
+
+
+def _jagged_view() -> Callable[..., torch.Tensor]:
+    """What ``torch.nested.nested_tensor(..., layout=torch.jagged)`` itself wraps its values
+    and offsets with (the public ``nested_tensor_from_jagged`` does the same but logs a
+    warning about fx tracing in every process); the public function if this torch lacks it."""
+    try:
+        from torch.nested._internal import nested_tensor as njt
+    except ImportError:  # pragma: no cover - another torch layout
+        return torch.nested.nested_tensor_from_jagged
+    fn = getattr(njt, "nested_view_from_values_offsets", None)
+    return fn if callable(fn) else torch.nested.nested_tensor_from_jagged
+
+
+_JAGGED_VIEW = _jagged_view()
 
 
 # -- batch memory: reuse of ``out`` and a small pool of recently freed buffers ---------------
@@ -978,10 +991,7 @@ def _probe_exclusive() -> tuple[int, int | None, int] | None:
     understood, so their memory is not reused) and the Python reference count of a tensor
     object. None: this torch cannot tell, so nothing is reused."""
     try:
-        values = torch.empty(4)
-        with torch.no_grad():
-            nt = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 1, 4]))
-        del values
+        nt = torch.nested.nested_tensor([torch.empty(1), torch.empty(3)], layout=torch.jagged)
         data: dict[str, object] = {"dense": torch.empty(4), "nested": nt}
         del nt
         counts = _ref_counts(data)

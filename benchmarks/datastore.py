@@ -246,7 +246,12 @@ def batch_elems(batch: Any) -> int:
     n = 0
     for f in BULK_FIELDS:
         v = batch[f]
-        n += sum(t.numel() for t in v) if isinstance(v, list) else v.numel()
+        if isinstance(v, list):
+            n += sum(t.numel() for t in v)
+        elif type(v) is torch.Tensor:  # dense: padded (a nested tensor's own methods are slow)
+            n += v.numel()
+        else:  # nested: its rows' lengths
+            n += int(batch.lengths[f].sum())
     return n
 
 
