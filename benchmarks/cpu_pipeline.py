@@ -7,8 +7,10 @@ task, colocated-sync vs asynchronous, in one run.
 * **async**: rollout on one core and training on the other at the same time (one torch
   thread each), η = 1, staged weight sync; the same samples per step and the same steps. Run
   with the trainer as a thread of this process (it then shares the interpreter lock with
-  rollout and the store) and in a child process of its own (``train.process``,
-  ``asyncflow_core.process.ProcessTrainEngine``): the headline ``speedup`` is the latter's.
+  rollout and the store: ``train.process=false``, the one-process mode) and in a child
+  process of its own (``asyncflow_core.process.ProcessTrainEngine``; what ``train.process =
+  "auto"``, the main job's default, does for this trainer): the headline ``speedup`` is the
+  latter's, i.e. the default ``asyncflow run``'s.
 * **η = 4**: a much staler pipeline (trainer in its own process) trained with naive PPO (the
   ratio against the rollout's behaviour log-probs) and with decoupled PPO (AReaL: the trust
   region around the trainer's own proximal log-probs, importance-weighted to the behaviour

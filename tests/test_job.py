@@ -131,12 +131,14 @@ def test_asyncflow_run_help_as_a_command() -> None:
 
 
 def test_trainer_in_its_own_process_learns_like_the_in_process_one() -> None:
-    """``train.process = true`` hosts the trainer in a child process: same job, same figures."""
+    """``train.process = true`` hosts the trainer in a child process (``auto``, the default,
+    does so for this trainer): same job, same figures as ``false``, one process."""
     cfg = RunConfig(
         eval_prompts=0, task=TaskSection(warmup_steps=5),
         rl=RLSection(steps=4, prompts_per_step=4, n=4, mode="colocated", staleness=0),
     )  # fmt: skip
-    here = asyncio.run(run(cfg)).result.steps
+    assert cfg.train_process() and not apply_override(cfg, "train.process=false").train_process()
+    here = asyncio.run(run(apply_override(cfg, "train.process=false"))).result.steps
     there = asyncio.run(run(apply_override(cfg, "train.process=true"))).result.steps
     assert [s.metrics.loss for s in there] == [s.metrics.loss for s in here]
     assert [s.reward_mean for s in there] == [s.reward_mean for s in here]

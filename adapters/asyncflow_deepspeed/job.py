@@ -21,6 +21,6 @@ def job_trainer(model: Any, *, cfg: Any, threads: int, platform: str) -> TrainEn
         "dtype": t.dtype,
         "platform": platform,
     }
-    if t.ranks > 1 or t.process:
+    if t.ranks > 1 or cfg.train_process():
         return asyncflow_deepspeed.launch(model, t.ranks, threads=threads, **options)
     return asyncflow_deepspeed.DeepSpeedTrainEngine(model, threads=threads, **options)

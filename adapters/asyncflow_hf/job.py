@@ -420,7 +420,7 @@ def hf_trainer(model: Any, *, cfg: Any, threads: int, platform: str) -> TrainEng
         HFTrainEngine, model, **registry.trainer_options(cfg), dtype=cfg.train.dtype,
         name="trainer", threads=threads,
     )  # fmt: skip
-    if cfg.train.process:
+    if cfg.train_process():
         return ProcessTrainEngine(make)
     return make()
 

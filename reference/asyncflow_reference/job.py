@@ -200,11 +200,14 @@ class TrainSection:
     micro_batch_size: int = 256
     clip: float = 0.2
     kl_coef: float = 0.0
-    process: bool = False
+    process: bool | Literal["auto"] = "auto"
     """Run the trainer in a child process of its own (``asyncflow_core.process``): it then
     does not share the interpreter lock with rollout and the store, which is what limits the
-    async run's throughput on CPU. Off by default so the whole job stays in one process
-    (``breakpoint()`` works anywhere)."""
+    async run's throughput on CPU. ``auto`` (the default): a child process for the reference
+    ``torch`` trainer on the local runtime, this process for the others (``hf``,
+    ``deepspeed``: its ``ranks`` decide; Ray runs the trainer in an actor). ``false``: the
+    whole job in one process, where ``breakpoint()`` works anywhere (``RunConfig
+    .train_process()`` resolves it)."""
     engine: str = "auto"
     """The trainer (``asyncflow_core.registry``): ``torch`` (the reference trainer,
     ``TorchTrainEngine``), ``hf`` (``HFTrainEngine``, for an HF model), ``deepspeed`` (the
@@ -387,7 +390,7 @@ class RunConfig:
                 "runtime.kind = 'ray' runs every rollout engine in an actor of its own already; "
                 "rollout.process = true is for runtime.kind = 'local'"
             )
-        if self.runtime.kind == "ray" and (train_engine == "deepspeed" or t.process):
+        if self.runtime.kind == "ray" and (train_engine == "deepspeed" or t.process is True):
             raise ConfigError(
                 "runtime.kind = 'ray' runs the trainer in an actor of its own; "
                 "train.engine = 'deepspeed' and train.process = true are for runtime.kind = "
@@ -471,6 +474,13 @@ class RunConfig:
         if self.model.path or self.model.name:
             return "hf"
         return "agent" if self.task.name in AGENT_TASKS else "digits"
+
+    def train_process(self) -> bool:
+        """``train.process`` resolved: ``auto`` is a child process for the ``torch`` trainer
+        on the local runtime, this process otherwise."""
+        if self.train.process != "auto":
+            return self.train.process
+        return self.runtime.kind == "local" and self.engine_names()[1] == "torch"
 
     def engine_names(self) -> tuple[str, str]:
         """``(rollout.engine, train.engine)`` resolved (``auto``: the workload's), each
@@ -1093,7 +1103,7 @@ def torch_trainer(model: Any, *, cfg: RunConfig, threads: int, platform: str) ->
             f"{type(model).__name__}; use train.engine = 'hf' or 'deepspeed' (or 'auto')"
         )
     make = functools.partial(TorchTrainEngine, model, **registry.trainer_options(cfg))
-    if cfg.train.process:
+    if cfg.train_process():
         return ProcessTrainEngine(functools.partial(make, threads=threads))
     return make(threads=threads) if cfg.runtime.kind == "ray" else make()
 
@@ -1172,12 +1182,13 @@ def _trainer_label(cfg: RunConfig) -> str:
     engine = cfg.engine_names()[1]
     if cfg.runtime.kind == "ray":
         return "ray actor"
+    process = cfg.train_process()
     if engine == "hf":
-        return "hf, process" if t.process else "hf, thread"
+        return "hf, process" if process else "hf, thread"
     if engine == "deepspeed":
-        where = f"{t.ranks} rank process(es)" if t.ranks > 1 or t.process else "thread"
+        where = f"{t.ranks} rank process(es)" if t.ranks > 1 or process else "thread"
         return f"deepspeed ZeRO-{t.zero_stage} {t.dtype}, {where}"
-    return "process" if t.process else "thread"
+    return "process" if process else "thread"
 
 
 def _summarize(
