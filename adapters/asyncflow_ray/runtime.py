@@ -240,10 +240,12 @@ def first_line(exc: object) -> str:
 def tensor_bytes(t: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """A contiguous CPU tensor's bytes as a flat ``uint8`` numpy view (no copy): what Ray
     moves through its object store out of band and hands the receiver as a view."""
-    flat = t.detach().reshape(-1)
+    flat = t.detach().reshape(-1).contiguous()
     if not flat.numel():
         return np.zeros(0, dtype=np.uint8)
-    return flat.contiguous().view(torch.uint8).numpy()
+    if flat.stride(-1) != 1:  # one element of a strided view counts as contiguous
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
 
 
 def bytes_tensor(
