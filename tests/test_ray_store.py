@@ -133,6 +133,13 @@ def test_a_dead_storage_unit_is_named_with_its_rows_and_the_rest_survive(
                 await store.put("p", {"x": [torch.zeros(3)] * 2})
             assert put_lost.value.unit == 1
             assert await store.stats("p") == before
+            # a put spanning both units: the live unit's half is rolled back
+            key = await store.storage_key("p")
+            cells_0 = ray.get(store.units[0].num_cells.remote(key))
+            with pytest.raises(StorageUnitLostError):
+                await store.put("p", {"x": [torch.zeros(3)] * (2 * ROWS_PER_BLOCK)})
+            assert await store.stats("p") == before
+            assert ray.get(store.units[0].num_cells.remote(key)) == cells_0
             with pytest.raises(StorageUnitLostError):  # writing into its rows, too
                 await store.put("p", {"y": [1, 2]}, rows=[32, 33])
             assert await store.stats("p") == before

@@ -338,10 +338,14 @@ class StorageUnitServer:
         ctx = import_ray().get_runtime_context()
         return {"unit": self.unit_id, "node_id": ctx.get_node_id(), "pid": os.getpid()}
 
-    def write(self, key: str, rows: list[int], payload: Share | list[Any], ticket_id: int) -> None:
+    def write(
+        self, key: str, rows: list[int], payload: Share | list[Any], ticket_id: int | None
+    ) -> None:
         """Keep the values of ``rows`` as received, no copy (see the module's ownership
         rule): ``payload`` is the share itself or ``[ObjectRef]`` of it, mapped here (pulled
-        to this node first if it was put on another)."""
+        to this node first if it was put on another). ``ticket_id``: keep what the write
+        replaced until ``release`` (or ``undo``); None for new rows, which replace nothing
+        (``forget`` undoes them)."""
         ref = None
         if isinstance(payload, list):
             ref = payload[0]
@@ -364,7 +368,8 @@ class StorageUnitServer:
             else:
                 cells[f] = dict(zip(rows, cast(list[CellValue], col), strict=True))
         replaced = self.unit.write(key, cells)
-        self._undo[(key, ticket_id)] = (cells, replaced)
+        if ticket_id is not None:
+            self._undo[(key, ticket_id)] = (cells, replaced)
 
     def undo(self, key: str, ticket_id: int) -> None:
         entry = self._undo.pop((key, ticket_id), None)
@@ -373,6 +378,10 @@ class StorageUnitServer:
 
     def release(self, key: str, ticket_id: int) -> None:
         self._undo.pop((key, ticket_id), None)
+
+    def forget(self, key: str, rows: list[int], fields: list[str]) -> None:
+        """Undo a write of new rows: drop their cells of ``fields``."""
+        self.unit.undo(key, {f: dict.fromkeys(rows) for f in fields}, {})
 
     def read(self, key: str, rows: list[int], fields: list[str]) -> dict[str, ReadColumn]:
         """The cells of ``rows``: a tensor field as runs of the received columns (views, no
@@ -907,7 +916,8 @@ class RayDataStore:
     ) -> None:
         """Write every unit's share (put into the object store first when large), all units
         at once, then commit the ticket; on a failure undo every write and abort."""
-        key, tid = ticket.storage_key, ticket.ticket_id
+        key = ticket.storage_key
+        tid = None if ticket.new_rows else ticket.ticket_id  # new rows replace nothing
         try:
             plan = _plan(ticket.rows, len(self.units))
             shares = [_by_ref(_share(data, cells, runs)) for _, _, runs in plan]
@@ -925,8 +935,9 @@ class RayDataStore:
         failed = [
             (u, r) for u, r in zip(used, results, strict=True) if isinstance(r, BaseException)
         ]
+        rows_of = {u: rows for u, rows, _ in plan}
         if failed:
-            await self._roll_back(ticket, [u for u in used if u not in dict(failed)])
+            await self._roll_back(ticket, {u: rows_of[u] for u in used if u not in dict(failed)})
             u, err = failed[0]
             if isinstance(err, AsyncFlowError):
                 raise err
@@ -937,15 +948,26 @@ class RayDataStore:
         try:
             await self._ctl(self.controller.commit_put.remote(ticket))
         except BaseException:  # e.g. the partition was deleted meanwhile: leave no cells
-            await self._roll_back(ticket, used, abort=False)
+            await self._roll_back(ticket, rows_of, abort=False)
             raise
-        for u in used:
-            self.units[u].release.remote(key, tid)
+        if tid is not None:  # what the overwrite replaced can go now
+            for u in used:
+                self.units[u].release.remote(key, tid)
 
-    async def _roll_back(self, ticket: PutTicket, units: Sequence[int], abort: bool = True) -> None:
+    async def _roll_back(
+        self, ticket: PutTicket, rows_of: Mapping[int, list[int]], abort: bool = True
+    ) -> None:
+        """Undo the writes of ``ticket`` in the units ``rows_of`` (unit -> its rows)."""
         key, tid = ticket.storage_key, ticket.ticket_id
+        fields = list(ticket.fields)
         await asyncio.gather(
-            *(self.units[u].undo.remote(key, tid) for u in units), return_exceptions=True
+            *(
+                self.units[u].forget.remote(key, rows, fields)
+                if ticket.new_rows
+                else self.units[u].undo.remote(key, tid)
+                for u, rows in rows_of.items()
+            ),
+            return_exceptions=True,
         )
         if abort:
             await self._abort(ticket)
