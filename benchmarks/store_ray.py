@@ -53,8 +53,8 @@ without restarting actors. One untimed warm-up pass of everything precedes the t
 (skipped by ``--quick``).
 
 Usage: ``python benchmarks/store_ray.py [--clients N] [--units N] [--batch B] [--seq-len L]
-[--fields F] [--chunk R] [--get-rows R] [--reps N] [--layout L] [--object-store-gib X]
-[--quick]``. The last stdout line is one JSON object with every figure.
+[--fields F] [--chunk R] [--get-rows R] [--reps N] [--layout L] [--rows-per-block B]
+[--object-store-gib X] [--quick]``. The last stdout line is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from asyncflow_ray.runtime import RayRuntime, import_ray
-from asyncflow_ray.store import RayDataStore
+from asyncflow_ray.store import ROWS_PER_BLOCK, RayDataStore
 
 T = TypeVar("T")
 SEED = 1234
@@ -434,6 +434,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7; quick 1)")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto", help="get_data layout")
     ap.add_argument(
+        "--rows-per-block",
+        type=int,
+        default=ROWS_PER_BLOCK,
+        help=f"store routing: row r on unit (r // B) %% units (default {ROWS_PER_BLOCK})",
+    )
+    ap.add_argument(
         "--object-store-gib", type=float, default=None, help="object store (3; quick 0.5)"
     )
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 rep, no warm")
@@ -451,7 +457,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
-    ints = ("clients", "units", "batch", "seq_len", "fields", "chunk", "get_rows", "reps")
+    ints = (
+        "clients", "units", "batch", "seq_len", "fields", "chunk", "get_rows", "reps",
+        "rows_per_block",
+    )  # fmt: skip
     if min(getattr(args, n) for n in ints) < 1:
         ap.error("--" + ", --".join(n.replace("_", "-") for n in ints) + " must be >= 1")
     if args.batch < args.clients:
@@ -481,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ray = import_ray()
         t_boot = time.perf_counter()
-        store = RayDataStore.create(args.units)
+        store = RayDataStore.create(args.units, rows_per_block=args.rows_per_block)
         sink_cls = ray.remote(RawSink).options(num_cpus=0, max_concurrency=8)
         sinks = [sink_cls.remote() for _ in range(args.units)]
         client_cls = ray.remote(BenchClient).options(num_cpus=0)
@@ -608,6 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for w in WORKLOADS
         },
         "storage_units": args.units,
+        "rows_per_block": args.rows_per_block,
         "clients": args.clients,
         "workload": {
             "batch": args.batch,

@@ -373,3 +373,26 @@ def test_a_lease_s_own_check_does_not_outlive_its_partition_or_its_ack(
     after_ack, after_delete = run(go())
     assert isinstance(after_ack, UnknownRowError) and "no live rows [0, 1]" in str(after_ack)
     assert isinstance(after_delete, UnknownPartitionError), after_delete
+
+
+def test_rows_per_block_routes_rows_and_travels_with_the_store(ray_runtime: Any) -> None:
+    from asyncflow_core.errors import BadRequestError
+
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(BadRequestError, match="rows_per_block"):
+            RayDataStore.create(2, rows_per_block=bad)  # type: ignore[arg-type]
+    store = RayDataStore.create(2, rows_per_block=1, name="block-test")
+    try:
+        assert RayDataStore.connect("block-test").rows_per_block == 1
+
+        async def go() -> None:
+            await store.create_partition("p", ["x"], tasks=["t"])
+            await store.put("p", {"x": torch.arange(12, dtype=torch.float32).reshape(6, 2)})
+            key = await store.storage_key("p")
+            assert ray.get([u.num_cells.remote(key) for u in store.units]) == [3, 3]
+            got = await store.get_data(BatchMeta("p", "t", (5, 0, 3), ("x",)))
+            assert got["x"][:, 0].tolist() == [10.0, 0.0, 6.0]
+
+        run(go())
+    finally:
+        store.shutdown()

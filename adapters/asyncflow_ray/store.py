@@ -9,8 +9,8 @@ Control plane and data plane are separate, as in TransferQueue:
   sees a value. It is an asyncio actor: a ``get_meta`` (or a put waiting for capacity) waits
   inside it, and many can wait at once.
 * Each **storage-unit actor** holds the cells of the rows routed to it (row ``r`` on unit
-  ``(r // 32) % N``: blocks of 32 consecutive rows), in a ``StorageUnit``. ``create()``
-  places unit ``u`` on node ``u % nodes``.
+  ``(r // B) % N``: blocks of ``B = rows_per_block`` consecutive rows, 32 by default), in a
+  ``StorageUnit``. ``create()`` places unit ``u`` on node ``u % nodes``.
 * The **client** asks the controller for a ticket (put) or a lease (``get_meta``), then writes
   or reads the units directly, all units in parallel: values never pass through the
   controller.
@@ -152,32 +152,37 @@ RefSegment = tuple[int, int, int, int, int, int]
 ``lo..hi`` the rows' bytes in it."""
 
 ROWS_PER_BLOCK = 32
-"""Rows are routed to units by blocks of consecutive ids: row ``r`` lives on unit
-``(r // ROWS_PER_BLOCK) % N``, so a put of consecutive rows of a batch tensor sends each unit
-contiguous slices of it (views: no copy before Ray's) and a batch of consecutive rows is read
-as few runs."""
+"""The default block (``RayDataStore.create(rows_per_block=...)``): rows are routed to units
+by blocks of consecutive ids, row ``r`` on unit ``(r // rows_per_block) % N``, so a put of
+consecutive rows of a batch tensor sends each unit contiguous slices of it (views: no copy
+before Ray's) and a batch of consecutive rows is read as few runs. A larger block means fewer
+unit calls per put and read (a batch within one block is one call), a smaller one spreads a
+batch over more units (more parallel reads, across nodes too)."""
 
 
-def unit_of(row: int, n_units: int) -> int:
+def unit_of(row: int, n_units: int, block: int = ROWS_PER_BLOCK) -> int:
     """The storage unit holding ``row``."""
-    return (row // ROWS_PER_BLOCK) % n_units
+    return (row // block) % n_units
 
 
-def rows_by_unit(rows: Sequence[int], n_units: int) -> list[list[int]]:
+def rows_by_unit(rows: Sequence[int], n_units: int, block: int) -> list[list[int]]:
     """``rows`` grouped by the unit holding them (order kept within each unit)."""
     by_unit: list[list[int]] = [[] for _ in range(n_units)]
     for r in rows:
-        by_unit[unit_of(r, n_units)].append(r)
+        by_unit[(r // block) % n_units].append(r)
     return by_unit
 
 
 def merge_by_unit(
-    rows: Sequence[int], got: Sequence[Mapping[str, Sequence[CellValue]]], fields: Sequence[str]
+    rows: Sequence[int],
+    got: Sequence[Mapping[str, Sequence[CellValue]]],
+    fields: Sequence[str],
+    block: int,
 ) -> dict[str, list[CellValue]]:
     """Undo ``rows_by_unit``: ``got[u][field]`` holds unit ``u``'s values in its rows'
     order; returns ``field -> values`` in ``rows``' order."""
     n = len(got)
-    order = [unit_of(r, n) for r in rows]
+    order = [(r // block) % n for r in rows]
     out: dict[str, list[CellValue]] = {}
     for f in fields:
         iters = [iter(g.get(f, ())) for g in got]
@@ -440,8 +445,9 @@ class ControllerServer:
     """The body of the controller actor: a ``ControlPlane`` (``Controller`` plus waiting)
     that tells the units to delete reclaimed rows."""
 
-    def __init__(self, units: Sequence[Any]) -> None:
+    def __init__(self, units: Sequence[Any], rows_per_block: int = ROWS_PER_BLOCK) -> None:
         self.units = list(units)
+        self.rows_per_block = rows_per_block
         self.controller = Controller(loop_clock)
         self.plane = ControlPlane(self.controller, self._delete_rows)
 
@@ -452,12 +458,16 @@ class ControllerServer:
 
     def _send_deletes(self, freed: dict[str, list[int]]) -> None:
         for key, rows in freed.items():
-            for unit, mine in zip(self.units, rows_by_unit(rows, len(self.units)), strict=True):
+            by_unit = rows_by_unit(rows, len(self.units), self.rows_per_block)
+            for unit, mine in zip(self.units, by_unit, strict=True):
                 if mine:  # fire and forget: a dead unit's rows are lost anyway
                     unit.delete_rows.remote(key, mine)
 
     def get_units(self) -> list[Any]:
         return self.units
+
+    def get_rows_per_block(self) -> int:
+        return self.rows_per_block
 
     async def reset(self) -> None:
         """Forget every partition (new metadata; the units are cleared by the client)."""
@@ -673,17 +683,24 @@ class RayDataStore:
     where, and the ownership rule.
     """
 
-    def __init__(self, controller: Any, units: Sequence[Any], name: str | None = None) -> None:
+    def __init__(
+        self,
+        controller: Any,
+        units: Sequence[Any],
+        name: str | None = None,
+        rows_per_block: int = ROWS_PER_BLOCK,
+    ) -> None:
         if not units:
             raise BadRequestError("a RayDataStore needs at least one storage unit")
         self.controller = controller
         self.units = list(units)
         self.name = name
+        self.rows_per_block = rows_per_block
         self._keys: dict[str, str] = {}
         self._checked: dict[str, _Checked] = {}  # lease id -> its check (see get_data)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (RayDataStore, (self.controller, self.units, self.name))
+        return (RayDataStore, (self.controller, self.units, self.name, self.rows_per_block))
 
     def __repr__(self) -> str:
         label = f"{self.name!r}, " if self.name else ""
@@ -700,6 +717,7 @@ class RayDataStore:
         unit_cpus: float = 0.0,
         detached: bool = False,
         start_timeout_s: float = 120.0,
+        rows_per_block: int = ROWS_PER_BLOCK,
     ) -> RayDataStore:
         """Start a store's actors on the connected cluster (``RayRuntime.start()`` first) and
         wait until they answer.
@@ -709,7 +727,8 @@ class RayDataStore:
         cluster). ``name``: register the controller under this name in the runtime's
         namespace, for ``connect``. ``unit_cpus``: CPUs each unit reserves (default 0: units
         move bytes, they do not compute). ``detached``: the actors outlive this driver (then
-        ``shutdown`` them explicitly).
+        ``shutdown`` them explicitly). ``rows_per_block``: row ``r`` lives on unit
+        ``(r // rows_per_block) % N`` (see ``ROWS_PER_BLOCK``).
         """
         ray = import_ray()
         if not ray.is_initialized():
@@ -725,6 +744,10 @@ class RayDataStore:
             raise BadRequestError(
                 f"num_storage_units must be an int >= 1, got {num_storage_units!r}"
             )
+        if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int):
+            raise BadRequestError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
+        if rows_per_block < 1:
+            raise BadRequestError(f"rows_per_block must be an int >= 1, got {rows_per_block!r}")
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         alive = [n.node_id for n in alive_nodes()]
@@ -752,9 +775,9 @@ class RayDataStore:
         controller = (
             ray.remote(ControllerServer)
             .options(num_cpus=0, max_concurrency=10_000, name=name, lifetime=lifetime)
-            .remote(units)
+            .remote(units, rows_per_block)
         )
-        store = cls(controller, units, name)
+        store = cls(controller, units, name, rows_per_block)
         try:
             ray.get(
                 [controller.ping.remote(), *(u.info.remote() for u in units)],
@@ -780,8 +803,10 @@ class RayDataStore:
                 f"no RayDataStore named {name!r} in namespace {namespace or 'current'!r} ({e}); "
                 "create it with RayDataStore.create(name=...)"
             ) from e
-        units = ray.get(controller.get_units.remote())
-        return cls(controller, units, name)
+        units, block = ray.get(
+            [controller.get_units.remote(), controller.get_rows_per_block.remote()]
+        )
+        return cls(controller, units, name, block)
 
     def shutdown(self) -> None:
         """Kill the store's actors (its data is gone). Idempotent."""
@@ -830,8 +855,8 @@ class RayDataStore:
             raise StorageUnitLostError(
                 f"storage unit {u} of {len(self.units)} is gone ({type(e).__name__}: "
                 f"{first_line(e)}); rows {fmt_rows(rows)} held there are lost (row r lives "
-                f"on unit (r // {ROWS_PER_BLOCK}) % {len(self.units)}); the other units' rows are "
-                "intact",
+                f"on unit (r // {self.rows_per_block}) % {len(self.units)}); the other units' "
+                "rows are intact",
                 u,
                 tuple(rows),
             ) from None
@@ -919,7 +944,7 @@ class RayDataStore:
         key = ticket.storage_key
         tid = None if ticket.new_rows else ticket.ticket_id  # new rows replace nothing
         try:
-            plan = _plan(ticket.rows, len(self.units))
+            plan = _plan(ticket.rows, len(self.units), self.rows_per_block)
             shares = [_by_ref(_share(data, cells, runs)) for _, _, runs in plan]
         except BaseException:
             await self._abort(ticket)
@@ -1124,7 +1149,7 @@ class RayDataStore:
         self, key: str, rows: Sequence[int], fields: Sequence[str]
     ) -> dict[str, list[CellValue]]:
         n = len(self.units)
-        by_unit = rows_by_unit(rows, n)
+        by_unit = rows_by_unit(rows, n, self.rows_per_block)
         ray = import_ray()
         try:
             got = await asyncio.gather(
@@ -1145,7 +1170,7 @@ class RayDataStore:
                     )
                 )
                 columns = [{f: unpack_read(c) for f, c in g.items()} for g in got]
-                return merge_by_unit(rows, columns, fields)
+                return merge_by_unit(rows, columns, fields, self.rows_per_block)
         except StorageUnitLostError:
             raise
         except StorageUnitError as e:
@@ -1156,7 +1181,7 @@ class RayDataStore:
             mine = shares[base : base + len(unit_refs)]
             base += len(unit_refs)
             columns.append({f: _resolve(f, c, mine) for f, c in cols.items()})
-        return merge_by_unit(rows, columns, fields)
+        return merge_by_unit(rows, columns, fields, self.rows_per_block)
 
     async def _map(self, refs: Sequence[Any]) -> list[Share]:
         """The shares behind ``refs``: mapped from this node's object store (pulled first
@@ -1208,14 +1233,14 @@ def _resolve(field: str, column: RefColumn, shares: Sequence[Share]) -> list[Cel
     return out
 
 
-def _plan(ids: Sequence[int], n_units: int) -> list[tuple[int, list[int], list[range]]]:
+def _plan(ids: Sequence[int], n_units: int, block: int) -> list[tuple[int, list[int], list[range]]]:
     """Each unit's part of a put of rows ``ids``: ``(unit, its row ids, the runs of
     positions in the put they come from)``, a run being consecutive positions of one unit."""
     parts: dict[int, tuple[list[int], list[range]]] = {}
     start = 0
     for i in range(1, len(ids) + 1):
-        u = unit_of(ids[start], n_units)
-        if i < len(ids) and unit_of(ids[i], n_units) == u and ids[i] == ids[i - 1] + 1:
+        u = unit_of(ids[start], n_units, block)
+        if i < len(ids) and unit_of(ids[i], n_units, block) == u and ids[i] == ids[i - 1] + 1:
             continue
         rows, runs = parts.setdefault(u, ([], []))
         rows.extend(ids[start:i])
