@@ -1118,7 +1118,9 @@ _POOL_FREE = _probe_pool_free()
 
 
 def _is_free(s: torch.UntypedStorage) -> bool:
-    return _use_count is not None and int(_use_count(s._cdata)) == _POOL_FREE
+    """Only the pool references ``s`` (and it was never moved to shared memory, where another
+    process may map it)."""
+    return _use_count is not None and int(_use_count(s._cdata)) == _POOL_FREE and not s.is_shared()
 
 
 BATCH_POOL = BufferPool()

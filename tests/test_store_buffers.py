@@ -183,6 +183,17 @@ def test_pool_reuses_the_memory_of_a_dropped_batch_not_of_a_held_one() -> None:
     assert len(pool) == 2
 
 
+def test_pool_never_hands_out_memory_moved_to_shared_memory() -> None:
+    pool = BufferPool(max_bytes=64 << 20, min_bytes=1 << 20)
+    a = pool.tensor(torch.float32, (1 << 20,), 4 << 20)
+    a_ptr = ptr(a)
+    a.share_memory_()  # type: ignore[no-untyped-call]  # another process may map it now
+    a_ptr = ptr(a)
+    del a
+    b = pool.tensor(torch.float32, (1 << 20,), 4 << 20)
+    assert ptr(b) != a_ptr
+
+
 def test_pool_keeps_at_most_max_bytes() -> None:
     pool = BufferPool(max_bytes=10 << 20, min_bytes=1 << 20)
     held = []
