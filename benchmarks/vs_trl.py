@@ -801,6 +801,10 @@ def run_asyncflow(sizes: Sizes, out: Path, repeat: int, mode: str) -> RunResult:
 # The driver
 # --------------------------------------------------------------------------------------------
 def _child(framework: str, sizes_json: str, out: str, repeat: int) -> int:
+    if framework.startswith("reverse:"):  # a run of the --task reverse row
+        import vs_trl_reverse
+
+        return vs_trl_reverse.child(framework.removeprefix("reverse:"), sizes_json, out, repeat)
     sizes = Sizes(**json.loads(sizes_json))
     path = Path(out)
     if framework == "trl":
@@ -948,6 +952,14 @@ def main() -> int:
         default=None,
         help="TRL's continuous-batching config",
     )
+    parser.add_argument(
+        "--task",
+        choices=("chain", "reverse"),
+        default="chain",
+        help="chain: the GSM8K-style workload on a tiny Qwen2 (TRL, AsyncFlow async and "
+        "colocated); reverse: the main job's own task, the default `asyncflow run` against TRL "
+        "on the reference model (benchmarks/vs_trl_reverse.py)",
+    )
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated subset")
     parser.add_argument("--out", default=None, help="output folder (default: a temporary one)")
     parser.add_argument(
@@ -963,6 +975,8 @@ def main() -> int:
         fw, sizes_json, out, repeat = args.one
         return _child(fw, sizes_json, out, int(repeat))
 
+    if args.task == "reverse":
+        return _main_reverse(args)
     sizes = Sizes(seed=args.seed)
     if args.quick:
         sizes = replace(sizes, **QUICK)
@@ -1005,6 +1019,40 @@ def main() -> int:
             runs[fw].append(_run(fw, sizes, out, r, args.repeats))
     report = _report(runs, sizes, out, args, loads, time.perf_counter() - t0)
     print(json.dumps(report))
+    return 0
+
+
+def _main_reverse(args: argparse.Namespace) -> int:
+    """``--task reverse``: the default ``asyncflow run`` against TRL on reverse-3 (its own
+    options: ``--quick``, ``--repeats``, ``--steps``, ``--trl-threads``, ``--out``)."""
+    import vs_trl_reverse
+
+    other = {"seed": 0, "rl_seed": None, "threshold": None, "lr": None, "trl_cb": None}
+    changed = sorted(k for k, v in other.items() if getattr(args, k) != v)
+    if changed or args.frameworks != ",".join(FRAMEWORKS) or args.prepare_only:
+        raise SystemExit(
+            f"--task reverse runs the main job's defaults: {changed or 'these options'} apply "
+            "to --task chain only (--task reverse takes --quick, --repeats, --steps, "
+            "--trl-threads and --out)"
+        )
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print(
+            "vs_trl: trl is not installed; install the benchmark extra: "
+            ".venv/bin/pip install 'trl>=1.16,<1.17' 'torch==2.13.0'",
+            file=sys.stderr,
+        )
+        return 2
+    sizes = vs_trl_reverse.sizes_from(args.quick, args.steps)
+    repeats = 1 if args.quick else args.repeats
+    # TRL's best CPU configuration: 1 and 2 torch threads are both run (--quick: 2 only)
+    trl_threads = (args.trl_threads,) if args.trl_threads else (2,) if args.quick else (1, 2)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"vs_trl: output in {out}; load average {os.getloadavg()}", file=sys.stderr, flush=True)
+    report = vs_trl_reverse.main(Path(__file__), sizes, out, repeats, trl_threads)
+    print(json.dumps({"benchmark": "vs_trl", "task": "reverse", "default_vs_trl_reverse": report}))
     return 0
 
 
