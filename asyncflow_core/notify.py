@@ -46,7 +46,14 @@ class Waiters:
     def wake_all(self) -> None:
         with self._lock:
             armed, self._armed = self._armed, []
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for waiter in armed:
+            if waiter.loop is here:  # same loop and thread: no self-pipe write needed
+                here.call_soon(_resolve, waiter.future)
+                continue
             # a closed loop raises RuntimeError: nobody is waiting there any more
             with contextlib.suppress(RuntimeError):
                 waiter.loop.call_soon_threadsafe(_resolve, waiter.future)

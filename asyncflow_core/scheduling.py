@@ -6,7 +6,7 @@ import heapq
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -69,6 +69,8 @@ class SequentialSampler:
     stateless: ClassVar[bool] = True
     """``select`` keeps no state: a store may run a copy of this sampler in another process
     (``asyncflow_ray``'s controller does, in one round trip)."""
+    repeatable: ClassVar[bool] = True
+    """``select`` depends on its arguments only (``is_repeatable``)."""
 
     def __init__(self, *, greedy: bool = False) -> None:
         self.greedy = _check_flag("SequentialSampler", "greedy", greedy)
@@ -78,6 +80,11 @@ class SequentialSampler:
         if len(candidates) < request.batch_size and not (request.final or self.greedy):
             return Selection()
         return Selection(rows=_rows(candidates.rows[: request.batch_size]))
+
+    def cannot_fill(self, candidates: Candidates, request: SampleRequest) -> bool:
+        """Whether ``select`` gives an empty ``Selection()`` (and raises nothing) for these
+        candidates in any order: too few for a full batch, not greedy, not final."""
+        return request.batch_size > len(candidates) and not (request.final or self.greedy)
 
     def __repr__(self) -> str:
         return "SequentialSampler(greedy=True)" if self.greedy else "SequentialSampler()"
@@ -117,6 +124,8 @@ class GroupSampler:
     stateless: ClassVar[bool] = True
     """``select`` keeps no state: a store may run a copy of this sampler in another process
     (``asyncflow_ray``'s controller does, in one round trip)."""
+    repeatable: ClassVar[bool] = True
+    """``select`` depends on its arguments only (``is_repeatable``)."""
 
     def __init__(self, n: int, *, greedy: bool = False) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -126,6 +135,18 @@ class GroupSampler:
 
     def __repr__(self) -> str:
         return f"GroupSampler(n={self.n}{', greedy=True' if self.greedy else ''})"
+
+    def cannot_fill(self, candidates: Candidates, request: SampleRequest) -> bool:
+        """Whether ``select`` gives an empty ``Selection()`` for these candidates in any order,
+        if every one is tagged with a group (``select`` raises on an untagged one): fewer rows
+        than ``batch_size // n`` whole chunks need, not greedy, not final."""
+        n = self.n
+        return (
+            not (request.final or self.greedy)
+            and request.batch_size >= n
+            and len(candidates) < (request.batch_size // n) * n
+            and bool((candidates.groups >= 0).all())
+        )
 
     def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
         _check_batch_size("GroupSampler", request)
@@ -140,6 +161,8 @@ class GroupSampler:
             return Selection()
         codes = candidates.groups
         untagged = np.flatnonzero(codes < 0)
+        if not untagged.size and self.cannot_fill(candidates, request):
+            return Selection()  # fewer rows than a full batch of chunks: nothing to count
         if untagged.size:
             raise BadRequestError(
                 f"GroupSampler: row {int(candidates.rows[untagged[0]])} of partition "
@@ -336,6 +359,46 @@ class RankAwareSampler:
 # --------------------------------------------------------------------------------------------
 # Staleness
 # --------------------------------------------------------------------------------------------
+CannotFill = Callable[[Candidates, SampleRequest], bool]
+
+
+def is_repeatable(sampler: object) -> bool:
+    """Whether ``sampler`` promises (``repeatable`` is True, declared by the class that
+    defines its ``select``) that ``select`` depends only on its arguments and has no effect
+    when it selects and drops nothing. A store may then skip asking it again while nothing
+    the answer depends on changed, after an answer of nothing (the controller does)."""
+    cls = type(sampler)
+    known = _REPEATABLE_OWNERS.get(cls)
+    if known is None:
+        sel = next((k for k in cls.__mro__ if "select" in k.__dict__), None)
+        flag = next((k for k in cls.__mro__ if "repeatable" in k.__dict__), None)
+        known = _REPEATABLE_OWNERS[cls] = sel is not None and sel is flag
+    return known and getattr(sampler, "repeatable", False) is True
+
+
+_REPEATABLE_OWNERS: dict[type, bool] = {}
+
+
+def _cannot_fill_of(sampler: Scheduler) -> CannotFill | None:
+    """``sampler.cannot_fill`` (a sampler's promise that ``select`` answers ``Selection()``,
+    raising nothing, for the given candidates in any order), if the class that defines its
+    ``select`` also defines it: a subclass that overrides ``select`` alone does not inherit
+    a promise made for another ``select``."""
+    cls = type(sampler)
+    owner = _CANNOT_FILL_OWNERS.get(cls)
+    if owner is None:
+        sel = next((k for k in cls.__mro__ if "select" in k.__dict__), None)
+        fill = next((k for k in cls.__mro__ if "cannot_fill" in k.__dict__), None)
+        owner = _CANNOT_FILL_OWNERS[cls] = (sel is not None and sel is fill,)
+    if not owner[0]:
+        return None
+    fn: CannotFill = sampler.cannot_fill  # type: ignore[attr-defined]
+    return fn
+
+
+_CANNOT_FILL_OWNERS: dict[type, tuple[bool]] = {}
+
+
 class StalenessSampler:
     """Bounded-staleness sampling: oldest rows first, too-old rows held back or dropped.
 
@@ -374,11 +437,25 @@ class StalenessSampler:
         self.inner: Scheduler = inner if inner is not None else SequentialSampler()
         self.whole_groups = whole_groups
 
+    @property
+    def repeatable(self) -> bool:
+        """``select`` depends on its arguments only if ``inner``'s does."""
+        return is_repeatable(self.inner)
+
     def __repr__(self) -> str:
         return (
             f"StalenessSampler(max_lag={self.max_lag}, policy={self.policy!r}, "
             f"inner={self.inner!r}, whole_groups={self.whole_groups})"
         )
+
+    def _none_stale(self, candidates: Candidates, request: SampleRequest) -> bool:
+        """No candidate is stale: even the oldest version is within ``max_lag`` (a group's age
+        key is its oldest member's version, never older than the oldest of all)."""
+        if request.current_version is None:
+            return True
+        mins = candidates.min_versions
+        versioned = mins[mins > NO_VERSION]
+        return not versioned.size or request.current_version - int(versioned.min()) <= self.max_lag
 
     def _age_keys(self, candidates: Candidates) -> IntArray:
         mins = candidates.min_versions
@@ -397,6 +474,12 @@ class StalenessSampler:
         _check_batch_size("StalenessSampler", request)
         if len(candidates) == 0:
             return self.inner.select(candidates, request)
+        if self._none_stale(candidates, request):
+            # nothing to hold or drop: if inner cannot fill a batch from these rows in any
+            # order, skip ordering them (the same empty answer, without the sort)
+            cannot_fill = _cannot_fill_of(self.inner)
+            if cannot_fill is not None and cannot_fill(candidates, request):
+                return Selection()
         key = self._age_keys(candidates)
         if request.current_version is None:
             stale = np.zeros(key.shape[0], dtype=bool)
