@@ -66,6 +66,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 
 from asyncflow_core.agent import (
@@ -91,6 +92,7 @@ from asyncflow_core.protocols import (
     GenerationRequest,
     GenerationResult,
     InferenceEngine,
+    Layout,
     LossFn,
     SampleRequest,
     SamplingParams,
@@ -114,7 +116,12 @@ from asyncflow_core.rl import (
     policy_gradient_loss,
 )
 from asyncflow_core.sampling import SAMPLING_FIELDS, sampling_columns
-from asyncflow_core.scheduling import GroupSampler, RequestRouter, StalenessSampler
+from asyncflow_core.scheduling import (
+    GroupSampler,
+    RequestRouter,
+    StalenessSampler,
+    is_repeatable,
+)
 from asyncflow_core.staleness import AdmissionController
 from asyncflow_core.trace import Tracer
 from asyncflow_core.weightsync import InProcessWeightSync, StagedUpdate, _pause, _resume
@@ -175,6 +182,10 @@ class RLConfig:
     checkpoint_every: int = 0
     """With ``RLJob(checkpoints=...)``: write a checkpoint after every this many optimizer
     steps (0: only after the last step and when ``RLJob.checkpoint()`` is called)."""
+    reward_in_thread: bool = True
+    """Run ``reward_fn`` in a worker thread (the default: a slow verifier must not stall the
+    event loop). ``False`` calls it on the event loop, saving a thread hand-off per reward
+    batch, for a reward that takes microseconds (the simulator's stand-in verifier)."""
 
     @property
     def batch_size(self) -> int:
@@ -200,6 +211,9 @@ class RLConfig:
         c = self.rollout_concurrency
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             problems.append(f"rollout_concurrency must be an int >= 1 or None, got {c!r}")
+        flag: object = self.reward_in_thread
+        if not isinstance(flag, bool):
+            problems.append(f"reward_in_thread must be a bool, got {flag!r}")
         if self.mode not in _MODES:
             problems.append(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.weight_sync not in _SYNCS:
@@ -456,6 +470,46 @@ def _jsonable_prompt(prompt: object, group: int | str) -> Any:
     return value
 
 
+def _tokens(batch: Batch, fields: Sequence[str]) -> int:
+    """Tokens of ``fields`` over the batch's rows, in any layout: from ``batch.lengths``
+    (padded, nested), else from the rows' tensors (list)."""
+    total = 0
+    for f in fields:
+        if f in batch.lengths:
+            total += int(batch.lengths[f].sum())
+        elif f in batch.data:
+            value = batch.data[f]
+            if isinstance(value, list):
+                total += sum(int(t.shape[0]) for t in value if isinstance(t, torch.Tensor))
+            elif isinstance(value, torch.Tensor) and value.is_nested:
+                total += sum(int(t.shape[0]) for t in value.unbind())
+    return total
+
+
+def _column(values: Sequence[Any], dtype: torch.dtype, view: object = None) -> torch.Tensor:
+    """A generation result's tokens or log-probs as a 1-D tensor of ``dtype``. ``view``: the
+    same values as a 1-D tensor, if the engine gave them (the simulated engine's results
+    carry ``token_view`` and ``logprob_view``); it is copied instead of converting value by
+    value when its dtype and length match."""
+    if isinstance(view, torch.Tensor) and view.dtype == dtype and view.shape == (len(values),):
+        return view.clone()
+    if not values:
+        return torch.tensor(values, dtype=dtype)
+    # numpy converts a sequence of Python numbers several times faster than torch.tensor,
+    # with the same values (float32 rounds to nearest from the float64 Python value)
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None or not isinstance(values, tuple | list):
+        return torch.tensor(values, dtype=dtype)
+    try:
+        array = np.fromiter(values, dtype=np_dtype, count=len(values))
+    except (TypeError, ValueError, OverflowError):  # not plain numbers: torch says why
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(array)
+
+
+_NUMPY_DTYPES = {torch.long: np.int64, torch.float32: np.float32}
+
+
 class _Guarded:
     """A rollout engine as a weight-sync target: losing it (``EngineLostError``) in a pause,
     load or resume tells the job (``lost(name, error)``, which takes it out of routing and
@@ -533,6 +587,11 @@ class _DropCounter:
         self.inner = inner
         self.admission = admission
         self.dropped = 0
+
+    @property
+    def repeatable(self) -> bool:
+        """Counting happens only on drops, so it repeats as ``inner`` does."""
+        return is_repeatable(self.inner)
 
     def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
         sel = self.inner.select(candidates, request)
@@ -749,9 +808,10 @@ class RLJob:
             update_consumes += [LOSS_MASK, "agent"]
         tasks = [rollout]
         if self.reward_fn is not None:
+            reward_fn = self._reward if cfg.reward_in_thread else self._reward_on_loop
             tasks.append(
                 Task(
-                    "reward", self._reward, consumes=("prompt", "response"),
+                    "reward", reward_fn, consumes=("prompt", "response"),
                     produces=("reward",), batch_size=per_call, sampler=whole_groups,
                     layout="list", resource="reward",
                 )
@@ -775,7 +835,7 @@ class RLJob:
         tasks.append(
             Task(
                 "actor_update", self._update, consumes=tuple(update_consumes),
-                batch_size=cfg.batch_size, sampler=self._sampler,
+                batch_size=cfg.batch_size, sampler=self._sampler, layout=self._update_layout(),
                 current_version=lambda: self.engines.trainer.weight_version,
                 resource=train_res, lease_s=_LEASE_S,
             )
@@ -787,6 +847,17 @@ class RLJob:
             partition=cfg.partition,
             capacity=Capacity(max_rows=in_flight),
             tracer=self.tracer,
+        )
+
+    def _update_layout(self) -> Layout:
+        """The layout the trainer's batches are fetched in: its ``batch_layout`` attribute if
+        it has one (a trainer that only counts tokens, like the simulator's, takes "list"
+        and saves padding a whole batch), else "padded"."""
+        layout: object = getattr(self.engines.trainer, "batch_layout", "padded")
+        if layout == "padded" or layout == "nested" or layout == "list":
+            return layout
+        raise ConfigError(
+            f"the trainer's batch_layout must be 'padded', 'nested' or 'list', got {layout!r}"
         )
 
     # -- the tasks -----------------------------------------------------------------------------
@@ -827,11 +898,16 @@ class RLJob:
         results = await self._group(
             batch, lambda: [self._generate(tuple(p.tolist()), group) for p in batch["prompt"]]
         )
-        self._generated(group, [v for r in results for v in r.versions])
+        self._generated(group, [min(r.versions) for r in results if r.versions])
         return TaskOutput(
             {
-                "response": [torch.tensor(r.tokens, dtype=torch.long) for r in results],
-                "logprobs": [torch.tensor(r.logprobs, dtype=torch.float32) for r in results],
+                "response": [
+                    _column(r.tokens, torch.long, getattr(r, "token_view", None)) for r in results
+                ],
+                "logprobs": [
+                    _column(r.logprobs, torch.float32, getattr(r, "logprob_view", None))
+                    for r in results
+                ],
                 **sampling_columns([self.config.sampling] * len(results)),
             },
             tags=[
@@ -966,6 +1042,10 @@ class RLJob:
         update (more than η versions behind the trainer)."""
         return self.engines.trainer.weight_version - version > self.config.staleness
 
+    async def _reward_on_loop(self, batch: Batch) -> dict[str, list[float]]:
+        """``_reward`` on the event loop (``RLConfig.reward_in_thread=False``)."""
+        return self._reward(batch)
+
     def _reward(self, batch: Batch) -> dict[str, list[float]]:
         assert self.reward_fn is not None  # the task exists only with one
         prompts, responses = batch["prompt"], batch["response"]
@@ -1022,8 +1102,7 @@ class RLJob:
         failpoint("update.step")
         groups = tuple(dict.fromkeys(t.group for t in batch.tags if t.group is not None))
         self._trained(groups, metrics.version)
-        lengths = batch.lengths
-        tokens = sum(int(lengths[f].sum()) for f in ("prompt", "response") if f in lengths)
+        tokens = _tokens(batch, ("prompt", "response"))
         version = metrics.version
         done = version - self._start  # steps of this run: the cadence and the end count these
         # no sync after the last step: nothing would use it

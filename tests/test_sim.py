@@ -408,12 +408,14 @@ def test_ten_thousand_requests_simulate_in_a_few_real_seconds() -> None:
         )
         return sum(len(r.tokens) for r in results), now()
 
-    start = time.perf_counter()
+    # CPU seconds of this process, not wall time: other work on a shared machine must not
+    # fail it (it measured ~1 s on a 2-core box with nine runnable processes, 8 s wall)
+    start = time.process_time()
     tokens, virtual_s = run(main())
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert tokens > 10_000 * 1000  # ~1.4k tokens on average
     assert virtual_s > 100  # simulated minutes ...
-    assert elapsed < 6.0, f"10k simulated requests took {elapsed:.1f} s of real time"
+    assert elapsed < 6.0, f"10k simulated requests took {elapsed:.1f} s of CPU time"
 
 
 # --------------------------------------------------------------------------------------------

@@ -859,15 +859,23 @@ class SimInferenceEngine:
             return GenerationResult(req.request_id, req.prompt_tokens, tokens, lps, vers, reason)
         self.tokens_generated += new
         # token i of a request is pool[base + i] in every attempt: cheap tuple slices
-        ids_pool, lp_pool = _pools(_POOL_BASES + self.cost.response_max_tokens)
+        length = _POOL_BASES + self.cost.response_max_tokens
+        ids_pool, lp_pool = _pools(length)
         base = seq.key % _POOL_BASES
-        tokens = ids_pool[base + seq.start : base + produced]
-        lps = lp_pool[base + seq.start : base + produced]
+        lo, hi = base + seq.start, base + produced
+        tokens = ids_pool[lo:hi]
+        lps = lp_pool[lo:hi]
+        versions = self._versions(seq, produced)
         if seq.start:
             tokens, lps = req.resume_tokens + tokens, req.resume_logprobs + lps
-        return GenerationResult(
-            req.request_id, req.prompt_tokens, tokens, lps, self._versions(seq, produced), reason
-        )
+            return GenerationResult(
+                req.request_id, req.prompt_tokens, tokens, lps, versions, reason
+            )
+        # the same values as tensors, so the job stores them without converting each
+        return _SimResult(
+            req.request_id, req.prompt_tokens, tokens, lps, versions, reason,
+            _pool_tensors(length), (lo, hi),
+        )  # fmt: skip
 
     def _versions(self, seq: _Seq, produced: int) -> tuple[Version, ...]:
         """Token j (done when the step count reaches offset + j + 1) reports the version of the
@@ -899,6 +907,32 @@ def _pools(length: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
     return ids, logprobs
 
 
+@lru_cache(maxsize=8)
+def _pool_tensors(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_pools(length)`` as an int64 and a float32 tensor."""
+    ids, logprobs = _pools(length)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(logprobs, dtype=torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class _SimResult(GenerationResult):
+    """A ``GenerationResult`` that can also give its tokens and log-probs as 1-D tensors
+    (``token_view``, ``logprob_view``: slices ``span`` of the pool tensors, taken when asked
+    for; read by ``asyncflow_core.rlflow``, which copies them instead of converting every
+    value, a per-token cost the simulator would otherwise pay per sample)."""
+
+    pools: tuple[torch.Tensor, torch.Tensor] | None = None
+    span: tuple[int, int] = (0, 0)
+
+    @property
+    def token_view(self) -> torch.Tensor | None:
+        return None if self.pools is None else self.pools[0][self.span[0] : self.span[1]]
+
+    @property
+    def logprob_view(self) -> torch.Tensor | None:
+        return None if self.pools is None else self.pools[1][self.span[0] : self.span[1]]
+
+
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -920,6 +954,10 @@ class SimTrainEngine:
     no simulated time (the transport charges the transfer). Checkpoints are a small JSON file
     recording the version. Counters: ``busy_s``, ``steps``.
     """
+
+    batch_layout: ClassVar[Literal["list"]] = "list"
+    """The layout ``RLJob`` fetches its update batches in: the token counts are all it
+    reads, so no padded batch (tens of GB at 1024 devices) is built for it."""
 
     def __init__(
         self,

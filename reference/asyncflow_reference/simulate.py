@@ -132,14 +132,14 @@ def simulate(
         config = RLConfig(
             steps=steps or preset.steps, prompts_per_step=preset.prompts_per_step, n=preset.n,
             staleness=0, weight_sync="blocking", mode="colocated", sampling=sampling,
-            partition=f"sim-{preset.name}-colocated",
+            partition=f"sim-{preset.name}-colocated", reward_in_thread=False,
         )  # fmt: skip
     else:
         config = RLConfig(
             steps=steps or preset.steps, prompts_per_step=preset.prompts_per_step, n=preset.n,
             staleness=staleness, weight_sync=weight_sync, partial_rollout=partial_rollout,
             sync_every=sync_every, mode="async", sampling=sampling,
-            partition=f"sim-{preset.name}-async",
+            partition=f"sim-{preset.name}-async", reward_in_thread=False,
         )  # fmt: skip
     config.validate()
     engines = [
