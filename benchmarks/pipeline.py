@@ -12,6 +12,10 @@ paper's per-scale figures are not in our sources). The last stdout line is one J
 
     python benchmarks/pipeline.py                  # full: headline, sweep, scaling table
     python benchmarks/pipeline.py --quick          # headline on fewer steps, no table
+
+The JSON line also says how long the simulation took in real seconds: ``real_s`` (the whole
+benchmark) and ``sim_1024_real_s`` (the 1024-device 7B async run of the table, the largest:
+~98 K samples; null when the table does not include it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -80,6 +85,7 @@ def main() -> int:
         help="device counts of the weak-scaling table, comma-separated ('' for none)",
     )  # fmt: skip
     args = parser.parse_args()
+    t_start = time.perf_counter()
 
     steps = 3 if args.quick else None
     specs: list[tuple[str, int | None, int | None, str, int]] = [
@@ -162,7 +168,10 @@ def main() -> int:
                     f"{a_row['step_s']:>13.1f} {comp['speedup']:>7.2f}x "
                     f"{comp['ideal_speedup']:>6.2f}x {comp['efficiency']:>9.0%}"
                 )
-                table.append({"model": model, "devices": d, **comp})
+                table.append(
+                    {"model": model, "devices": d, **comp, "real_s": round(a_row["real_s"], 1),
+                     "colocated_real_s": round(c_row["real_s"], 1)}
+                )  # fmt: skip
         speedups = [r["speedup"] for r in table]
         print(
             f"simulated: average {sum(speedups) / len(speedups):.2f}x, peak {max(speedups):.2f}x;"
@@ -170,10 +179,17 @@ def main() -> int:
             f"{PAPER['average_speedup']}x, peak {PAPER['peak_speedup']}x"
         )
 
+    largest = next(
+        (r for r in table if r["model"] == "qwen2.5-7b-grpo" and r["devices"] == 1024), None
+    )
+    real_s = time.perf_counter() - t_start
+    print(f"real time: {real_s:.0f} s with {args.workers} worker process(es)", file=sys.stderr)
     print(
         json.dumps(
             {
                 "benchmark": "pipeline",
+                "real_s": round(real_s, 1),
+                "sim_1024_real_s": None if largest is None else largest["real_s"],
                 "preset": preset.name,
                 "speedup": round(head["speedup"], 4),
                 "ideal_speedup": round(head["ideal_speedup"], 4),
