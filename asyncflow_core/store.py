@@ -957,7 +957,8 @@ _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count"
 def _storage_refs(t: torch.Tensor) -> tuple[bool, torch.UntypedStorage, int] | None:
     """Whether ``t`` is a jagged nested tensor, its memory (for a nested tensor, that of its
     values) and how many references that memory has, counted the same way for every tensor
-    (see ``_EXCLUSIVE``). Cheap: a nested tensor's own methods dispatch through Python."""
+    (see ``_EXCLUSIVE``). It reads a nested tensor's ``_values`` attribute rather than calling
+    its methods, which dispatch through Python (~20 us each)."""
     if _use_count is None:
         return None
     nested = type(t) is not torch.Tensor
@@ -1097,8 +1098,8 @@ class BufferPool:
 
 
 def _size_class(nbytes: int) -> int:
-    """``nbytes`` rounded up to a quarter power of two (at most 19% more), so batches of
-    similar sizes fit each other's buffers."""
+    """``nbytes`` rounded up to the next of four sizes per power of two (at most 25% more), so
+    batches of similar sizes fit each other's buffers."""
     step = max(1, (1 << max(0, nbytes.bit_length() - 3)))
     return -(-nbytes // step) * step
 
