@@ -44,10 +44,13 @@ store's live data lives in Ray's object store, so size it for them
 memory). An overwritten cell keeps the rest of its put's object alive until those rows go.
 
 Control plane per call: a put is 3 round trips (the controller's ticket, the units' writes in
-parallel, the controller's commit); a ``get_meta`` with a built-in sampler 1; ``get_data`` 1
-(the controller's readability check and the units' reads in parallel, then mapping the
-objects); ``ack`` 1, durable when it returns (the deletes it frees are sent after the
-controller has answered).
+parallel, the controller's commit; an overwrite's units are then told to drop their undo
+entries, fire and forget); a ``get_meta`` with a built-in sampler 1, which also brings the
+controller's readability check of the leased rows; ``get_data`` 1 (the units' reads in
+parallel, then mapping the objects), plus the controller's check in parallel when the lease's
+own check no longer stands (older than ``LEASE_TRUST * lease_s``, acked, other rows or
+fields, another sampler); ``ack`` 1, durable when it returns (the deletes it frees are sent
+after the controller has answered).
 
 Trust: every message is a Ray call between members of one cluster (Ray's own serialization);
 AsyncFlow opens no port and unpickles nothing from outside the cluster. Use Ray's token
