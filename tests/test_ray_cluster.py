@@ -53,11 +53,18 @@ class Reader:
         batch = await store.get_data(BatchMeta("p", "t", rows, ("x",)), layout="list")
         return [t.tolist() for t in batch["x"]]
 
+    async def sums(self, store: RayDataStore, rows: tuple[int, ...]) -> list[float]:
+        """The sum of each row of ``big`` (shares of a MiB or more travel by reference)."""
+        from asyncflow_core.protocols import BatchMeta
+
+        batch = await store.get_data(BatchMeta("big", "t", rows, ("x",)), layout="padded")
+        return [float(s) for s in batch["x"].double().sum(dim=1)]
+
 
 def test_units_spread_over_nodes_and_reads_cross_them(two_nodes: Any) -> None:
     nodes = [n.node_id for n in two_nodes.nodes()]
     assert len(nodes) == 2
-    store = RayDataStore.create(2)
+    store = RayDataStore.create(2, rows_per_block=1)  # rows alternate units, so nodes
     try:
         placement = asyncio.run(store.placement())
         assert sorted(p.node_id for p in placement) == sorted(nodes), placement
@@ -67,6 +74,8 @@ def test_units_spread_over_nodes_and_reads_cross_them(two_nodes: Any) -> None:
             await store.create_partition("p", ["x"], tasks=["t"])
             rows = [torch.arange(r + 1, dtype=torch.float32) for r in range(8)]  # ragged
             await store.put("p", {"x": rows})
+            await store.create_partition("big", ["x"], tasks=["t"])
+            await store.put("big", {"x": torch.ones(2, 1 << 19) * torch.tensor([[1.0], [2.0]])})
 
         asyncio.run(fill())
         want = [[float(i) for i in range(r + 1)] for r in range(8)]
@@ -78,6 +87,8 @@ def test_units_spread_over_nodes_and_reads_cross_them(two_nodes: Any) -> None:
             ).remote()
             assert ray.get(reader.node.remote()) == node
             assert ray.get(reader.read.remote(store, tuple(range(8))), timeout=60) == want
+            # each unit's 2 MiB share went by reference; one of them lives on the other node
+            assert ray.get(reader.sums.remote(store, (0, 1)), timeout=60) == [2.0**19, 2.0**20]
             remote_units = [u for u, n in node_of_unit.items() if n != node]
             assert remote_units, "one unit lives on the other node"
     finally:

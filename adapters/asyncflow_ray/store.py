@@ -120,6 +120,7 @@ from asyncflow_core.store import (
     assemble_batch,
     check_get_data,
     check_get_meta,
+    check_out,
     loop_clock,
     prepare_put,
 )
@@ -1113,6 +1114,7 @@ class RayDataStore:
         out: Batch | None = None,
     ) -> Batch:
         names = check_get_data(meta, fields, layout)
+        check_out(out)
         if not meta.rows:
             return Batch((), {}, {}, ())
         fresh = self._still_checked(meta, names)
