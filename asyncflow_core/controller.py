@@ -591,8 +591,8 @@ class Controller:
                     dups = sorted({r for r in rows if list(rows).count(r) > 1})
                     raise BadRequestError(f"rows {dups} appear twice in one put; write each once")
                 slots = p.slots_of(rows)
-                sub_ready = p.ready[np.ix_(slots, cols)]
-                sub_writing = p.writing[np.ix_(slots, cols)]
+                sub_ready = p.ready[_grid(slots, cols)]
+                sub_writing = p.writing[_grid(slots, cols)]
                 if sub_writing.any():
                     i, j = map(int, np.argwhere(sub_writing)[0])
                     raise CellAlreadyWrittenError(
@@ -606,7 +606,7 @@ class Controller:
                         f"{partition!r} is already written; pass overwrite=True to replace it"
                     )
                 new_rows = tuple(int(r) for r in rows)
-                old = p.cell_bytes[np.ix_(slots, cols)]
+                old = p.cell_bytes[_grid(slots, cols)]
             # from here on nothing can fail: apply the reservation
             schemas_set = []
             for fname, sch in fields.items():
@@ -615,9 +615,9 @@ class Controller:
                     schemas_set.append(fname)
             if p.closed:  # a pending put holds back the final batch
                 p.dirty_all()
-            p.writing[np.ix_(slots, cols)] = True
+            p.writing[_grid(slots, cols)] = True
             p.bytes_live += total_new_bytes - int(old.sum())
-            p.cell_bytes[np.ix_(slots, cols)] = nb
+            p.cell_bytes[_grid(slots, cols)] = nb
             ticket = PutTicket(
                 partition, next(self._ids), new_rows, tuple(fields), rows is None, p.key
             )
@@ -650,7 +650,7 @@ class Controller:
             p = self._part(ticket.partition)
             pend = p.pending.pop(ticket.ticket_id)
             slots = p.lookup(pend.rows)
-            grid = np.ix_(slots, pend.cols)
+            grid = _grid(slots, pend.cols)
             p.writing[grid] = False
             p.ready[grid] = True
             p.creating[slots] = False
@@ -686,7 +686,7 @@ class Controller:
                 return
             p.dirty_all()
             slots = p.lookup(pend.rows)
-            grid = np.ix_(slots, pend.cols)
+            grid = _grid(slots, pend.cols)
             p.writing[grid] = False
             p.cell_bytes[grid] = pend.old_bytes
             p.bytes_live -= int(pend.new_bytes.sum()) - int(pend.old_bytes.sum())
@@ -719,7 +719,7 @@ class Controller:
             p = self._part(partition)
             cols = self._fields(p, fields)
             slots = p.slots_of(rows)
-            sub = p.ready[np.ix_(slots, cols)]
+            sub = p.ready[_grid(slots, cols)]
             if not sub.all():
                 i, j = map(int, np.argwhere(~sub)[0])
                 raise BadRequestError(
@@ -1066,6 +1066,12 @@ class Controller:
                 reclaimed=p.reclaimed,
                 capacity=p.capacity,
             )
+
+
+def _grid(slots: IntArray, cols: IntArray) -> tuple[IntArray, IntArray]:
+    """``np.ix_(slots, cols)`` for two 1-D int arrays, without its per-call type checks (it
+    ran on every put and commit)."""
+    return slots.reshape(-1, 1), cols.reshape(1, -1)
 
 
 def _new_groups_only(p: _Partition, slots: IntArray, new_rows: bool) -> bool:

@@ -895,9 +895,13 @@ class RLJob:
 
     async def _rollout(self, batch: Batch) -> TaskOutput:
         group = batch.tags[0].group if batch.tags else None
-        results = await self._group(
-            batch, lambda: [self._generate(tuple(p.tolist()), group) for p in batch["prompt"]]
-        )
+        prompts: list[tuple[int, ...]] = []
+        last: object = None
+        for p in batch["prompt"]:  # a group's rows share one prompt tensor: convert it once
+            if p is not last:
+                last, ids = p, tuple(p.tolist())
+            prompts.append(ids)
+        results = await self._group(batch, lambda: [self._generate(p, group) for p in prompts])
         self._generated(group, [min(r.versions) for r in results if r.versions])
         return TaskOutput(
             {
