@@ -620,7 +620,11 @@ class TrainEngine(Protocol):
     once, full, in buckets of at most ``bucket_bytes`` (a tensor bigger than that is a bucket
     of its own); tied parameters are one parameter, exported once under the name the
     inference side loads. ``load_checkpoint`` restores weights, optimizer state and version:
-    a step after it is the step that would have followed ``save_checkpoint``."""
+    a step after it is the step that would have followed ``save_checkpoint``.
+
+    ``compute_logprobs`` and ``train_step`` must not keep ``batch`` once they return: ``RLJob``
+    reads the next step's batch into its memory (a tensor of it still referenced, or a view
+    of one, is never overwritten; the ``Batch`` object itself is not checked)."""
 
     @property
     def weight_version(self) -> Version: ...

@@ -837,7 +837,7 @@ class RLJob:
                 "actor_update", self._update, consumes=tuple(update_consumes),
                 batch_size=cfg.batch_size, sampler=self._sampler, layout=self._update_layout(),
                 current_version=lambda: self.engines.trainer.weight_version,
-                resource=train_res, lease_s=_LEASE_S,
+                resource=train_res, lease_s=_LEASE_S, reuse_batch=True,
             )
         )  # fmt: skip
         in_flight = (cfg.staleness + 2) * cfg.batch_size + concurrency * cfg.n
@@ -1356,13 +1356,11 @@ class RLJob:
             try:
                 t0 = self._now()
                 live = self._load_targets()
-                if cfg.partial_rollout:
-                    await _pause(live, "abort")
-                else:
+                if not cfg.partial_rollout:
                     await self.gate.drained()
-                    await _pause(live, "keep")
-                self._span("drain", "rollout", t0, True, version)
-                try:
+                try:  # a pause cut short (cancelled, failed) still resumes every engine
+                    await _pause(live, "abort" if cfg.partial_rollout else "keep")
+                    self._span("drain", "rollout", t0, True, version)
                     if cfg.mode == "colocated":
                         await self._wake()
                     await self._transfer(transport, version, send_exposed=True, load_exposed=True)

@@ -85,7 +85,10 @@ class Task:
     ``resource`` names what the task occupies in the trace (default: its name); tasks that
     share devices, e.g. rollout and training when colocated, share a resource. ``lease_s``: how
     long a pulled batch stays leased (on the loop's clock) before the store hands it to
-    another worker; make it longer than one call of ``fn`` can take.
+    another worker; make it longer than one call of ``fn`` can take. ``reuse_batch``: ``fn``
+    keeps no reference to its batch, nor to any of its tensors, once it returns, so a worker
+    slot's next batch is read into the memory of its previous one (``get_data(out=...)``:
+    steady-state reads allocate nothing; a tensor still referenced is never overwritten).
     """
 
     name: str
@@ -99,6 +102,7 @@ class Task:
     current_version: Callable[[], Version] | None = None
     resource: str | None = None
     lease_s: float = DEFAULT_LEASE_S
+    reuse_batch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +342,7 @@ class Pipeline:
             idle.put_nowait(w)
         t0 = tracer.now() if tracer is not None else 0.0
         idle_since = [t0] * task.workers
+        done: list[Batch | None] = [None] * task.workers  # reuse_batch: each slot's last batch
 
         async def run_slot(
             worker: int, meta: BatchMeta, batch: Batch, version: Version | None
@@ -347,6 +352,8 @@ class Pipeline:
                     store, task, worker, meta, batch, version, idle_since[worker], executor
                 )
                 counts[task.name] += len(meta)
+                if task.reuse_batch:
+                    done[worker] = batch
             finally:
                 if tracer is not None:
                     idle_since[worker] = tracer.now()
@@ -365,7 +372,9 @@ class Pipeline:
                     if meta.end_of_stream:
                         idle.put_nowait(worker)
                         break
-                    batch = await store.get_data(meta, layout=task.layout)
+                    out, done[worker] = done[worker], None
+                    batch = await store.get_data(meta, layout=task.layout, out=out)
+                    del out
                     if self._stop is not None and self._stop.is_set():
                         return  # stopping: start nothing new (the leased rows are abandoned)
                     group.create_task(run_slot(worker, meta, batch, version))

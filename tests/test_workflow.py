@@ -118,6 +118,65 @@ def test_pipeline_runs_every_row_through_every_task_once() -> None:
     assert stats.rows_live == 0 and stats.reclaimed == 50  # every task consumed every row
 
 
+def rows_of(n: int, width: int = 8) -> Source:
+    def batches() -> Iterator[Mapping[str, Any]]:
+        for start in range(0, n, 4):
+            yield {"x": [torch.full((width,), float(i)) for i in range(start, start + 4)]}
+
+    return Source("rows", ("x",), batches)
+
+
+class OutSpy(InProcessDataStore):
+    """Records, per ``get_data`` call, the ``out`` batch's buffer and the answer's."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.reads: list[tuple[int | None, int]] = []
+
+    async def get_data(self, meta: Any, fields: Any = None, **kwargs: Any) -> Batch:
+        out = kwargs.get("out")
+        given = out["x"].data_ptr() if out is not None else None
+        batch = await super().get_data(meta, fields, **kwargs)
+        self.reads.append((given, batch["x"].data_ptr()))
+        return batch
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_reuse_batch_reads_into_the_slots_previous_batch(keep: bool) -> None:
+    """``Task(reuse_batch=True)``: each worker slot passes its previous batch as ``out``, and
+    the next batch lands in that memory; every batch still holds its own rows, and a tensor
+    the task kept (against the promise) is never overwritten."""
+    seen: list[float] = []
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def fn(batch: Batch) -> None:
+        x = batch["x"]
+        assert bool((x == x[:, :1]).all()), "a row holds another row's values"
+        seen.extend(x[:, 0].tolist())
+        if keep:
+            kept.append((x, x.clone()))
+
+    store = OutSpy()
+    task = Task("t", fn, ("x",), batch_size=4, workers=2, reuse_batch=True)
+    assert Pipeline(rows_of(64), [task]).run_sync(store).rows["t"] == 64
+    assert sorted(seen) == [float(i) for i in range(64)]
+    given = [g for g, _ in store.reads if g is not None]
+    assert len(given) >= len(store.reads) - 2  # all but each slot's first read pass out
+    reused = [g == got for g, got in store.reads if g is not None]
+    if keep:
+        assert all(torch.equal(x, copy) for x, copy in kept)
+        assert not any(reused)  # a kept tensor's memory is never read into
+    else:
+        assert all(reused)
+
+
+def test_without_reuse_batch_no_out_is_passed() -> None:
+    store = OutSpy()
+    task = Task("t", noop, ("x",), batch_size=4, workers=2)
+    assert Pipeline(rows_of(16), [task]).run_sync(store).rows["t"] == 16
+    assert [g for g, _ in store.reads] == [None] * 4
+
+
 def test_sampler_factory_gives_each_worker_its_own_sampler() -> None:
     made: list[GroupSampler] = []
 
