@@ -46,6 +46,14 @@ figures: ``docs/vs-trl.md``.
 
     python benchmarks/vs_trl.py --out runs/vs-trl   # the full comparison (about 30 minutes)
     python benchmarks/vs_trl.py --quick             # tiny sizes: checks that it runs
+
+``--task reverse`` (issue #23, item 5) is another row: the default ``asyncflow run`` against
+TRL's ``GRPOTrainer`` on the main job's own task (reverse-3, the reference ``TransformerLM``),
+from the same warmed-up weights and prompt stream (``benchmarks/vs_trl_reverse.py``; the
+last stdout line's ``default_vs_trl_reverse``). About 3 minutes on a quiet box with
+``--trl-threads 1``; 15 with TRL at both 1 and 2 threads under load.
+
+    python benchmarks/vs_trl.py --task reverse --out runs/vs-trl-reverse
 """
 
 from __future__ import annotations
