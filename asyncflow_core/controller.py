@@ -51,6 +51,7 @@ from asyncflow_core.scheduling import is_repeatable
 
 _NO_TAGS = Tags()
 _ENDED_LEASES_KEPT = 100_000  # how many ended lease ids we remember to explain a late ack
+_FEW = 32  # below this many rows a Python loop beats numpy's per-call set-up
 
 
 def fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
@@ -351,15 +352,17 @@ class _Partition:
         """Recompute ``cand`` of every tracking task at ``slots`` after a change there."""
         if not slots.size:
             return
+        alive: IntArray | None = None  # gathered once for every tracking task
+        ready: IntArray | None = None
         for ts in self.tasks.values():
             if ts.cand is None or ts.col_index is None:
                 continue
-            now = (
-                self.alive[slots]
-                & ~ts.consumed[slots]
-                & ~ts.leased[slots]
-                & self.ready[slots][:, ts.col_index].all(axis=1)
-            )
+            if alive is None:
+                alive, ready = self.alive[slots], self.ready[slots]
+            assert ready is not None
+            now = alive & ~(ts.consumed[slots] | ts.leased[slots])
+            cols = ts.col_index
+            now &= ready[:, cols[0]] if cols.size == 1 else ready[:, cols].all(axis=1)
             if ts.clean and (now.any() or ts.cand[slots].any()):
                 ts.clean = False  # a candidate came, went or changed its tags
             ts.cand[slots] = now
@@ -389,7 +392,12 @@ class _Partition:
                 grown = np.zeros(max(top, 2 * ts.gcount.shape[0]), dtype=np.int64)
                 grown[: ts.gcount.shape[0]] = ts.gcount
                 ts.gcount = grown
-            np.add.at(ts.gcount, codes, sign)
+            if codes.size <= _FEW:  # np.add.at's set-up costs more than a few adds
+                gcount = ts.gcount
+                for code in codes.tolist():
+                    gcount[code] += sign
+            else:
+                np.add.at(ts.gcount, codes, sign)
 
 
 class Controller:

@@ -586,6 +586,42 @@ class WeightBucket:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(zip(self.names, self.tensors, strict=True))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its shared memory once: tensors that view one storage (a packed
+        bucket's) would each carry the whole storage under the standard pickler (a bucket of
+        20 tensors: 20 copies), e.g. between a trainer process and the job."""
+        tensors = self.tensors
+        if len(tensors) > 1:
+            first = tensors[0]
+            ptr = first.untyped_storage().data_ptr()
+            if ptr and all(
+                t.device == first.device and t.untyped_storage().data_ptr() == ptr
+                for t in tensors
+            ):
+                base = torch.empty(0, dtype=torch.uint8, device=first.device)
+                base.set_(first.untyped_storage())
+                views = tuple(
+                    (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+                    for t in tensors
+                )
+                return (_bucket_over, (self.names, base, views, self.snapshot))
+        return (WeightBucket, (self.names, self.tensors, self.snapshot))
+
+
+def _bucket_over(
+    names: tuple[str, ...],
+    base: torch.Tensor,
+    views: tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...],
+    snapshot: bool,
+) -> WeightBucket:
+    """``WeightBucket.__reduce__``'s inverse: the tensors as views of one unpickled storage."""
+    storage = base.untyped_storage()
+    tensors = tuple(
+        torch.empty(0, dtype=dtype, device=base.device).set_(storage, offset, shape, stride)
+        for dtype, shape, stride, offset in views
+    )
+    return WeightBucket(names, tensors, snapshot)
+
 
 @dataclass(frozen=True, slots=True)
 class TrainMetrics:

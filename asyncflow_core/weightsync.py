@@ -1160,12 +1160,14 @@ class DistributedWeightReceiver:
             await self._comm.run(self._connect)
             self._ready = True
         try:
-            header = await self._comm.run(self._wait_for_sync)
-            if header["op"] == "close":
-                return None
-            if self.on_start is not None:
+            if self.on_start is None:  # the whole sync in one call on the receiving thread
+                received = await self._comm.run(self._wait_and_receive)
+            else:
+                header = await self._comm.run(self._wait_for_sync)
+                if header["op"] == "close":
+                    return None
                 await self.on_start()
-            received = await self._comm.run(self._receive_sync, header)
+                received = await self._comm.run(self._receive_sync, header)
         except BaseException as exc:
             self._failed = exc
             raise
@@ -1204,6 +1206,10 @@ class DistributedWeightReceiver:
                 "stream is out of step"
             )
         return header
+
+    def _wait_and_receive(self) -> tuple[Weights, Version] | None:
+        header = self._wait_for_sync()
+        return None if header["op"] == "close" else self._receive_sync(header)
 
     def _connect(self) -> None:
         if isinstance(self.group, BroadcastGroup):

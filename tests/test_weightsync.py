@@ -835,3 +835,25 @@ def test_weight_sync_group_refuses_to_broadcast_before_connect_or_after_close() 
             WeightSyncGroup("127.0.0.1", 29500, 0, 2, backend="nccl")
     with pytest.raises(WeightSyncError, match=r"'hccl' cannot run here: .*asyncflow\[ascend\]"):
         WeightSyncGroup("127.0.0.1", 29500, 0, 2, backend="hccl")
+
+
+def test_a_packed_bucket_pickles_its_memory_once_and_round_trips() -> None:
+    """A trainer process sends its buckets pickled: a packed bucket's tensors view one buffer,
+    which must travel once (the standard pickler would send it once per tensor)."""
+    import pickle
+
+    weights = odd_weights(3)
+    (packed,) = bucketize(weights, 1 << 20, pack=True)
+    (plain,) = bucketize(weights, 1 << 20)
+    for bucket in (packed, plain):
+        back = pickle.loads(pickle.dumps(bucket))
+        assert back.names == bucket.names and back.snapshot == bucket.snapshot
+        for (_, got), (_, want) in zip(back, weights, strict=True):
+            assert same_bytes(got, want) and got.shape == want.shape
+    assert len(pickle.dumps(packed)) < 2 * packed.nbytes + 8192
+    shared = torch.randn(64, 32)
+    bucket = WeightBucket(("w", "w_t", "row"), (shared, shared.t(), shared[3]))
+    back = pickle.loads(pickle.dumps(bucket))
+    assert [t.stride() for t in back.tensors] == [t.stride() for t in bucket.tensors]
+    assert all(torch.equal(a, b) for a, b in zip(back.tensors, bucket.tensors, strict=True))
+    assert len(pickle.dumps(bucket)) < 2 * shared.numel() * 4 + 8192
