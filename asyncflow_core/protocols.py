@@ -595,8 +595,7 @@ class WeightBucket:
             first = tensors[0]
             ptr = first.untyped_storage().data_ptr()
             if ptr and all(
-                t.device == first.device and t.untyped_storage().data_ptr() == ptr
-                for t in tensors
+                t.device == first.device and t.untyped_storage().data_ptr() == ptr for t in tensors
             ):
                 base = torch.empty(0, dtype=torch.uint8, device=first.device)
                 base.set_(first.untyped_storage())
