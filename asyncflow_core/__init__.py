@@ -58,6 +58,7 @@ from asyncflow_core.errors import (
     UnknownPartitionError,
     UnknownRowError,
     UnknownTaskError,
+    UnsupportedEngineError,
     WeightSyncError,
 )
 from asyncflow_core.platform import (
@@ -227,6 +228,7 @@ __all__ = [
     "UnknownPartitionError",
     "UnknownRowError",
     "UnknownTaskError",
+    "UnsupportedEngineError",
     "Version",
     "WeightBucket",
     "WeightSync",

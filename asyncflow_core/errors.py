@@ -152,6 +152,11 @@ class ConfigError(AsyncFlowError, ValueError):
     """A configuration key or value that does not exist / is out of range."""
 
 
+class UnsupportedEngineError(EngineError, ConfigError):
+    """An engine server reports a version the adapter does not follow (or none it can read):
+    an engine's answer, and a configuration to change (point it at a supported server)."""
+
+
 class MissingExtraError(AsyncFlowError, ImportError):
     """An optional engine library is not installed; the message names the extra."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import inspect
+import sys
 from collections.abc import (
     AsyncIterable,
     AsyncIterator,
@@ -373,6 +374,8 @@ class Pipeline:
                         idle.put_nowait(worker)
                         break
                     out, done[worker] = done[worker], None
+                    if out is not None and sys.getrefcount(out) > 2:  # `out` and the call's
+                        out = None  # fn kept its batch after all: leave that one alone
                     batch = await store.get_data(meta, layout=task.layout, out=out)
                     del out
                     if self._stop is not None and self._stop.is_set():

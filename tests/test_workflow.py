@@ -145,11 +145,13 @@ class OutSpy(InProcessDataStore):
 def test_reuse_batch_reads_into_the_slots_previous_batch(keep: bool) -> None:
     """``Task(reuse_batch=True)``: each worker slot passes its previous batch as ``out``, and
     the next batch lands in that memory; every batch still holds its own rows, and a tensor
-    the task kept (against the promise) is never overwritten."""
+    the task kept (against the promise) is never overwritten. (An ``async`` fn, as RLJob's
+    update is: a plain one runs in an executor thread, whose work item may still hold the
+    batch for a moment after the call, and the slot then skips reuse rather than guess.)"""
     seen: list[float] = []
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def fn(batch: Batch) -> None:
+    async def fn(batch: Batch) -> None:
         x = batch["x"]
         assert bool((x == x[:, :1]).all()), "a row holds another row's values"
         seen.extend(x[:, 0].tolist())

@@ -108,7 +108,7 @@ from asyncflow_core.enginekit import (
     parse_version,
     versions_from_spans,
 )
-from asyncflow_core.errors import EngineError
+from asyncflow_core.errors import ConfigError, EngineError, UnsupportedEngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_core.weightsync import GroupWire
@@ -553,7 +553,10 @@ class SGLangHTTPEngine:
                     "response — is this an SGLang server?"
                 )
             if self.check_server_version:
-                check_sglang_version(version)
+                try:
+                    check_sglang_version(version)
+                except ConfigError as exc:  # the server's answer: an engine error too
+                    raise UnsupportedEngineError(str(exc)) from None
             self.server_version = version
             self.server_info = info
             sizes = {k: info.get(k, 1) for k in ("tp_size", "dp_size", "pp_size")}

@@ -99,7 +99,7 @@ from asyncflow_core.enginekit import (
     parse_version,
     versions_from_spans,
 )
-from asyncflow_core.errors import EngineError
+from asyncflow_core.errors import ConfigError, EngineError, UnsupportedEngineError
 from asyncflow_core.httpclient import JsonClient
 from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_core.weightsync import GroupWire
@@ -329,7 +329,10 @@ class VLLMHTTPEngine:
         if not isinstance(version, str):
             raise self._malformed("GET /version", data)
         if self.check_server_version:
-            check_vllm_version(version)
+            try:
+                check_vllm_version(version)
+            except ConfigError as exc:  # the server's answer: an engine error too
+                raise UnsupportedEngineError(str(exc)) from None
         features = Features.of(version)
         if features.weight_version_label:
             info = await self._get("/weight_info")
