@@ -591,7 +591,7 @@ class WeightBucket:
         bucket's) would each carry the whole storage under the standard pickler (a bucket of
         20 tensors: 20 copies), e.g. between a trainer process and the job."""
         tensors = self.tensors
-        if len(tensors) > 1:
+        if len(tensors) > 1 and all(type(t) is torch.Tensor for t in tensors):
             first = tensors[0]
             ptr = first.untyped_storage().data_ptr()
             if ptr and all(

@@ -857,3 +857,12 @@ def test_a_packed_bucket_pickles_its_memory_once_and_round_trips() -> None:
     assert [t.stride() for t in back.tensors] == [t.stride() for t in bucket.tensors]
     assert all(torch.equal(a, b) for a, b in zip(back.tensors, bucket.tensors, strict=True))
     assert len(pickle.dumps(bucket)) < 2 * shared.numel() * 4 + 8192
+
+
+def test_a_bucket_of_other_objects_pickles_as_it_is() -> None:
+    """Transports may carry a bucket whose items stand in for tensors (the Ray adapter's wire
+    tensors): it pickles field by field."""
+    import pickle
+
+    bucket = WeightBucket(("a", "b"), ("not", "tensors"))  # type: ignore[arg-type]
+    assert pickle.loads(pickle.dumps(bucket)) == bucket
