@@ -392,6 +392,24 @@ async def _kv_clear(c: TransferQueueClient, keys: list[str] | str, partition_id:
         await c._clear_samples(meta)
 
 
+def _kv_put(
+    c: TransferQueueClient,
+    key: str,
+    partition_id: str,
+    fields: Any,
+    tag: dict[str, Any] | None,
+    data_parser: Callable[[Any], Any] | None,
+) -> Coroutine[Any, Any, KVBatchMeta]:
+    """``kv_put``'s checks, then its one-key ``kv_batch_put`` (not yet awaited)."""
+    if fields is None and tag is None:
+        raise ValueError("kv_put: provide at least one of fields or tag")
+    if not isinstance(key, str):
+        raise TypeError(f"kv_put: key must be a str, got {key!r:.80}")
+    row = _one_row(fields) if fields is not None else None
+    tags = [tag] if tag is not None else None
+    return _kv_batch_put(c, [key], partition_id, row, tags, data_parser)
+
+
 def kv_put(
     key: str,
     partition_id: str,
@@ -400,14 +418,7 @@ def kv_put(
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
     c = _client()
-    if fields is None and tag is None:
-        raise ValueError("kv_put: provide at least one of fields or tag")
-    if not isinstance(key, str):
-        raise TypeError(f"kv_put: key must be a str, got {key!r:.80}")
-    row = _one_row(fields) if fields is not None else None
-    return c._sync(
-        _kv_batch_put(c, [key], partition_id, row, [tag] if tag is not None else None, data_parser)
-    )
+    return c._sync(_kv_put(c, key, partition_id, fields, tag, data_parser))
 
 
 async def async_kv_put(
@@ -418,14 +429,7 @@ async def async_kv_put(
     data_parser: Callable[[Any], Any] | None = None,
 ) -> KVBatchMeta:
     c = _client()
-    if fields is None and tag is None:
-        raise ValueError("kv_put: provide at least one of fields or tag")
-    if not isinstance(key, str):
-        raise TypeError(f"kv_put: key must be a str, got {key!r:.80}")
-    row = _one_row(fields) if fields is not None else None
-    return await c._async(
-        _kv_batch_put(c, [key], partition_id, row, [tag] if tag is not None else None, data_parser)
-    )
+    return await c._async(_kv_put(c, key, partition_id, fields, tag, data_parser))
 
 
 def kv_batch_put(
