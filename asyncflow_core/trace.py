@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from asyncflow_core.errors import AsyncFlowError, MissingExtraError
 
@@ -119,6 +119,16 @@ class MetricRecord:
 
     def as_json(self) -> dict[str, Any]:
         return {"t": self.t, "step": self.step, **self.values}
+
+
+class TraceMark(NamedTuple):
+    """A place in a ``Tracer``: the number of spans and of metric records recorded before it."""
+
+    spans: int
+    metrics: int
+
+
+START = TraceMark(0, 0)  # the beginning of every trace
 
 
 class Tracer:
@@ -240,13 +250,26 @@ class Tracer:
         with self._lock:
             return list(self._metrics)
 
+    def mark(self) -> TraceMark:
+        """How many spans and metric records are recorded now: a place in the trace for
+        ``chrome_trace(since=, until=)`` (e.g. a checkpoint writing only what is new)."""
+        with self._lock:
+            return TraceMark(len(self._spans), len(self._metrics))
+
     # -- exports -----------------------------------------------------------------------------------
-    def chrome_trace(self) -> dict[str, Any]:
+    def chrome_trace(
+        self, *, since: TraceMark = START, until: TraceMark | None = None
+    ) -> dict[str, Any]:
         """The trace as a Chrome trace event object: "X" events (pid = resource, tid = worker,
         ts/dur in microseconds), "M" events naming processes and threads, "C" counter events
         for numeric metrics. Each "X" event's args hold the span's fields, so ``load`` can
-        rebuild it exactly."""
-        spans, metrics = self.spans, self.metrics
+        rebuild it exactly. ``since`` / ``until`` (``mark()``s): only the spans and metric
+        records recorded between the two (a segment; ``load`` of every segment in order gives
+        the whole trace back)."""
+        with self._lock:
+            end = TraceMark(len(self._spans), len(self._metrics)) if until is None else until
+            spans = self._spans[since.spans : end.spans]
+            metrics = self._metrics[since.metrics : end.metrics]
         pids: dict[str, int] = {}
         for s in sorted(spans, key=lambda s: s.start):
             pids.setdefault(s.resource, len(pids) + 1)
@@ -315,11 +338,15 @@ class Tracer:
             },
         }
 
-    def write_chrome_trace(self, path: str | Path) -> Path:
-        """Write ``chrome_trace()`` as JSON (gzip-compressed if the name ends in ".gz")."""
+    def write_chrome_trace(
+        self, path: str | Path, *, since: TraceMark = START, until: TraceMark | None = None
+    ) -> Path:
+        """Write ``chrome_trace(since=, until=)`` as JSON (gzip-compressed, fast level, if the
+        name ends in ".gz")."""
         path = Path(path)
         with _open(path, "w") as f:
-            json.dump(self.chrome_trace(), f, default=_jsonable, separators=(",", ":"))
+            doc = self.chrome_trace(since=since, until=until)
+            json.dump(doc, f, default=_jsonable, separators=(",", ":"))
         return path
 
     def write_metrics_jsonl(self, path: str | Path, *, start: int = 0) -> Path:
@@ -564,14 +591,23 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
 
 # -- loading -----------------------------------------------------------------------------------
-def load(path: str | Path) -> Tracer:
-    """Read a Chrome trace JSON (``.json`` or ``.json.gz``) back into a ``Tracer``.
+def load(path: str | Path, *more: str | Path) -> Tracer:
+    """Read a Chrome trace JSON (``.json`` or ``.json.gz``) back into a ``Tracer``; with
+    ``more`` paths, the segments of one trace in order (``write_chrome_trace(since=)``), their
+    spans and metric records appended one file after the other.
 
     Files written by ``write_chrome_trace`` come back exactly (spans and metrics). "X" events
     of other tools are read too: kind from ``cat`` (default "task"), resource from the process
     name, worker from ``tid``. Raises ``OSError`` if the file cannot be read and
     ``TraceFormatError`` if it is not a Chrome trace."""
-    path = Path(path)
+    tracer = _load_one(Path(path), None)
+    for segment in more:
+        _load_one(Path(segment), tracer)
+    return tracer
+
+
+def _load_one(path: Path, into: Tracer | None) -> Tracer:
+    """Read one file; into a new ``Tracer`` (None) or appended to ``into``."""
     try:
         with _open(path, "r") as f:
             doc = json.load(f)
@@ -587,11 +623,14 @@ def load(path: str | Path) -> Tracer:
             f"{str(path)!r} is not a Chrome-trace JSON file: expected an object with a "
             '"traceEvents" list (or a list of events)'
         )
-    tracer = Tracer(
-        throughput_task=other.get("throughput_task") if isinstance(other, dict) else None
-    )
-    if isinstance(other, dict) and isinstance(other.get("t0_unix"), int | float):
-        tracer.t0_unix = float(other["t0_unix"])
+    if into is not None:
+        tracer = into
+    else:
+        tracer = Tracer(
+            throughput_task=other.get("throughput_task") if isinstance(other, dict) else None
+        )
+        if isinstance(other, dict) and isinstance(other.get("t0_unix"), int | float):
+            tracer.t0_unix = float(other["t0_unix"])
     try:
         names = {
             e["pid"]: str(e["args"]["name"])
@@ -733,8 +772,8 @@ def _jsonable(v: object) -> Any:
 def _open(path: Path, mode: str) -> IO[str]:
     if path.suffix != ".gz":
         return open(path, mode, encoding="utf-8")
-    if mode == "w":
-        return gzip.open(path, "wt", encoding="utf-8")
+    if mode == "w":  # level 1: a trace compresses well anyway, and level 9 costs 5x the time
+        return gzip.open(path, "wt", encoding="utf-8", compresslevel=1)
     return gzip.open(path, "rt", encoding="utf-8")
 
 
@@ -744,6 +783,7 @@ __all__ = [
     "OpenSpan",
     "Span",
     "TraceFormatError",
+    "TraceMark",
     "Tracer",
     "format_summary",
     "load",

@@ -22,6 +22,7 @@ import pytest
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
+from asyncflow_core import trace as tracing
 from asyncflow_core.checkpoint import Checkpoints, _parse
 from asyncflow_core.errors import CheckpointError, ConfigError
 from asyncflow_core.protocols import SamplingParams
@@ -177,6 +178,20 @@ def _check_finished(run: Path, steps: int = STEPS, resumed: bool = True) -> None
     assert len(groups) == len(set(groups)) == steps * 8
     if resumed:
         assert summary["extra"]["resumed_at"]
+    # the checkpoint's trace, kept in segments (one written per checkpoint, the earlier ones
+    # linked), is the beginning of the run's whole trace
+    segments = json.loads((last / "run.json").read_text())["trace_segments"]
+    assert segments == [f"trace-{i:04d}.json.gz" for i in range(len(segments))]
+    held = tracing.load(*(last / name for name in segments)).spans
+    whole = tracing.load(run / "trace.json").spans
+    key = [(s.kind, s.name, s.start, s.end) for s in whole]
+    assert [(s.kind, s.name, s.start, s.end) for s in held] == key[: len(held)]
+    assert sum(s.kind == "task" and s.name == "actor_update" for s in held) == steps
+    listed = Checkpoints(run / "checkpoints").list()
+    if len(listed) > 1:  # the previous checkpoint's segments are the same files, linked
+        previous = listed[-2][1]
+        for name in json.loads((previous / "run.json").read_text())["trace_segments"]:
+            assert (previous / name).stat().st_ino == (last / name).stat().st_ino
 
 
 def _check_resumable(run: Path) -> JobState:
@@ -292,3 +307,13 @@ def test_other_trainers_resume(tmp_path: Path, trainer: list[str]) -> None:
     again = _cli("--resume", str(run), "--quiet")
     assert again.returncode == 0, again.stderr
     _check_finished(run)
+
+
+def test_a_checkpoint_naming_a_foreign_trace_file_is_refused() -> None:
+    from asyncflow_reference.job import _trace_segments
+
+    for bad in (["../../etc/x.json.gz"], "trace-0000.json.gz", [3], ["trace-1.json.gz"]):
+        with pytest.raises(ConfigError, match="trace_segments"):
+            _trace_segments({"trace_segments": bad})
+    assert _trace_segments({}) is None  # a checkpoint of one whole trace.json.gz
+    assert _trace_segments({"trace_segments": ["trace-0000.json.gz"]}) == ["trace-0000.json.gz"]

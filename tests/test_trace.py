@@ -187,6 +187,27 @@ def test_chrome_trace_round_trip(tmp_path: Path) -> None:
         assert "traceEvents" in json.load(f)
 
 
+def test_segments_written_since_a_mark_load_back_as_one_trace(tmp_path: Path) -> None:
+    tr = hand_built()
+    tr.throughput_task = "train"
+    tr.metric(step=1, reward=0.25)
+    first = tr.mark()
+    assert first == (len(tr.spans), 1)
+    tr.record("task", "train", 5.0, 6.0, rows=4)
+    tr.metric(step=2, reward=0.5)
+    second = tr.mark()
+    tr.record("task", "train", 7.0, 8.0, rows=4)  # after the second mark: in no segment
+    a = tr.write_chrome_trace(tmp_path / "a.json.gz", until=first)
+    b = tr.write_chrome_trace(tmp_path / "b.json.gz", since=first, until=second)
+    with gzip.open(b, "rt") as f:  # the second segment holds only what is new
+        assert [e["ts"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"] == [5e6]
+    back = load(a, b)
+    assert back.spans == tr.spans[: second.spans]
+    assert [m.as_json() for m in back.metrics] == [m.as_json() for m in tr.metrics]
+    assert back.throughput_task == "train"
+    assert load(a).spans == tr.spans[: first.spans]
+
+
 def test_load_reads_foreign_chrome_traces(tmp_path: Path) -> None:
     events = [
         {"name": "process_name", "ph": "M", "pid": 7, "tid": 0, "args": {"name": "gpu0"}},

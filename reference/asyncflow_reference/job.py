@@ -46,10 +46,12 @@ import json
 import math
 import os
 import random
+import re
+import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TextIO, cast
@@ -643,23 +645,98 @@ class RunPreempted(Exception):
 
 
 RUN_STATE_FILE = "run.json"
-TRACE_FILE = "trace.json.gz"
+TRACE_FILE = "trace.json.gz"  # checkpoints before trace segments: the whole trace in one file
+_SEGMENT = re.compile(r"trace-\d{4}\.json\.gz")
 
 
-def _checkpoint_extra(
-    folder: Path, *, tracer: Tracer, warmup_s: float, resumed_at: list[int]
-) -> None:
+class _RunFiles:
     """The main job's files in each checkpoint: the trace so far, where its clock was, the
-    RNG states and the warm-up time (``run.json``)."""
-    tracer.write_chrome_trace(folder / TRACE_FILE)
-    state = {
-        "format": "asyncflow-run/1",
-        "trace_s": tracer.now(),
-        "warmup_s": warmup_s,
-        "resumed_at": resumed_at,
-        "rng": {"torch": torch.get_rng_state().tolist(), "python": random.getstate()},
-    }
-    (folder / RUN_STATE_FILE).write_text(json.dumps(state) + "\n")
+    RNG states and the warm-up time (``run.json``).
+
+    The trace is kept in segments, ``trace-NNNN.json.gz``: each checkpoint writes only the
+    spans recorded since the previous one and hard-links (or copies, where the file system
+    cannot link) the earlier segments from the previous checkpoint, so a checkpoint costs
+    what happened since the last one, not the whole run so far (the whole trace, rewritten
+    every ``checkpoint.every`` steps, was a fifth of a 120-step run's wall time). Every
+    checkpoint still holds its whole trace: deleting older ones loses nothing."""
+
+    def __init__(
+        self,
+        checkpoints: Path,
+        *,
+        tracer: Tracer,
+        warmup_s: float,
+        resumed_at: list[int],
+        segments: Sequence[str] = (),
+    ) -> None:
+        self.checkpoints, self.tracer = checkpoints, tracer
+        self.warmup_s, self.resumed_at = warmup_s, resumed_at
+        # what the newest checkpoint holds: its segments, and the trace mark they end at
+        self.segments = list(segments)
+        self.written = tracer.mark() if segments else tracing.START
+
+    def __call__(self, folder: Path) -> None:
+        previous = Checkpoints(self.checkpoints).latest()
+        held = _trace_segments(_run_state(previous)) if previous is not None else None
+        if held != self.segments or previous is None:  # not the checkpoint we wrote last
+            self.segments, self.written = [], tracing.START
+        for name in self.segments:
+            assert previous is not None
+            try:
+                os.link(previous / name, folder / name)
+            except OSError:  # a file system without hard links
+                shutil.copyfile(previous / name, folder / name)
+        end = self.tracer.mark()
+        name = f"trace-{len(self.segments):04d}.json.gz"
+        self.tracer.write_chrome_trace(folder / name, since=self.written, until=end)
+        state = {
+            "format": "asyncflow-run/1",
+            "trace_s": self.tracer.now(),
+            "trace_segments": [*self.segments, name],
+            "warmup_s": self.warmup_s,
+            "resumed_at": self.resumed_at,
+            "rng": {"torch": torch.get_rng_state().tolist(), "python": random.getstate()},
+        }
+        (folder / RUN_STATE_FILE).write_text(json.dumps(state) + "\n")
+        self.segments.append(name)
+        self.written = end
+
+
+def _run_state(folder: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((folder / RUN_STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{folder / RUN_STATE_FILE} is not readable: {e}") from e
+    if not isinstance(state, dict):
+        raise ConfigError(f"{folder / RUN_STATE_FILE} is not a JSON object")
+    return state
+
+
+def _trace_segments(run_state: Mapping[str, Any]) -> list[str] | None:
+    """The trace segment files a checkpoint's ``run.json`` lists (None: a checkpoint of one
+    whole ``trace.json.gz``); ``ConfigError`` for a name that is not a segment's."""
+    names = run_state.get("trace_segments")
+    if names is None:
+        return None
+    if not isinstance(names, list) or not all(
+        isinstance(n, str) and _SEGMENT.fullmatch(n) for n in names
+    ):
+        raise ConfigError(
+            f"run.json: trace_segments must be a list of trace-NNNN.json.gz names, got "
+            f"{names!r:.120}"
+        )
+    return names
+
+
+def _load_trace(folder: Path, run_state: Mapping[str, Any]) -> Tracer:
+    """A checkpoint's trace: its segments in order, or the one file of older checkpoints."""
+    segments = _trace_segments(run_state)
+    if segments is None:
+        return tracing.load(folder / TRACE_FILE)
+    if not segments:
+        return Tracer()
+    first, *rest = (folder / n for n in segments)
+    return tracing.load(first, *rest)
 
 
 def _log_metrics(
@@ -704,9 +781,10 @@ def _resume_point(cfg: RunConfig, out: Path) -> tuple[Path, JobState, dict[str, 
             f"{cfg.rl.steps}; to train longer, resume with --set rl.steps=N (N > {done})"
         )
     try:
-        run_state = json.loads((folder / RUN_STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--resume {out}: {folder / RUN_STATE_FILE} is not readable: {e}") from e
+        run_state = _run_state(folder)
+        _trace_segments(run_state)
+    except ConfigError as e:
+        raise ConfigError(f"--resume {out}: {e}") from e
     return folder, state, run_state
 
 
@@ -825,14 +903,15 @@ async def run(
             rl_config = replace(rl_config, steps=max(left, 1))  # 0 left: no run() below
             resumed_at = [*run_state.get("resumed_at", []), state.version]
         async with _placed(cfg, model, threads, platform) as (engines, trainer, store, where):
-            tracer = tracing.load(point[0] / TRACE_FILE) if point is not None else Tracer()
+            tracer = _load_trace(point[0], point[2]) if point is not None else Tracer()
             checkpoints = None
             if out is not None:
                 checkpoints = Checkpoints(
                     out / "checkpoints", keep=cfg.checkpoint.keep,
-                    extra=functools.partial(
-                        _checkpoint_extra, tracer=tracer, warmup_s=warmup_s,
+                    extra=_RunFiles(
+                        out / "checkpoints", tracer=tracer, warmup_s=warmup_s,
                         resumed_at=resumed_at,
+                        segments=(_trace_segments(point[2]) or []) if point is not None else (),
                     ),
                 )  # fmt: skip
             step_hook = on_step
