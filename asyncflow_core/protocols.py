@@ -52,6 +52,11 @@ class Tags:
     versions: tuple[Version, ...] = ()
     tokens: int = 0
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # a slots dataclass pickles through Python-level __getstate__/__setstate__, 2x slower
+        # than this; a remote store's lease carries one Tags per row
+        return (Tags, (self.group, self.versions, self.tokens))
+
     def merged(self, other: Tags) -> Tags:
         return Tags(
             group=other.group if other.group is not None else self.group,
@@ -400,13 +405,24 @@ class DataStore(Protocol):
         dp_rank: int = 0,
         dp_size: int = 1,
         member: int = 0,
+        ack: BatchMeta | None = None,
     ) -> BatchMeta:
         """Wait until ``sampler`` (default: sequential) selects rows among the candidates, lease
         them to ``task`` for ``lease_s`` seconds and return their metadata. After ``close``,
         once rows stop arriving, the sampler may return a short final batch; when the task has
         consumed every row, returns ``end_of_stream``. Raises ``StoreTimeoutError`` after
         ``timeout`` seconds (``None`` = wait forever) without leasing anything; rows the
-        sampler dropped meanwhile (``Selection.dropped``) stay dropped."""
+        sampler dropped meanwhile (``Selection.dropped``) stay dropped.
+
+        ``ack``: a meta to commit first, exactly as ``ack(ack)`` would, in the same call (a
+        consumer folds the ack of its last batch into its next lease: one round trip less on
+        a remote store). Every argument is checked before the ack: a rejected call commits
+        nothing. If the ack fails, its error (``LeaseExpiredError``, ``LeaseError``) is raised
+        and nothing is leased. Once the call has started, the ack is committed whatever the
+        lease does next (a ``StoreTimeoutError``, a cancellation: a remote store may finish
+        committing it just after the cancellation). A store written before this parameter
+        lacks it: ``asyncflow_core.store.get_meta_after_ack`` uses it where it exists and
+        falls back to ``ack`` then ``get_meta``."""
         ...
 
     async def get_data(

@@ -14,6 +14,7 @@ so steady-state reads touch no fresh pages.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import math
 import operator
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncflow_core.controller import Controller, PutTicket
+from asyncflow_core.controller import Controller, PutTicket, check_get_args, members_of
 from asyncflow_core.errors import (
     AsyncFlowError,
     BadRequestError,
@@ -43,6 +44,7 @@ from asyncflow_core.protocols import (
     BatchMeta,
     Capacity,
     CellValue,
+    DataStore,
     FieldSchema,
     Layout,
     PartitionStats,
@@ -555,16 +557,22 @@ class InProcessDataStore:
         dp_rank: int = 0,
         dp_size: int = 1,
         member: int = 0,
+        ack: BatchMeta | None = None,
     ) -> BatchMeta:
         check_get_meta(fields, timeout)
         check_name("partition", partition)
         check_name("task", task)
         check_lease_args(batch_size, lease_s, current_version, dp_rank, dp_size, member)
+        sampler = sampler if sampler is not None else SequentialSampler()
+        if ack is not None:  # every check first: a rejected call commits nothing
+            check_lease_meta(ack, "ack")
+            check_lease_target(self.controller, partition, task, fields, batch_size, sampler,
+                               lease_s, dp_rank, dp_size, member)  # fmt: skip
+            self.controller.ack(ack)
+            self._plane.free_reclaimed()
         return await self._plane.lease(
-            partition, task, fields, batch_size,
-            sampler if sampler is not None else SequentialSampler(), timeout=timeout,
-            lease_s=lease_s, current_version=current_version, dp_rank=dp_rank,
-            dp_size=dp_size, member=member,
+            partition, task, fields, batch_size, sampler, timeout=timeout, lease_s=lease_s,
+            current_version=current_version, dp_rank=dp_rank, dp_size=dp_size, member=member,
         )  # fmt: skip
 
     async def get_data(
@@ -623,6 +631,77 @@ class InProcessDataStore:
             for unit, mine in zip(self.units, rows_by_unit(rows, len(self.units)), strict=True):
                 if mine:
                     unit.delete_rows(key, mine)
+
+
+def check_lease_target(
+    controller: Controller,
+    partition: str,
+    task: str,
+    fields: Sequence[str],
+    batch_size: int,
+    sampler: Scheduler,
+    lease_s: float,
+    dp_rank: int,
+    dp_size: int,
+    member: int,
+) -> None:
+    """Everything ``Controller.try_get_meta`` would refuse about a lease request, with its
+    errors, checked without leasing: a ``get_meta`` that carries an ``ack`` makes these checks
+    before committing it, so a rejected call commits nothing."""
+    check_get_args(batch_size, lease_s, dp_rank, dp_size, member, sampler)
+    # the controller's own lookups, so the errors are the ones its lease would raise
+    with controller._lock:
+        p = controller._part(partition)
+        controller._fields(p, fields)
+        controller._task(p, task)
+    members = members_of(sampler)
+    if member >= members:
+        raise BadRequestError(
+            f"member={member} but the sampler serves {members} member(s) per DP rank; members "
+            "are numbered 0..members_per_rank-1"
+        )
+
+
+_FOLDS_ACK: dict[type, bool] = {}
+
+
+def folds_ack(store: object) -> bool:
+    """Whether ``store.get_meta`` takes ``ack=`` (see ``DataStore.get_meta``): it names the
+    parameter or takes ``**kwargs``. A store written before the parameter existed does not.
+    Asked once per store type."""
+    kind = type(store)
+    known = _FOLDS_ACK.get(kind)
+    if known is None:
+        try:
+            params = inspect.signature(getattr(store, "get_meta")).parameters  # noqa: B009
+        except (AttributeError, TypeError, ValueError):
+            known = False
+        else:
+            known = "ack" in params or any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+            )
+        _FOLDS_ACK[kind] = known
+    return known
+
+
+async def get_meta_after_ack(
+    store: DataStore,
+    ack: BatchMeta | None,
+    partition: str,
+    task: str,
+    fields: Sequence[str],
+    batch_size: int,
+    **kwargs: Any,
+) -> BatchMeta:
+    """``store.get_meta(partition, task, fields, batch_size, ack=ack, **kwargs)`` where the
+    store takes ``ack=`` (``folds_ack``), else ``await store.ack(ack)`` then ``get_meta``:
+    the same outcome, one round trip more. ``ack=None`` is a plain ``get_meta``."""
+    if ack is None:
+        return await store.get_meta(partition, task, fields, batch_size, **kwargs)
+    if folds_ack(store):
+        return await store.get_meta(partition, task, fields, batch_size, ack=ack, **kwargs)
+    await store.ack(ack)
+    return await store.get_meta(partition, task, fields, batch_size, **kwargs)
 
 
 _Written = list[

@@ -186,7 +186,7 @@ def test_a_killed_consumer_s_rows_go_to_another_none_lost_none_twice(ray_runtime
         run(produce())
         victim = Consumer.remote(store)
         victim_ref = victim.consume.remote(4, 1.0, stall=True)
-        deadline = 50
+        deadline = 600  # a safety net of 60 s: a new actor starts slowly on a loaded box
         while run(leased()) == 0 and deadline:  # the victim holds a batch, mid-step
             ray.wait([victim_ref], timeout=0.1)
             deadline -= 1

@@ -79,6 +79,7 @@ from asyncflow_core.protocols import (
     Tags,
 )
 from asyncflow_core.scheduling import GroupSampler, RankAwareSampler, SequentialSampler
+from asyncflow_core.store import folds_ack
 
 __all__ = [
     "WAIT_S",
@@ -1017,6 +1018,179 @@ class DataStoreConformance:
         await store.ack(long)
         await store.ack(again)
         assert dict((await store.stats("p")).consumed) == {"t": 4}
+
+    # ========================================================================================
+    # The folded ack: get_meta(..., ack=meta)
+    # ========================================================================================
+    def need_ack_fold(self, store: DataStore) -> None:
+        if not folds_ack(store):
+            pytest.skip(
+                f"{type(store).__name__}.get_meta lacks the ability to fold an ack (its ack= "
+                "parameter, DataStore.get_meta); callers fall back to ack() then get_meta()"
+            )
+
+    @async_test
+    async def test_folded_ack_commits_then_leases(self, store: DataStore) -> None:
+        self.need_ack_fold(store)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3, 4]})
+        first = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        second = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, ack=first)
+        assert (first.rows, second.rows) == ((0, 1), (2, 3))
+        s = await store.stats("p")
+        assert (dict(s.consumed), dict(s.leased)) == ({"t": 2}, {"t": 2})
+        await store.close("p")
+        last = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, ack=second)
+        assert last.rows == (4,), "acked rows must never be delivered again"
+        end = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, ack=last)
+        assert end.end_of_stream, "the ack of the last batch lets the end of stream through"
+        s = await store.stats("p")
+        assert (dict(s.consumed), dict(s.leased), s.rows_live) == ({"t": 5}, {"t": 0}, 0)
+        for meta in (first, second, last):  # committed exactly once
+            assert meta.lease_id is not None
+            await expect_rejected(store, lambda m=meta: store.ack(m), LeaseError, meta.lease_id)
+
+    @async_test
+    async def test_folded_ack_may_be_another_tasks_lease(self, store: DataStore) -> None:
+        self.need_ack_fold(store)
+        await new_partition(store, tasks=("t", "u"))
+        await store.put("p", {"x": [0, 1]})
+        theirs = await store.get_meta("p", "u", ["x"], 2, timeout=WAIT_S)
+        mine = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, ack=theirs)
+        assert mine.rows == (0, 1)
+        assert dict((await store.stats("p")).consumed) == {"t": 0, "u": 2}
+
+    @pytest.mark.parametrize("case", ["acked", "nacked", "forged", "not_a_meta", "expired"])
+    @async_test
+    async def test_a_failing_folded_ack_leases_nothing(
+        self, store: DataStore, clock: FakeClock | None, case: str
+    ) -> None:
+        self.need_ack_fold(store)
+        lease_s = self.lease_s(clock)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2, 3]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S, lease_s=lease_s)
+        assert meta.lease_id is not None
+        bad: Any = meta
+        error: type[AsyncFlowError] = LeaseError
+        mention = meta.lease_id
+        if case == "acked":
+            await store.ack(meta)
+        elif case == "nacked":
+            await store.nack(meta)
+        elif case == "forged":
+            bad = BatchMeta("p", "t", (0, 1), ("x",), lease_id="forged-lease-7")
+            mention = "forged-lease-7"
+        elif case == "not_a_meta":
+            bad, error, mention = "lease-7", BadRequestError, "lease-7"
+        else:
+            await self.expire(clock, lease_s)
+            error = LeaseExpiredError
+        err = await expect_rejected(
+            store,
+            lambda: store.get_meta("p", "t", ["x"], 2, timeout=0, ack=bad),
+            error,
+            mention,
+            cells={"x": [0, 1, 2, 3]} if case != "acked" else {"x": [2, 3]},
+        )
+        if case not in ("expired", "not_a_meta"):
+            assert not isinstance(err, LeaseExpiredError), "the lease did not expire"
+        # the rejected call leased nothing: the next plain get_meta sees the same rows
+        expected = {"acked": (2, 3), "forged": (2, 3), "not_a_meta": (2, 3)}.get(case, (0, 1, 2, 3))
+        again = await store.get_meta("p", "t", ["x"], len(expected), timeout=0)
+        assert again.rows == expected
+
+    @async_test
+    async def test_an_ack_folded_into_a_timed_out_get_meta_stays_committed(
+        self, store: DataStore
+    ) -> None:
+        self.need_ack_fold(store)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert meta.lease_id is not None
+        with pytest.raises(StoreTimeoutError):
+            await store.get_meta("p", "t", ["x"], 1, timeout=0.05, ack=meta)
+        s = await store.stats("p")
+        assert (dict(s.consumed), dict(s.leased)) == ({"t": 2}, {"t": 0})
+        await expect_rejected(store, lambda: store.ack(meta), LeaseError, meta.lease_id)
+        await store.close("p")
+        assert (await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)).end_of_stream
+
+    @async_test
+    async def test_an_ack_folded_into_a_cancelled_get_meta_stays_committed(
+        self, store: DataStore
+    ) -> None:
+        self.need_ack_fold(store)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        waiter = asyncio.create_task(store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S, ack=meta))
+        await settle()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        # a remote store may commit it just after the cancellation: wait for it, not for time
+        loop = asyncio.get_running_loop()
+        until = loop.time() + WAIT_S
+        while dict((await store.stats("p")).consumed) != {"t": 2}:
+            assert loop.time() < until, "the ack of a cancelled get_meta was never committed"
+            await asyncio.sleep(0.01)
+        await store.close("p")
+        assert (await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)).end_of_stream
+
+    @pytest.mark.parametrize(
+        ("case", "error", "mention"),
+        [
+            ("batch_size", BadRequestError, "batch_size"),
+            ("lease_s", BadRequestError, "lease_s"),
+            ("dp_rank", BadRequestError, "dp_rank"),
+            ("member", BadRequestError, "member"),
+            ("timeout", BadRequestError, "-1.5"),
+            ("no_fields", BadRequestError, "fields"),
+            ("partition", UnknownPartitionError, "'nope'"),
+            ("field", UnknownFieldError, "'zz'"),
+            ("task", UnknownTaskError, "'ghost'"),
+        ],
+    )
+    @async_test
+    async def test_a_rejected_get_meta_commits_no_folded_ack(
+        self, store: DataStore, case: str, error: type[AsyncFlowError], mention: str
+    ) -> None:
+        self.need_ack_fold(store)
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1, 2]})
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        args: dict[str, Any] = {"partition": "p", "task": "t", "fields": ["x"], "batch_size": 1}
+        kwargs: dict[str, Any] = {"timeout": 0}
+        if case == "batch_size":
+            args["batch_size"] = 0
+        elif case == "no_fields":
+            args["fields"] = []
+        elif case == "partition":
+            args["partition"] = "nope"
+        elif case == "field":
+            args["fields"] = ["x", "zz"]
+        elif case == "task":
+            args["task"] = "ghost"
+        else:
+            kwargs.update(
+                {
+                    "lease_s": {"lease_s": 0.0},
+                    "dp_rank": {"dp_rank": 2, "dp_size": 2},
+                    "member": {"member": 1},  # the default sampler serves one member
+                    "timeout": {"timeout": -1.5},
+                }[case]
+            )
+        await expect_rejected(
+            store,
+            lambda: store.get_meta(**args, **kwargs, ack=meta),
+            error,
+            mention,
+            cells={"x": [0, 1, 2]},
+        )
+        await store.ack(meta)  # still held: the rejected call did not commit it
+        assert dict((await store.stats("p")).consumed) == {"t": 2}
 
     # ========================================================================================
     # Capacity and reclamation
