@@ -48,6 +48,7 @@ from asyncflow_core.protocols import (
     Tags,
     Version,
 )
+from asyncflow_core.store import get_meta_after_ack
 from asyncflow_core.trace import Tracer
 
 FieldValues = Sequence[CellValue] | torch.Tensor
@@ -332,8 +333,17 @@ class Pipeline:
         ``workers`` slots is idle (lowest idle slot first) and runs it in that slot. One
         waiter per task on the store however many workers it has, so a change to the
         partition wakes a handful of pullers, not thousands of idle workers. A slot that
-        raises ends the task with that exception."""
+        raises ends the task with that exception.
+
+        With one worker the slot's ack rides on the puller's next ``get_meta`` (``ack=``; one
+        round trip less per batch on a remote store): the puller makes that call as soon as
+        the slot is done, and the store commits the ack before any wait, so no ack is later
+        than with its own call, and an ack that fails raises from that call, ending the task
+        as before. With more workers the next ``get_meta`` may wait for another slot, so each
+        slot acks by itself."""
         tracer = self.tracer
+        fold = task.workers == 1
+        unacked: BatchMeta | None = None  # fold: the finished batch the next get_meta acks
         if callable(task.sampler) and not hasattr(task.sampler, "select"):
             samplers: list[Scheduler | None] = [task.sampler() for _ in range(task.workers)]
         else:
@@ -348,10 +358,14 @@ class Pipeline:
         async def run_slot(
             worker: int, meta: BatchMeta, batch: Batch, version: Version | None
         ) -> None:
+            nonlocal unacked
             try:
                 await self._run_batch(
-                    store, task, worker, meta, batch, version, idle_since[worker], executor
-                )
+                    store, task, worker, meta, batch, version, idle_since[worker], executor,
+                    ack=not fold,
+                )  # fmt: skip
+                if fold:
+                    unacked = meta
                 counts[task.name] += len(meta)
                 if task.reuse_batch:
                     done[worker] = batch
@@ -365,10 +379,11 @@ class Pipeline:
                 while True:
                     worker = await idle.get()
                     version = task.current_version() if task.current_version is not None else None
-                    meta = await store.get_meta(
-                        self.partition, task.name, list(task.consumes), task.batch_size,
-                        sampler=samplers[worker], timeout=None, current_version=version,
-                        lease_s=task.lease_s,
+                    ack, unacked = unacked, None  # the store answers for it from here
+                    meta = await get_meta_after_ack(
+                        store, ack, self.partition, task.name, list(task.consumes),
+                        task.batch_size, sampler=samplers[worker], timeout=None,
+                        current_version=version, lease_s=task.lease_s,
                     )  # fmt: skip
                     if meta.end_of_stream:
                         idle.put_nowait(worker)
@@ -383,6 +398,10 @@ class Pipeline:
                     group.create_task(run_slot(worker, meta, batch, version))
         except BaseExceptionGroup as eg:
             raise _first_leaf(eg) from None
+        finally:
+            if unacked is not None:  # done, but stopped or failed before the next get_meta
+                meta, unacked = unacked, None
+                await store.ack(meta)
         if tracer is not None:  # every slot waited for data that never came
             end = tracer.now()
             for w in range(task.workers):
@@ -401,10 +420,12 @@ class Pipeline:
         version: Version | None,
         idle_since: float,
         executor: ThreadPoolExecutor,
+        *,
+        ack: bool = True,
     ) -> None:
         """One iteration of one worker slot (idle since ``idle_since``; ``version``: the
         task's current version when the batch was pulled): call, write the produced fields,
-        ack."""
+        ack (unless ``ack`` is False: the caller acks it later)."""
         tracer = self.tracer
         resource = task.resource
 
@@ -438,7 +459,8 @@ class Pipeline:
                 f"task {task.name!r} declares no produced fields but returned "
                 f"{type(result).__name__}; return None or declare produces=..."
             )
-        await store.ack(meta)
+        if ack:
+            await store.ack(meta)
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
