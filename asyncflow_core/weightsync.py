@@ -770,13 +770,24 @@ class _Channel:
         return wait
 
     def send_header(self, header: dict[str, Any]) -> None:
+        self.header_send_start(header)()
+
+    def header_send_start(self, header: dict[str, Any]) -> Callable[[], None]:
+        """Start sending ``header`` (one slot; a long one's rest in a second broadcast); the
+        returned function waits until it is sent."""
         data = json.dumps(header).encode()
         framed = len(data).to_bytes(8, "little") + data
         slot = framed[:_HEADER_SLOT].ljust(_HEADER_SLOT, b"\0")
-        self.broadcast(torch.frombuffer(bytearray(slot), dtype=torch.uint8).to(self.device))
-        if len(framed) > _HEADER_SLOT:  # a long header: the rest in a second broadcast
+        waits = [self.start(torch.frombuffer(bytearray(slot), dtype=torch.uint8).to(self.device))]
+        if len(framed) > _HEADER_SLOT:
             rest = bytearray(framed[_HEADER_SLOT:])
-            self.broadcast(torch.frombuffer(rest, dtype=torch.uint8).to(self.device))
+            waits.append(self.start(torch.frombuffer(rest, dtype=torch.uint8).to(self.device)))
+
+        def wait() -> None:
+            for each in waits:
+                each()
+
+        return wait
 
     def recv_header(self, timeout_s: float | None = None) -> dict[str, Any]:
         slot = torch.empty(_HEADER_SLOT, dtype=torch.uint8, device=self.device)
@@ -1076,13 +1087,18 @@ class DistributedWeightSync:
         wait_now: bool,
     ) -> None:
         try:
-            self._channel.send_header(header)
+            # the header and the bytes are both queued before anything is awaited: the bytes
+            # follow the header (and the previous bucket's bytes) without a wake-up of this
+            # thread in between
+            header_sent = self._channel.header_send_start(header)
+            wait = self._channel.start(payload) if payload.numel() else _nothing
+            header_sent()
         except BaseException as exc:
             self._end_on_wire(exc)
             sent.set_exception(exc)
             raise
         self._end_on_wire()
-        self._on_wire_now = (self._channel.start(payload) if payload.numel() else _nothing, sent)
+        self._on_wire_now = (wait, sent)
         if wait_now:
             self._end_on_wire()
 
