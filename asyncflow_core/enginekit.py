@@ -108,6 +108,13 @@ def _reject(who: str, rid: object, message: str) -> EngineError:
 def _check_ids(who: str, rid: str, name: str, ids: object, vocab_size: int | None) -> None:
     if not isinstance(ids, tuple | list):
         raise _reject(who, rid, f"{name}={ids!r:.60} must be a tuple of token ids")
+    if not ids:
+        return
+    # the usual case in one pass of C loops (plain ints: bool's type is not int); anything
+    # else takes the loop below, which names the first bad id
+    plain = all(type(t) is int for t in ids)
+    if plain and min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size):
+        return
     for i, t in enumerate(ids):
         if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             bound = (
