@@ -18,6 +18,11 @@ round (the order alternates between rounds) and reporting the median with min-ma
      pack=True)`` buckets (the bytes already laid out, as the flat baseline's are) into a
      ``DistributedWeightReceiver(reuse_buffers=True)``;
    * ``bucketed_pack`` — the same from the ``state_dict``'s own tensors, packed on send;
+   * ``wire_raw`` — the floor of the bucketed wire: the same broadcasts as ``bucketed`` (per
+     bucket a header slot queued with the bucket's bytes, then the finish slot), from the
+     same pre-packed buffers into receive buffers allocated once, as plain
+     ``torch.distributed.broadcast(async_op=True)`` calls on the default group, with none of
+     the transport's Python (no JSON, checks, threads or views);
    * ``bucketed_fresh`` / ``flat_fresh`` — the receiver takes fresh memory every time (what a
      receiver whose target keeps the tensors must do); context only.
 
@@ -66,11 +71,14 @@ from asyncflow_core.weightsync import (
 
 HOST = "127.0.0.1"
 MB = 1 << 20
-# name -> (bucketed?, pre-packed buckets?, receiver reuses its buffers?)
+# name -> (through the transport?, pre-packed buckets?, receiver reuses its buffers?); not
+# through the transport: one flat broadcast, or (pre-packed) the bucketed wire's raw calls
+HEADER_SLOT = 4096  # bytes of one header broadcast on the transport's wire
 VARIANTS: dict[str, tuple[bool, bool, bool]] = {
     "flat": (False, False, True),
     "bucketed": (True, True, True),
     "bucketed_pack": (True, False, True),
+    "wire_raw": (False, True, True),
     "bucketed_fresh": (True, True, False),
     "flat_fresh": (False, False, False),
 }
@@ -93,6 +101,25 @@ def _ack(group: WeightSyncGroup | None) -> None:
         group.broadcast(flag, 1)
 
 
+def _raw_wire(buffers: Sequence[torch.Tensor]) -> None:
+    """The bucketed wire's broadcasts without the transport: per bucket a header slot queued
+    with the bucket's bytes (the bytes waited for once the next header went out), then the
+    finish slot; the same calls on both sides."""
+    slot = torch.zeros(HEADER_SLOT, dtype=torch.uint8)
+    previous = None
+    for buffer in buffers:
+        header = dist.broadcast(slot, 0, async_op=True)
+        payload = dist.broadcast(buffer, 0, async_op=True)
+        assert header is not None and payload is not None
+        header.wait()
+        if previous is not None:
+            previous.wait()
+        previous = payload
+    dist.broadcast(slot, 0)
+    if previous is not None:
+        previous.wait()
+
+
 def _plan(rounds: int) -> list[str]:
     """Every variant once per round, the order reversed every other round."""
     names = list(VARIANTS)
@@ -110,7 +137,9 @@ def _join_world(port: int, rank: int) -> None:
 # --------------------------------------------------------------------------------------------
 # Section 1: bandwidth (the receiver is this child)
 # --------------------------------------------------------------------------------------------
-def _receiver_main(ports: tuple[int, int], total_bytes: int, plan: list[str]) -> None:
+def _receiver_main(
+    ports: tuple[int, int], total_bytes: int, bucket_sizes: list[int], plan: list[str]
+) -> None:
     torch.set_num_threads(1)
     _join_world(ports[0], rank=1)
     group = WeightSyncGroup(HOST, ports[1], 1, 2, timeout_s=120)
@@ -120,14 +149,19 @@ def _receiver_main(ports: tuple[int, int], total_bytes: int, plan: list[str]) ->
         for reuse in (False, True)
     }
     kept = torch.empty(total_bytes, dtype=torch.uint8)
+    raw_buffers = [torch.empty(n, dtype=torch.uint8) for n in bucket_sizes]
 
     async def main() -> None:
         for variant in plan:
-            bucketed, _, reuse = VARIANTS[variant]
+            bucketed, packed, reuse = VARIANTS[variant]
             if bucketed:
                 _ack(group)
                 await receivers[reuse].receive_one()
                 _ack(group)
+            elif packed:
+                _ack(None)
+                _raw_wire(raw_buffers)
+                _ack(None)
             else:
                 buffer = kept if reuse else torch.empty(total_bytes, dtype=torch.uint8)
                 _ack(None)
@@ -148,10 +182,17 @@ async def _bandwidth(
     """Seconds per variant and round (the first round is a warm-up, not returned)."""
     buckets = {packed: bucketize(named, bucket_bytes, pack=packed) for packed in (False, True)}
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
+    # each pre-packed bucket's whole buffer (bucketize makes it exactly the wire's size)
+    wire = [
+        torch.empty(0, dtype=torch.uint8).set_(bucket.tensors[0].untyped_storage())
+        for bucket in buckets[True]
+    ]
     plan = _plan(rounds + 1)
     ports = (free_port(), free_port())
     child = multiprocessing.get_context("spawn").Process(
-        target=_receiver_main, args=(ports, flat.numel(), plan), daemon=True
+        target=_receiver_main,
+        args=(ports, flat.numel(), [w.numel() for w in wire], plan),
+        daemon=True,
     )
     child.start()
     seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -167,6 +208,11 @@ async def _bandwidth(
                 t0 = time.perf_counter()
                 await _send(sync, buckets[packed], version)
                 _ack(group)
+            elif packed:
+                _ack(None)
+                t0 = time.perf_counter()
+                _raw_wire(wire)
+                _ack(None)
             else:
                 _ack(None)
                 t0 = time.perf_counter()
@@ -287,6 +333,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r[0]:>10.2f} ({r[1]:.2f}-{r[2]:.2f})"
         )
     ratio = vs_flat["bucketed"]
+    over_raw = _spread(
+        [r / b for r, b in zip(seconds["wire_raw"], seconds["bucketed"], strict=True)]
+    )
+    print(
+        f"  bucketed vs wire_raw (the transport's own cost): {over_raw[0]:.2f} "
+        f"({over_raw[1]:.2f}-{over_raw[2]:.2f})"
+    )
 
     gap_s = args.gap_s if args.gap_s is not None else (0.3 if quick else 1.0)
     reports = asyncio.run(
@@ -311,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "bucketed_vs_flat_min": ratio[1],
         "bucketed_vs_flat_max": ratio[2],
         "bucketed_pack_vs_flat": vs_flat["bucketed_pack"][0],
+        "wire_raw_vs_flat": vs_flat["wire_raw"][0],
+        "bucketed_vs_wire_raw": over_raw[0],
+        "bucketed_vs_wire_raw_min": over_raw[1],
+        "bucketed_vs_wire_raw_max": over_raw[2],
         "bucketed_fresh_vs_flat": vs_flat["bucketed_fresh"][0],
         "flat_fresh_vs_flat": vs_flat["flat_fresh"][0],
         **{f"{v}_gbps": _spread(gbps[v])[0] for v in VARIANTS},
