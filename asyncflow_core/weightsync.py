@@ -908,7 +908,11 @@ class DistributedWeightSync:
     bare one). Each bucket's bytes stay on the wire while the next header travels: both sides
     start the broadcasts in the same order, and a ``WeightSyncGroup`` (gloo runs two at a
     time) or a torch.distributed group lets them overlap; another ``BroadcastGroup`` runs them
-    one after the other. The collectives run on the sender's own thread; the event loop
+    one after the other. The sender queues a bucket's header and bytes together before it
+    waits on either, so one bucket's bytes follow the previous one's without a turn of its
+    thread; the receiver queues the next header behind a bucket's bytes and makes the
+    bucket's views while they come, so between a header's arrival and the next receive it
+    only checks that header. The collectives run on the sender's own thread; the event loop
     stays free.
 
     **Copies.** A bucket whose tensors already lie at that layout in one buffer on ``device``
@@ -922,10 +926,11 @@ class DistributedWeightSync:
 
     **Cost** (``benchmarks/weight_sync.py``: 2 processes on the 2-core dev box, gloo over
     loopback, a 208 MiB model in 64 MiB buckets, against one flat broadcast of the same bytes):
-    see the README's weight-sync section for the measured ratio. Each broadcast costs a
-    fraction of a millisecond besides its bytes; with the start folded into the first header
+    see the README's weight-sync section for the measured ratio, and the benchmark's
+    ``wire_raw`` for the same broadcasts without this transport's Python. Each broadcast costs
+    a fraction of a millisecond besides its bytes; with the start folded into the first header
     and each header overlapping the previous bucket's bytes, a sync exposes about one header
-    more than the flat broadcast, plus one fixed cost per bucket.
+    more than the flat broadcast, plus the receiver's check of each header.
 
     A failed collective leaves the transport unusable (every later call raises that error):
     close the group and rebuild it. ``close()`` tells the receivers to stop (their ``serve``
