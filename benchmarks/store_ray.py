@@ -22,10 +22,14 @@ clock around ``ray.get`` of every client's call (phases start together, end with
    per client; then the driver closes the partition (untimed).
 2. **get** — every client leases batches of ``--get-rows`` rows with ``get_meta`` on **one
    shared task** (``train``), reads them with ``get_data`` and acks them (rows are reclaimed),
-   until end of stream. A shared task is the data-parallel consumer pattern (the clients split
-   the rows between them, whoever asks first gets the next batch) and reads every byte exactly
-   once, so the get phase moves the same bytes as the put phase and as the baseline; one task
-   per client would read every row once per client. ``--layout auto`` reads the fixed rows as
+   until end of stream. ``--ack fold`` (default) acks each batch in the client's next
+   ``get_meta`` (``get_meta(..., ack=previous)``: one controller round trip per batch; the
+   last batch's ack rides on the end-of-stream ``get_meta``); ``--ack separate`` calls
+   ``ack`` after each batch (two round trips per batch). A shared task is the data-parallel
+   consumer pattern (the clients split the rows between them, whoever asks first gets the
+   next batch) and reads every byte exactly once, so the get phase moves the same bytes as
+   the put phase and as the baseline; one task per client would read every row once per
+   client. ``--layout auto`` reads the fixed rows as
    one padded tensor per field (``torch.stack``: no padding, the rows are full length) and the
    ragged rows as one jagged nested tensor per field (no padding written): a batch tensor, as
    a trainer wants it, like TransferQueue's reads.
@@ -76,6 +80,8 @@ import torch
 from asyncflow_ray.runtime import RayRuntime, import_ray
 from asyncflow_ray.store import ROWS_PER_BLOCK, RayDataStore
 
+from asyncflow_core.protocols import BatchMeta
+
 T = TypeVar("T")
 SEED = 1234
 GB = 1e9
@@ -84,6 +90,7 @@ TEXT = "text"
 WORKLOADS = ("fixed", "ragged")
 PATHS = {"fixed": ("store", "raw"), "ragged": ("store", "raw-rows", "raw-packed")}
 LAYOUTS = ("auto", "list", "padded", "nested")
+ACKS = ("fold", "separate")
 GET_TIMEOUT_S = 120.0
 
 
@@ -135,6 +142,7 @@ class Spec:
     get_rows: int
     layout: str
     units: int
+    ack: str = "fold"
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,12 +236,15 @@ class BenchClient:
         rows = nbytes = calls = 0
         meta_s = data_s = ack_s = 0.0
         pc = time.perf_counter
+        fold = self.spec.ack == "fold"
+        done: BatchMeta | None = None  # fold: the last batch, acked by the next get_meta
         t0 = pc()
         while True:
             ta = pc()
             meta = await self.store.get_meta(
-                partition, TASK, fields, self.spec.get_rows, timeout=GET_TIMEOUT_S
+                partition, TASK, fields, self.spec.get_rows, timeout=GET_TIMEOUT_S, ack=done
             )
+            done = None
             tb = pc()
             meta_s += tb - ta
             calls += 1
@@ -246,7 +257,10 @@ class BenchClient:
                 nbytes += sum(len(s) for s in batch[TEXT])
             del batch
             tc = pc()
-            await self.store.ack(meta)
+            if fold:
+                done = meta
+            else:
+                await self.store.ack(meta)
             td = pc()
             data_s += tc - tb
             ack_s += td - tc
@@ -434,6 +448,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 7; quick 1)")
     ap.add_argument("--layout", choices=LAYOUTS, default="auto", help="get_data layout")
     ap.add_argument(
+        "--ack",
+        choices=ACKS,
+        default="fold",
+        help="store get loop: fold each batch's ack into the next get_meta (default), or ack "
+        "it with its own call (separate)",
+    )
+    ap.add_argument(
         "--rows-per-block",
         type=int,
         default=ROWS_PER_BLOCK,
@@ -473,7 +494,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    spec = Spec(args.seq_len, args.fields, args.chunk, args.get_rows, args.layout, args.units)
+    spec = Spec(
+        args.seq_len, args.fields, args.chunk, args.get_rows, args.layout, args.units, args.ack
+    )
     rt = RayRuntime(
         num_cpus=max(4, os.cpu_count() or 1),  # logical: every actor here reserves 0 CPUs
         object_store_bytes=int(args.object_store_gib * 2**30),
@@ -511,7 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"in [{max(1, args.seq_len // 4)}, {args.seq_len}] + a '{TEXT}' field (64-512 chars)"
             f" = {nbytes['ragged'] / GB:.3f} GB.\n    put: {args.chunk} rows per put, one in "
             f"flight per client; get: get_meta({args.get_rows}) on one shared task + get_data "
-            f"(layout {lay['fixed']} / {lay['ragged']}) + ack. GB = 1e9 bytes of payload.\n"
+            f"(layout {lay['fixed']} / {lay['ragged']}) + ack ({args.ack}: "
+            + ("in the next get_meta" if args.ack == "fold" else "its own call")
+            + "). GB = 1e9 bytes of payload.\n"
             "    raw baseline: per chunk, one Ray actor call per sink carrying numpy arrays of "
             "its rows (fixed: views; ragged: per-row views = raw-rows,\n    or one concatenated "
             "array per field = raw-packed), kept by the sink and returned once on get.\n"
@@ -570,7 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         "    put s / get s: driver wall clock of the phase (all clients), median. GB/s = payload "
         "bytes / phase s.\n    samples/s e2e = rows / (put s + get s). get: meta/data/ack s = "
-        "seconds per client in get_meta / get_data / ack.\n    vs raw = best raw s / this s "
+        "seconds per client in get_meta / get_data / ack\n    (--ack fold: the acks ride on "
+        "the get_metas, ack s = 0).\n    vs raw = best raw s / this s "
         "in the same repetition (best raw: the faster raw configuration of that repetition\n"
         "    and phase; ragged has two: raw-rows sends one array per row, raw-packed "
         "concatenates each field first): 1 = as fast as plain Ray calls."
@@ -619,6 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "storage_units": args.units,
         "rows_per_block": args.rows_per_block,
         "clients": args.clients,
+        "ack": args.ack,
         "workload": {
             "batch": args.batch,
             "seq_len": args.seq_len,

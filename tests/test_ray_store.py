@@ -396,3 +396,48 @@ def test_rows_per_block_routes_rows_and_travels_with_the_store(ray_runtime: Any)
         run(go())
     finally:
         store.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# The folded ack on the two-step lease (a sampler that runs in the caller: peek carries it)
+# --------------------------------------------------------------------------------------------
+class _CallerSampler:
+    """Sequential, but not ``stateless``: the Ray store runs it in the caller (peek, then
+    lease_selected)."""
+
+    def select(self, candidates: Any, request: Any) -> Any:
+        from asyncflow_core.scheduling import SequentialSampler
+
+        return SequentialSampler().select(candidates, request)
+
+
+def test_a_caller_run_sampler_folds_the_ack_into_its_first_request(
+    shared_store: RayDataStore,
+) -> None:
+    from asyncflow_core.errors import LeaseError, UnknownFieldError
+
+    _reset(shared_store)
+    store = shared_store
+
+    async def go() -> None:
+        await store.create_partition("p", ["x"], tasks=["t"])
+        await store.put("p", {"x": [0, 1, 2, 3, 4]})
+        sampler = _CallerSampler()
+        first = await store.get_meta("p", "t", ["x"], 2, sampler=sampler, timeout=5)
+        # a rejected request commits nothing
+        with pytest.raises(UnknownFieldError):
+            await store.get_meta("p", "t", ["zz"], 2, sampler=sampler, timeout=0, ack=first)
+        assert dict((await store.stats("p")).consumed) == {"t": 0}
+        second = await store.get_meta("p", "t", ["x"], 2, sampler=sampler, timeout=5, ack=first)
+        assert (first.rows, second.rows) == ((0, 1), (2, 3))
+        assert dict((await store.stats("p")).consumed) == {"t": 2}
+        with pytest.raises(LeaseError):  # committed once
+            await store.get_meta("p", "t", ["x"], 1, sampler=sampler, timeout=0, ack=first)
+        assert dict((await store.stats("p")).leased) == {"t": 2}
+        await store.close("p")
+        last = await store.get_meta("p", "t", ["x"], 2, sampler=sampler, timeout=5, ack=second)
+        end = await store.get_meta("p", "t", ["x"], 2, sampler=sampler, timeout=5, ack=last)
+        assert last.rows == (4,) and end.end_of_stream
+        assert dict((await store.stats("p")).consumed) == {"t": 5}
+
+    run(go())

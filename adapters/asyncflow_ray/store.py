@@ -50,7 +50,8 @@ controller's readability check of the leased rows; ``get_data`` 1 (the units' re
 parallel, then mapping the objects), plus the controller's check in parallel when the lease's
 own check no longer stands (older than ``LEASE_TRUST * lease_s``, acked, other rows or
 fields, another sampler); ``ack`` 1, durable when it returns (the deletes it frees are sent
-after the controller has answered).
+``DELETE_DELAY_S`` later, several acks' in one call per unit). A ``get_meta`` that carries
+an ack (``ack=``) is still 1 call: the controller commits the ack, then leases.
 
 Trust: every message is a Ray call between members of one cluster (Ray's own serialization);
 AsyncFlow opens no port and unpickles nothing from outside the cluster. Use Ray's token
