@@ -47,11 +47,17 @@ from asyncflow_core.protocols import (
     Selection,
     Tags,
 )
-from asyncflow_core.scheduling import is_repeatable
+from asyncflow_core.scheduling import is_repeatable, reads_first
 
 _NO_TAGS = Tags()
 _ENDED_LEASES_KEPT = 100_000  # how many ended lease ids we remember to explain a late ack
 _FEW = 32  # below this many rows a Python loop beats numpy's per-call set-up
+# A task keeps its incremental candidate state (_TaskState.cand/gcount) only while its
+# partition holds at least this many slots: below it a scan per lease costs less than the
+# updates every change would pay (the small main job lost ~9% to them), above it the scans
+# grow with the rows (~160 K at 1024 simulated devices) and the updates win. A task stops
+# tracking when the partition shrinks below a quarter of it (no flapping at the border).
+TRACK_MIN_SLOTS = 4096
 
 
 def fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
@@ -105,7 +111,9 @@ class _TaskState:
     ``cand[slot]`` is whether the row is a candidate for a request of the fields ``cols``
     (alive, neither consumed nor leased by this task, every field of ``cols`` ready);
     ``gcount[code]`` counts the live rows of group ``code`` this task has not consumed.
-    Both start when first needed (``cols``/``gcount`` None until then)."""
+    Both start when first needed in a partition of at least ``TRACK_MIN_SLOTS`` slots
+    (``cols``/``gcount`` None until then, and again once it shrank): a smaller partition
+    is scanned per lease instead."""
 
     consumed: np.ndarray[Any, np.dtype[np.bool_]]
     leased: np.ndarray[Any, np.dtype[np.bool_]]
@@ -339,13 +347,39 @@ class _Partition:
         )
         ts.cand = cand
 
+    def untrack(self, ts: _TaskState) -> None:
+        """Drop ``ts``'s incremental state: its leases scan (``candidate_slots``)."""
+        ts.cols = ts.col_index = ts.cand = ts.gcount = None
+
+    def candidate_slots(self, ts: _TaskState, cols: IntArray) -> IntArray:
+        """Slots of ``ts``'s candidates for a request of ``cols``, ascending: from the
+        incremental state in a large partition (started here when needed), by a scan in a
+        small one (``TRACK_MIN_SLOTS``)."""
+        used = self.used
+        if ts.cand is not None and used < TRACK_MIN_SLOTS // 4:
+            self.untrack(ts)
+        if ts.cand is None and used < TRACK_MIN_SLOTS:
+            mask = self.alive[:used] & ~ts.consumed[:used] & ~ts.leased[:used]
+            mask &= (
+                self.ready[:used, cols[0]] if cols.size == 1 else self.ready[:used][:, cols].all(1)
+            )
+            return np.flatnonzero(mask)
+        if ts.cols is None or len(ts.cols) != len(cols) or ts.cols != tuple(cols.tolist()):
+            self.track(ts, cols)
+        assert ts.cand is not None
+        return np.flatnonzero(ts.cand[:used])
+
     def count_groups(self, ts: _TaskState) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """``ts.gcount``, counted by one scan the first time."""
+        """Live rows per group code that ``ts`` has not consumed: ``ts.gcount`` while the
+        task tracks (counted by one scan the first time), else a scan."""
         if ts.gcount is None:
             used = self.used
             g = self.group[:used]
             mine = g[self.alive[:used] & ~ts.consumed[:used] & (g >= 0)]
-            ts.gcount = np.bincount(mine, minlength=self.group_count.shape[0]).astype(np.int64)
+            counts = np.bincount(mine, minlength=self.group_count.shape[0]).astype(np.int64)
+            if ts.cand is None:
+                return counts
+            ts.gcount = counts
         return ts.gcount
 
     def refresh(self, slots: IntArray) -> None:
@@ -356,6 +390,7 @@ class _Partition:
         ready: IntArray | None = None
         for ts in self.tasks.values():
             if ts.cand is None or ts.col_index is None:
+                ts.clean = False  # not tracked: any change may matter to its next lease
                 continue
             if alive is None:
                 alive, ready = self.alive[slots], self.ready[slots]
@@ -796,10 +831,9 @@ class Controller:
                         return None  # nothing it can see changed since it got nothing
                 ts.clean = False
                 used = p.used
-                if ts.cols is None or len(ts.cols) != len(cols) or ts.cols != tuple(cols.tolist()):
-                    p.track(ts, cols)
-                assert ts.cand is not None
-                slots = np.flatnonzero(ts.cand[:used])
+                slots = p.candidate_slots(ts, cols)
+                if slots.size > batch_size and reads_first(sampler):
+                    slots = slots[:batch_size]  # all it reads: the rest costs O(candidates)
                 final = False
                 if p.closed and not p.pending:
                     free = p.alive[:used] & ~ts.consumed[:used] & ~ts.leased[:used]

@@ -24,6 +24,9 @@ __all__ = [
     "karmarkar_karp",
 ]
 
+_FEW_ROWS = 32
+"""Up to this many candidates, ``GroupSampler`` selects in plain Python (``_select_few``)."""
+
 _FRESH = np.iinfo(np.int64).max
 """Sort key of a row without a version: newer than any real version, never stale."""
 
@@ -71,6 +74,8 @@ class SequentialSampler:
     (``asyncflow_ray``'s controller does, in one round trip)."""
     repeatable: ClassVar[bool] = True
     """``select`` depends on its arguments only (``is_repeatable``)."""
+    reads_first: ClassVar[bool] = True
+    """``select`` reads only the first ``batch_size`` candidates (``reads_first``)."""
 
     def __init__(self, *, greedy: bool = False) -> None:
         self.greedy = _check_flag("SequentialSampler", "greedy", greedy)
@@ -159,6 +164,10 @@ class GroupSampler:
         m = len(candidates)
         if m == 0:
             return Selection()
+        if m <= _FEW_ROWS:
+            few = self._select_few(candidates, request)
+            if few is not None:
+                return few
         codes = candidates.groups
         untagged = np.flatnonzero(codes < 0)
         if not untagged.size and self.cannot_fill(candidates, request):
@@ -206,6 +215,44 @@ class GroupSampler:
             gone = np.flatnonzero(within >= (counts - drop_k)[inverse])
             dropped = _rows(candidates.rows[gone])
         return Selection(rows=rows, dropped=dropped)
+
+    def _select_few(self, candidates: Candidates, request: SampleRequest) -> Selection | None:
+        """``select`` for a few candidates, in plain Python (the same answer: numpy's per-call
+        set-up costs more than the work here; reward and advantage ask with a group or two
+        thousands of times). None when a row is untagged: ``select`` raises, naming it."""
+        codes: list[int] = candidates.groups.tolist()
+        positions: dict[int, list[int]] = {}  # per group in order of first appearance
+        for i, code in enumerate(codes):
+            if code < 0:
+                return None
+            positions.setdefault(code, []).append(i)
+        n = self.n
+        max_chunks = request.batch_size // n
+        have = sum(len(p) // n for p in positions.values())
+        if not request.final and (have == 0 if self.greedy else have < max_chunks):
+            return Selection()
+        rows: list[int] = candidates.rows.tolist()
+        chosen: list[int] = []
+        left = max_chunks
+        for p in positions.values():
+            if left <= 0:
+                break
+            take = min(len(p) // n, left)
+            chosen += [rows[i] for i in p[: take * n]]
+            left -= take
+        if not request.final:
+            return Selection(rows=tuple(chosen))
+        # rows that can never be part of a full chunk (see the class docstring)
+        sizes: list[int] = candidates.group_sizes.tolist()
+        gone: list[int] = []
+        for p in positions.values():
+            size = sizes[p[0]]
+            never = size % n if size >= 0 else 0
+            drop_k = min(len(p) % n, never)
+            if drop_k:
+                gone += p[len(p) - drop_k :]
+        gone.sort()
+        return Selection(rows=tuple(chosen), dropped=tuple(rows[i] for i in gone))
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,6 +424,23 @@ def is_repeatable(sampler: object) -> bool:
 
 
 _REPEATABLE_OWNERS: dict[type, bool] = {}
+
+
+def reads_first(sampler: object) -> bool:
+    """Whether ``sampler`` promises (``reads_first`` is True, declared by the class that
+    defines its ``select``) that ``select`` answers the same for the first ``batch_size``
+    candidates as for all of them, in the order given. A store may then pass only those
+    (the controller does: a lease then costs O(batch_size), not O(candidates))."""
+    cls = type(sampler)
+    known = _READS_FIRST_OWNERS.get(cls)
+    if known is None:
+        sel = next((k for k in cls.__mro__ if "select" in k.__dict__), None)
+        flag = next((k for k in cls.__mro__ if "reads_first" in k.__dict__), None)
+        known = _READS_FIRST_OWNERS[cls] = sel is not None and sel is flag
+    return known and getattr(sampler, "reads_first", False) is True
+
+
+_READS_FIRST_OWNERS: dict[type, bool] = {}
 
 
 def _cannot_fill_of(sampler: Scheduler) -> CannotFill | None:

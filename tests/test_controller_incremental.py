@@ -7,17 +7,26 @@ leases with several samplers, acks, nacks, expiries and a close run on two contr
 lockstep: one whose samplers declare ``repeatable`` (so the shortcut applies) and one whose
 samplers are the same objects behind a wrapper that does not (every request computed in
 full). Every answer must be the same, and after every step the incremental state must equal
-a recomputation from the row arrays (``Controller.check_incremental_state``)."""
+a recomputation from the row arrays (``Controller.check_incremental_state``).
+
+A task keeps that state only in a partition of at least ``TRACK_MIN_SLOTS`` slots (smaller
+ones are scanned per lease); the tests set the bound to 0 (always tracked), to a few slots
+(tracking starts and stops as the partition grows and shrinks) and leave it (never tracked
+at these sizes), and the answers must not differ."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.controller import Controller
+from asyncflow_core import controller as controller_module
+from asyncflow_core.controller import TRACK_MIN_SLOTS, Controller
 from asyncflow_core.errors import AsyncFlowError
 from asyncflow_core.protocols import (
     BatchMeta,
@@ -176,9 +185,34 @@ def _do(
         return type(e).__name__
 
 
+@contextmanager
+def _track_min(slots: int) -> Iterator[None]:
+    saved = controller_module.TRACK_MIN_SLOTS
+    controller_module.TRACK_MIN_SLOTS = slots
+    try:
+        yield
+    finally:
+        controller_module.TRACK_MIN_SLOTS = saved
+
+
+@pytest.fixture
+def always_track() -> Iterator[None]:
+    """Incremental state in every partition, however small."""
+    with _track_min(0):
+        yield
+
+
+@pytest.mark.parametrize("track_min", [0, 16, TRACK_MIN_SLOTS])
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
-@given(st.lists(op, min_size=1, max_size=80))
-def test_incremental_state_and_idle_answers_match_a_full_computation(steps: list[Any]) -> None:
+@given(steps=st.lists(op, min_size=1, max_size=80))
+def test_incremental_state_and_idle_answers_match_a_full_computation(
+    track_min: int, steps: list[Any]
+) -> None:
+    with _track_min(track_min):
+        _check_steps(steps)
+
+
+def _check_steps(steps: list[Any]) -> None:
     fast, fast_clock, fast_samplers = _world(_Counting)
     full, full_clock, full_samplers = _world(_Plain)
     fast_held: list[BatchMeta] = []
@@ -194,6 +228,7 @@ def test_incremental_state_and_idle_answers_match_a_full_computation(steps: list
     assert sum(s.calls for s in fast_samplers) <= sum(s.calls for s in full_samplers)
 
 
+@pytest.mark.usefixtures("always_track")
 def test_an_idle_request_is_not_asked_again_until_something_it_sees_changes() -> None:
     ctl, _, _ = _world(_Counting)
     sampler = _Counting(GroupSampler(2))
@@ -226,6 +261,7 @@ def test_an_idle_request_is_not_asked_again_until_something_it_sees_changes() ->
     ctl.check_incremental_state()
 
 
+@pytest.mark.usefixtures("always_track")
 def test_an_idle_request_is_asked_again_when_a_candidate_group_grows() -> None:
     ctl, _, _ = _world(_Counting)
     sampler = _Counting(_WholeGroupsOf3())
@@ -259,6 +295,7 @@ def test_samplers_declare_repeatable_only_where_select_is_a_function_of_its_argu
     assert not is_repeatable(Stateful(2))
 
 
+@pytest.mark.usefixtures("always_track")
 def test_candidate_state_survives_compaction_and_growth() -> None:
     ctl = Controller()
     ctl.create_partition("p", ["a"], Capacity(max_rows=200), tasks=["t"])
@@ -275,3 +312,40 @@ def test_candidate_state_survives_compaction_and_growth() -> None:
     left = ctl.try_get_meta("p", "t", ["a"], 100, sampler, lease_s=5.0)
     assert left is not None and len(left.rows) == 6 * 5
     assert np.all(np.diff(left.rows) > 0)
+
+
+def test_a_small_partition_keeps_no_incremental_state_and_a_large_one_does() -> None:
+    """Below ``TRACK_MIN_SLOTS`` a lease scans (no per-change bookkeeping); once the
+    partition grows past it the task tracks, and stops again when it shrank to a quarter."""
+    ctl = Controller()
+    n = TRACK_MIN_SLOTS
+    ctl.create_partition("p", ["a"], tasks=["t"])
+    sampler = SequentialSampler(greedy=True)
+    state = ctl._parts["p"].tasks["t"]
+
+    def put(k: int) -> None:
+        ticket = ctl.begin_put("p", {"a": SCHEMA}, {"a": [8] * k}, k, tags=[Tags(group=1)] * k)
+        assert ticket is not None
+        ctl.commit_put(ticket)
+
+    def take(k: int) -> None:
+        meta = ctl.try_get_meta("p", "t", ["a"], k, sampler, lease_s=5.0)
+        assert meta is not None and len(meta.rows) == k
+        ctl.ack(meta)
+        ctl.check_incremental_state()
+
+    put(8)
+    take(4)
+    assert state.cand is None and state.gcount is None
+    put(n)
+    take(4)  # the lease that finds the partition large starts tracking
+    assert state.cand is not None
+    take(n)  # every row consumed: reclaimed; the arrays compact when a put needs room
+    part = ctl._parts["p"]
+    for _ in range(1000):
+        put(64)
+        take(64)  # a lease in the shrunken partition stops tracking
+        if part.used < n // 4:
+            break
+    assert part.used < n // 4
+    assert state.cand is None and state.gcount is None

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncflow_core import scheduling
 from asyncflow_core.errors import BadRequestError, EngineError, SamplerError
 from asyncflow_core.protocols import (
     Candidates,
@@ -307,6 +308,65 @@ def test_group_sampler_matches_model(data: st.DataObject, n: int, final: bool, c
         assert len(sel.rows) in (0, n * chunks)
         assert sel.dropped == ()
     assert len(sel.rows) <= n * chunks
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(), n=st.integers(1, 4), final=st.booleans(), greedy=st.booleans(),
+    chunks=st.integers(1, 4),
+)  # fmt: skip
+def test_group_sampler_few_rows_path_answers_as_the_numpy_path(
+    data: st.DataObject, n: int, final: bool, greedy: bool, chunks: int
+) -> None:
+    """Up to ``_FEW_ROWS`` candidates select in plain Python: the same Selection as the
+    vectorized path, on candidates in any order."""
+    c = data.draw(grouped_candidates(n))
+    order = data.draw(st.permutations(list(range(len(c)))))
+    c = c.take(np.asarray(order, dtype=np.int64))
+    request = req(n * chunks + data.draw(st.integers(0, n - 1)), final=final)
+    sampler = GroupSampler(n, greedy=greedy)
+    few = sampler.select(c, request)
+    saved = scheduling._FEW_ROWS
+    scheduling._FEW_ROWS = -1  # every call takes the numpy path
+    try:
+        vectorized = sampler.select(c, request)
+    finally:
+        scheduling._FEW_ROWS = saved
+    assert few == vectorized
+    assert [type(r) for r in few.rows + few.dropped] == [int] * len(few.rows + few.dropped)
+
+
+@fast
+@given(
+    m=st.integers(0, 30), bs=st.integers(1, 40), final=st.booleans(), greedy=st.booleans(),
+    seed=st.integers(0, 1000),
+)  # fmt: skip
+def test_samplers_that_read_the_first_rows_answer_the_same_for_those_alone(
+    m: int, bs: int, final: bool, greedy: bool, seed: int
+) -> None:
+    """``reads_first``: the controller passes only the first ``batch_size`` candidates."""
+    sampler = SequentialSampler(greedy=greedy)
+    assert scheduling.reads_first(sampler)
+    rows = sorted(np.random.default_rng(seed).choice(1000, size=m, replace=False).tolist())
+    c = cands(rows)
+    request = req(bs, final=final)
+    assert sampler.select(c.take(np.arange(min(bs, m))), request) == sampler.select(c, request)
+
+
+def test_reads_first_is_a_promise_of_the_class_that_defines_select() -> None:
+    class Reordering(SequentialSampler):  # overrides select without restating the promise
+        def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
+            return super().select(candidates.take(np.arange(len(candidates))[::-1]), request)
+
+    assert not scheduling.reads_first(Reordering())
+    assert not scheduling.reads_first(GroupSampler(2))
+    assert not scheduling.reads_first(StalenessSampler(1, "hold", SequentialSampler()))
+
+
+def test_group_sampler_few_rows_path_names_an_untagged_row() -> None:
+    c = cands([4, 6, 8], groups=[0, -1, 0])
+    with pytest.raises(BadRequestError, match=r"row 6 .* has no group tag"):
+        GroupSampler(2).select(c, req(2))
 
 
 @fast
