@@ -12,10 +12,14 @@ paper's per-scale figures are not in our sources). The last stdout line is one J
 
     python benchmarks/pipeline.py                  # full: headline, sweep, scaling table
     python benchmarks/pipeline.py --quick          # headline on fewer steps, no table
+    python benchmarks/pipeline.py --only 7B:1024   # one table row (colocated and async)
+    python benchmarks/pipeline.py --only 7B:1024:async,32B:64   # its async run; another row
 
 The JSON line also says how long the simulation took in real seconds: ``real_s`` (the whole
 benchmark) and ``sim_1024_real_s`` (the 1024-device 7B async run of the table, the largest:
-~98 K samples; null when the table does not include it).
+~98 K samples; null when the table does not include it); ``sim_1024_cpu_s`` is that run's CPU
+seconds (``time.process_time``), the figure to compare on a loaded machine. Every run's row
+carries ``cpu_s``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from asyncflow_reference.simulate import (  # noqa: E402
     with_steps,
 )
 
+from asyncflow_core.errors import ConfigError  # noqa: E402
+
 PAPER = {"average_speedup": 1.59, "peak_speedup": 2.03, "devices": "32-1024"}
 TARGET_SPEEDUP = 1.59
 TARGET_EFFICIENCY = 0.95
@@ -49,8 +55,10 @@ def _job(spec: tuple[str, int | None, int | None, str, int]) -> tuple[Any, ...]:
     """One simulated run (in a worker process): (preset, devices, steps, mode, η)."""
     mode, eta = spec[3], spec[4]
     preset = _preset(spec)
+    cpu_start = time.process_time()
     run = simulate(preset, mode, staleness=eta, weight_sync="staged")  # type: ignore[arg-type]
     row = run_row(run)  # plain data: a run itself holds locks and loops, it does not pickle
+    row["cpu_s"] = round(time.process_time() - cpu_start, 1)
     row["ideal_step_s"] = preset.ideal().step_s
     row["samples_per_step"] = preset.samples_per_step
     return spec, row
@@ -75,6 +83,74 @@ def _compare(colocated: dict[str, Any], asynchronous: dict[str, Any]) -> dict[st
     return {"speedup": speedup, "ideal_speedup": ideal, "efficiency": speedup / ideal}
 
 
+MODEL_ALIASES = {"7b": "qwen2.5-7b-grpo", "32b": "qwen2.5-32b-grpo"}
+
+
+def parse_only(text: str) -> list[tuple[str, int | None, int | None, str, int]]:
+    """``--only``: comma-separated ``MODEL:DEVICES[:MODE]`` (MODEL a preset name, or 7B / 32B;
+    MODE colocated or async, default both) as job specs of the scaling table's runs."""
+    specs: list[tuple[str, int | None, int | None, str, int]] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"--only item {item!r} is not MODEL:DEVICES[:MODE]")
+        model = MODEL_ALIASES.get(parts[0].lower(), parts[0])
+        get_preset(model)  # an unknown preset raises ConfigError naming the known ones
+        try:
+            devices = int(parts[1])
+        except ValueError:
+            raise ValueError(f"--only item {item!r}: DEVICES must be an int") from None
+        modes = ["colocated", "async"] if len(parts) == 2 else [parts[2]]
+        for mode in modes:
+            if mode not in ("colocated", "async"):
+                raise ValueError(f"--only item {item!r}: MODE must be colocated or async")
+            specs.append((model, devices, None, mode, 0 if mode == "colocated" else 1))
+    if not specs:
+        raise ValueError("--only names no run")
+    return specs
+
+
+def _run_specs(
+    specs: list[tuple[str, int | None, int | None, str, int]], workers: int
+) -> dict[tuple[str, int | None, int | None, str, int], dict[str, Any]]:
+    done: dict[tuple[str, int | None, int | None, str, int], dict[str, Any]] = {}
+    # longest first (real time grows with the samples simulated), so the workers finish together
+    specs = sorted(specs, key=_samples_simulated, reverse=True)
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = [pool.submit(_job, spec) for spec in specs]
+        for i, future in enumerate(as_completed(futures), 1):
+            spec, row = future.result()
+            done[spec] = row
+            print(
+                f"  [{i}/{len(specs)}] {spec[0]} devices={spec[1] or 'preset'} {spec[3]} "
+                f"η={spec[4]}: {row['step_s']:.1f} s/step, {row['real_s']:.0f} s real, "
+                f"{row['cpu_s']:.0f} s CPU",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+    return done
+
+
+def main_only(text: str, workers: int) -> int:
+    """``--only``: just the named runs; their rows and one JSON line (``rows``, ``real_s``)."""
+    t_start = time.perf_counter()
+    try:
+        specs = parse_only(text)
+    except (ValueError, ConfigError) as e:
+        print(f"pipeline.py: {e}", file=sys.stderr)
+        return 2
+    done = _run_specs(specs, workers)
+    rows = [{"model": spec[0], **done[spec]} for spec in specs]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        print(f"== {model} (virtual time; throughput after step 1) ==")
+        print(format_rows([r for r in rows if r["model"] == model]))
+    real_s = time.perf_counter() - t_start
+    print(json.dumps({"benchmark": "pipeline", "only": text, "real_s": round(real_s, 1),
+                      "rows": rows}))  # fmt: skip
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen2.5-7b-grpo")
@@ -84,7 +160,14 @@ def main() -> int:
         "--scales", default="32,64,128,256,512,1024",
         help="device counts of the weak-scaling table, comma-separated ('' for none)",
     )  # fmt: skip
+    parser.add_argument(
+        "--only", default=None, metavar="MODEL:DEVICES[:MODE],...",
+        help="run only these table rows (MODEL: a preset, 7B or 32B; MODE: colocated or async, "
+        "default both) and print their rows and a JSON line with them",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.only is not None:
+        return main_only(args.only, args.workers)
     t_start = time.perf_counter()
 
     steps = 3 if args.quick else None
@@ -106,19 +189,7 @@ def main() -> int:
                 continue  # the headline runs already cover it
             specs += [(model, d, None, "colocated", 0), (model, d, None, "async", 1)]
 
-    done: dict[tuple[str, int | None, int | None, str, int], dict[str, Any]] = {}
-    # longest first (real time grows with the samples simulated), so the workers finish together
-    specs.sort(key=_samples_simulated, reverse=True)
-    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
-        futures = [pool.submit(_job, spec) for spec in specs]
-        for i, future in enumerate(as_completed(futures), 1):
-            spec, row = future.result()
-            done[spec] = row
-            print(
-                f"  [{i}/{len(specs)}] {spec[0]} devices={spec[1] or 'preset'} {spec[3]} "
-                f"η={spec[4]}: {row['step_s']:.1f} s/step, {row['real_s']:.0f} s real",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+    done = _run_specs(specs, args.workers)
 
     preset = get_preset(args.preset)
     if steps is not None:
@@ -170,7 +241,8 @@ def main() -> int:
                 )
                 table.append(
                     {"model": model, "devices": d, **comp, "real_s": round(a_row["real_s"], 1),
-                     "colocated_real_s": round(c_row["real_s"], 1)}
+                     "colocated_real_s": round(c_row["real_s"], 1), "cpu_s": a_row["cpu_s"],
+                     "colocated_cpu_s": c_row["cpu_s"]}
                 )  # fmt: skip
         speedups = [r["speedup"] for r in table]
         print(
@@ -190,6 +262,7 @@ def main() -> int:
                 "benchmark": "pipeline",
                 "real_s": round(real_s, 1),
                 "sim_1024_real_s": None if largest is None else largest["real_s"],
+                "sim_1024_cpu_s": None if largest is None else largest["cpu_s"],
                 "preset": preset.name,
                 "speedup": round(head["speedup"], 4),
                 "ideal_speedup": round(head["ideal_speedup"], 4),
