@@ -182,6 +182,11 @@ class RLConfig:
     checkpoint_every: int = 0
     """With ``RLJob(checkpoints=...)``: write a checkpoint after every this many optimizer
     steps (0: only after the last step and when ``RLJob.checkpoint()`` is called)."""
+    checkpoint_min_interval_s: float = 0.0
+    """Skip a periodic checkpoint (``checkpoint_every``) while the previous checkpoint, or
+    the start of ``run()``, is younger than this many seconds of the job's clock: a job of
+    fast steps then does not spend its time writing checkpoints. The last step's checkpoint
+    and ``RLJob.checkpoint()`` are always written."""
     reward_in_thread: bool = True
     """Run ``reward_fn`` in a worker thread (the default: a slow verifier must not stall the
     event loop). ``False`` calls it on the event loop, saving a thread hand-off per reward
@@ -211,6 +216,9 @@ class RLConfig:
         c = self.rollout_concurrency
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             problems.append(f"rollout_concurrency must be an int >= 1 or None, got {c!r}")
+        gap: object = self.checkpoint_min_interval_s
+        if isinstance(gap, bool) or not isinstance(gap, int | float) or not 0 <= gap < math.inf:
+            problems.append(f"checkpoint_min_interval_s must be a number >= 0, got {gap!r}")
         flag: object = self.reward_in_thread
         if not isinstance(flag, bool):
             problems.append(f"reward_in_thread must be a bool, got {flag!r}")
@@ -770,6 +778,7 @@ class RLJob:
         self._generated_min: dict[int | str, Version] = {}  # generated, oldest version
         self._lock = asyncio.Lock()  # an update and a checkpoint never overlap
         self._checkpointing: set[asyncio.Task[Path]] = set()  # writes under way
+        self._last_checkpoint = 0.0  # when the last one was asked for (the job's clock)
         self._checkpoint_failed: BaseException | None = None
         self.lost: dict[str, str] = {}
         """Rollout engines lost during the job (router name -> why); the job went on with the
@@ -1174,7 +1183,11 @@ class RLJob:
         if self.on_step is not None:
             self.on_step(record)
         every = cfg.checkpoint_every
-        if self.checkpoints is not None and (done >= cfg.steps or (every and done % every == 0)):
+        periodic = bool(every) and done % every == 0
+        if periodic and self._now() - self._last_checkpoint < cfg.checkpoint_min_interval_s:
+            periodic = False  # the previous one is recent enough
+        if self.checkpoints is not None and (done >= cfg.steps or periodic):
+            self._last_checkpoint = self._now()
             self._checkpoint_soon()
         if done >= cfg.steps:
             self.pipeline.stop()
@@ -1507,6 +1520,7 @@ class RLJob:
         loop = asyncio.get_running_loop()
         self._begin(self.engines.trainer.weight_version)  # counts the last run's wall first
         self._t0 = loop.time()
+        self._last_checkpoint = self._now()  # a periodic checkpoint waits the interval
         self._ended = None
         self._closing = False
         try:

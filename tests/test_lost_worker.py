@@ -117,7 +117,7 @@ def _cli(out: Path, *sets: str, failpoints: str) -> subprocess.CompletedProcess[
     args = ["--out", str(out), "--quiet"]
     for s in (
         "rl.steps=8", "rl.prompts_per_step=8", "rl.n=4", "task.warmup_steps=5",
-        "eval_prompts=8", "checkpoint.every=2", *sets,
+        "eval_prompts=8", "checkpoint.every=2", "checkpoint.min_interval_s=0", *sets,
     ):  # fmt: skip
         args += ["--set", s]
     return subprocess.run(

@@ -93,7 +93,8 @@ def test_a_ray_run_killed_then_stopped_by_sigterm_resumes(tmp_path: Path) -> Non
     folder, and exits 0), resumed again to the end on a fresh cluster each time."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
-    sets = [*QUICK[1:], "rl.steps=6", "checkpoint.every=2", "eval_prompts=0"]
+    sets = [*QUICK[1:], "rl.steps=6", "checkpoint.every=2", "checkpoint.min_interval_s=0"]
+    sets.append("eval_prompts=0")
     cmd = [sys.executable, "-m", "asyncflow_core.cli", "run", "--runtime", "ray", "--quiet"]
     killed = subprocess.run(
         [*cmd, "--out", str(out), *(x for s in sets for x in ("--set", s))],

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "--set", "rl.steps=8", "--set", "rl.prompts_per_step=8", "--set", "rl.n=4",
     "--set", "task.warmup_steps=5", "--set", "eval_prompts=0", "--set", "checkpoint.every=2",
+    "--set", "checkpoint.min_interval_s=0",
     "--quiet",
 ]  # fmt: skip
 STEPS = 8
@@ -93,11 +94,11 @@ def _prompts() -> object:
         yield tuple(rng.randrange(1, 12) for _ in range(4))
 
 
-def _job(tmp_path: Path, steps: int, *, every: int = 2) -> RLJob:
+def _job(tmp_path: Path, steps: int, *, every: int = 2, min_interval_s: float = 0.0) -> RLJob:
     model = TransformerLM(CFG, seed=0)
     config = RLConfig(
         steps=steps, prompts_per_step=4, n=2, staleness=1, checkpoint_every=every,
-        sampling=SamplingParams(max_tokens=4),
+        checkpoint_min_interval_s=min_interval_s, sampling=SamplingParams(max_tokens=4),
     )  # fmt: skip
     engines = RLEngines(
         [TorchInferenceEngine(model, max_batch=16, seed=1)],
@@ -138,6 +139,19 @@ def test_rljob_resumes_without_training_a_group_twice(tmp_path: Path) -> None:
     assert {g for g in new if g < state.fed} <= pending
     end = JobState.read(second.checkpoints.path(7))  # type: ignore[union-attr]
     assert [s.version for s in end.steps] == list(range(1, 8))
+
+
+def test_periodic_checkpoints_wait_their_minimum_interval(tmp_path: Path) -> None:
+    """Every step asks for one, but none comes within a day of the run's start: only the
+    last step's is written (and an explicit ``checkpoint()`` is never skipped)."""
+    job = _job(tmp_path, 4, every=1, min_interval_s=86400.0)
+    asyncio.run(job.run())
+    assert job.checkpoints is not None
+    assert [s for s, _ in job.checkpoints.list()] == [4]
+    with pytest.raises(ConfigError, match="checkpoint_min_interval_s"):
+        _job(tmp_path, 4, min_interval_s=-1.0)
+    with pytest.raises(ConfigError, match="checkpoint_min_interval_s"):
+        _job(tmp_path, 4, min_interval_s=float("nan"))
 
 
 def test_resume_refuses_a_bad_folder(tmp_path: Path) -> None:

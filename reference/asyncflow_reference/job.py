@@ -17,8 +17,9 @@ prints a summary table and writes a run folder:
 ``checkpoints/``       ``step-N/`` folders: the trainer's files, the job state, the trace so far
 ===================== ========================================================================
 
-**Checkpoints and resume.** The run checkpoints after every ``checkpoint.every`` steps, after
-the last one, and on SIGTERM (then it exits with status 0 and says how to resume); each
+**Checkpoints and resume.** The run checkpoints after every ``checkpoint.every`` steps (but
+not within ``checkpoint.min_interval_s`` seconds of the previous one), after the last one,
+and on SIGTERM (then it exits with status 0 and says how to resume); each
 checkpoint is written atomically and the newest ``checkpoint.keep`` are kept.
 ``asyncflow run --resume RUN_DIR`` continues from the newest complete checkpoint, with the
 run's own ``config.toml``; only ``RESUME_KEYS`` may change with ``--set`` (e.g. ``rl.steps``
@@ -314,16 +315,25 @@ class RuntimeSection:
 @dataclass(frozen=True)
 class CheckpointSection:
     """Checkpoints in the run folder's ``checkpoints/``, for ``asyncflow run --resume
-    RUN_DIR``: after every ``every`` optimizer steps (0: none on the way), after the last
-    step, and on SIGTERM; the newest ``keep`` are kept."""
+    RUN_DIR``: after every ``every`` optimizer steps (0: none on the way) but no sooner than
+    ``min_interval_s`` seconds after the previous one (the run's start counts as one), after
+    the last step, and on SIGTERM; the newest ``keep`` are kept. A run of 0.1-s steps would
+    otherwise spend a fifth of its time writing checkpoints; set ``min_interval_s = 0`` for
+    every ``every`` steps whatever their length."""
 
     every: int = 10
     keep: int = 3
+    min_interval_s: float = 60.0
 
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError(
                 f"checkpoint.every must be >= 0 (0: no periodic ones), got {self.every}"
+            )
+        if not 0 <= self.min_interval_s < math.inf:
+            raise ConfigError(
+                f"checkpoint.min_interval_s must be a number of seconds >= 0, got "
+                f"{self.min_interval_s}"
             )
         if self.keep < 1:
             raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
@@ -331,6 +341,7 @@ class CheckpointSection:
 
 RESUME_KEYS = (
     "rl.steps", "eval_prompts", "threads", "checkpoint.every", "checkpoint.keep",
+    "checkpoint.min_interval_s",
     "rollout.engines", "rollout.max_batch", "rollout.process", "train.process", "runtime.kind",
     "runtime.address",
     "runtime.storage_units",
@@ -568,6 +579,7 @@ class RunConfig:
             proximal_logprobs=self.train.loss == "decoupled-ppo",
             trajectory_limits=self.agent.limits(), max_restarts=self.agent.max_restarts,
             checkpoint_every=self.checkpoint.every,
+            checkpoint_min_interval_s=self.checkpoint.min_interval_s,
         )  # fmt: skip
 
     def loss_fn(self) -> LossFn:
