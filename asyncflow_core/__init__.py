@@ -110,7 +110,12 @@ from asyncflow_core.scheduling import (
     karmarkar_karp,
 )
 from asyncflow_core.staleness import AdmissionController, AdmissionStats
-from asyncflow_core.store import InProcessDataStore, StorageUnit
+from asyncflow_core.store import (
+    InProcessDataStore,
+    StorageUnit,
+    folds_ack,
+    get_meta_after_ack,
+)
 from asyncflow_core.trace import Span, Tracer
 from asyncflow_core.weightsync import (
     BlockingUpdate,
@@ -237,6 +242,8 @@ __all__ = [
     "__version__",
     "bucketize",
     "current_platform",
+    "folds_ack",
+    "get_meta_after_ack",
     "karmarkar_karp",
     "read_weights",
     "register_platform",

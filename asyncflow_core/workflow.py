@@ -396,6 +396,10 @@ class Pipeline:
                     if self._stop is not None and self._stop.is_set():
                         return  # stopping: start nothing new (the leased rows are abandoned)
                     group.create_task(run_slot(worker, meta, batch, version))
+                    # the slot holds it now: a local reference here would make the slot's
+                    # next reuse check (reference count) refuse it whenever the same slot
+                    # comes back next
+                    del batch
         except BaseExceptionGroup as eg:
             raise _first_leaf(eg) from None
         finally:
