@@ -331,3 +331,30 @@ def test_a_checkpoint_naming_a_foreign_trace_file_is_refused() -> None:
             _trace_segments({"trace_segments": bad})
     assert _trace_segments({}) is None  # a checkpoint of one whole trace.json.gz
     assert _trace_segments({"trace_segments": ["trace-0000.json.gz"]}) == ["trace-0000.json.gz"]
+
+
+def test_the_trace_in_segments_starts_over_when_a_segment_is_gone(tmp_path: Path) -> None:
+    from asyncflow_reference.job import _RunFiles
+
+    tracer = tracing.Tracer()
+    root = tmp_path / "checkpoints"
+    ckpts = Checkpoints(
+        root, keep=5, extra=_RunFiles(root, tracer=tracer, warmup_s=0.0, resumed_at=[])
+    )
+
+    async def fill(folder: Path) -> None:
+        (folder / "job.json").write_text("{}")
+
+    def segments(folder: Path) -> list[str]:
+        return list(json.loads((folder / "run.json").read_text())["trace_segments"])
+
+    for step in (1, 2):
+        tracer.record("task", "actor_update", step, step + 0.5)
+        asyncio.run(ckpts.write(step, fill))
+    assert segments(ckpts.path(2)) == ["trace-0000.json.gz", "trace-0001.json.gz"]
+    (ckpts.path(2) / "trace-0000.json.gz").unlink()  # lost: the next one holds it all again
+    tracer.record("task", "actor_update", 3, 3.5)
+    asyncio.run(ckpts.write(3, fill))
+    assert segments(ckpts.path(3)) == ["trace-0000.json.gz"]
+    back = tracing.load(ckpts.path(3) / "trace-0000.json.gz").spans
+    assert [s.start for s in back] == [1, 2, 3]

@@ -318,7 +318,7 @@ class CheckpointSection:
     RUN_DIR``: after every ``every`` optimizer steps (0: none on the way) but no sooner than
     ``min_interval_s`` seconds after the previous one (the run's start counts as one), after
     the last step, and on SIGTERM; the newest ``keep`` are kept. A run of 0.1-s steps would
-    otherwise spend a fifth of its time writing checkpoints; set ``min_interval_s = 0`` for
+    otherwise spend 6-12% of its time writing checkpoints; set ``min_interval_s = 0`` for
     every ``every`` steps whatever their length."""
 
     every: int = 10
@@ -689,15 +689,23 @@ class _RunFiles:
 
     def __call__(self, folder: Path) -> None:
         previous = Checkpoints(self.checkpoints).latest()
-        held = _trace_segments(_run_state(previous)) if previous is not None else None
+        try:
+            held = _trace_segments(_run_state(previous)) if previous is not None else None
+        except ConfigError:  # its run.json is unreadable: start the trace over
+            held = None
         if held != self.segments or previous is None:  # not the checkpoint we wrote last
             self.segments, self.written = [], tracing.START
-        for name in self.segments:
-            assert previous is not None
-            try:
-                os.link(previous / name, folder / name)
-            except OSError:  # a file system without hard links
-                shutil.copyfile(previous / name, folder / name)
+        try:
+            for name in self.segments:
+                assert previous is not None
+                try:
+                    os.link(previous / name, folder / name)
+                except OSError:  # a file system without hard links
+                    shutil.copyfile(previous / name, folder / name)
+        except OSError:  # a segment of the previous checkpoint is gone: the whole trace
+            for name in self.segments:
+                (folder / name).unlink(missing_ok=True)
+            self.segments, self.written = [], tracing.START
         end = self.tracer.mark()
         name = f"trace-{len(self.segments):04d}.json.gz"
         self.tracer.write_chrome_trace(folder / name, since=self.written, until=end)
