@@ -25,11 +25,13 @@ clock around ``ray.get`` of every client's call (phases start together, end with
    until end of stream. ``--ack fold`` (default) acks each batch in the client's next
    ``get_meta`` (``get_meta(..., ack=previous)``: one controller round trip per batch; the
    last batch's ack rides on the end-of-stream ``get_meta``); ``--ack separate`` calls
-   ``ack`` after each batch (two round trips per batch). A shared task is the data-parallel
-   consumer pattern (the clients split the rows between them, whoever asks first gets the
-   next batch) and reads every byte exactly once, so the get phase moves the same bytes as
-   the put phase and as the baseline; one task per client would read every row once per
-   client. ``--layout auto`` reads the fixed rows as
+   ``ack`` after each batch (two round trips per batch). ``--out previous`` (default) reads
+   each batch into the client's previous batch (``get_data(..., out=)``, as a training loop
+   does: no fresh pages per batch); ``--out none`` into fresh memory. A shared task is the
+   data-parallel consumer pattern (the clients split the rows between them, whoever asks
+   first gets the next batch) and reads every byte exactly once, so the get phase moves the
+   same bytes as the put phase and as the baseline; one task per client would read every row
+   once per client. ``--layout auto`` reads the fixed rows as
    one padded tensor per field (``torch.stack``: no padding, the rows are full length) and the
    ragged rows as one jagged nested tensor per field (no padding written): a batch tensor, as
    a trainer wants it, like TransferQueue's reads.
@@ -80,7 +82,7 @@ import torch
 from asyncflow_ray.runtime import RayRuntime, import_ray
 from asyncflow_ray.store import ROWS_PER_BLOCK, RayDataStore
 
-from asyncflow_core.protocols import BatchMeta
+from asyncflow_core.protocols import Batch, BatchMeta
 
 T = TypeVar("T")
 SEED = 1234
@@ -91,6 +93,7 @@ WORKLOADS = ("fixed", "ragged")
 PATHS = {"fixed": ("store", "raw"), "ragged": ("store", "raw-rows", "raw-packed")}
 LAYOUTS = ("auto", "list", "padded", "nested")
 ACKS = ("fold", "separate")
+OUTS = ("previous", "none")
 GET_TIMEOUT_S = 120.0
 
 
@@ -143,6 +146,7 @@ class Spec:
     layout: str
     units: int
     ack: str = "fold"
+    out: str = "previous"
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +242,7 @@ class BenchClient:
         pc = time.perf_counter
         fold = self.spec.ack == "fold"
         done: BatchMeta | None = None  # fold: the last batch, acked by the next get_meta
+        last: Batch | None = None  # --out previous: the last batch, its memory reused
         t0 = pc()
         while True:
             ta = pc()
@@ -250,11 +255,12 @@ class BenchClient:
             calls += 1
             if meta.end_of_stream:
                 break
-            batch = await self.store.get_data(meta, layout=layout)  # type: ignore[arg-type]
+            batch = await self.store.get_data(meta, layout=layout, out=last)  # type: ignore[arg-type]
             for f in self.names:  # real elements (never padding), read from what came back
                 nbytes += int(batch.lengths[f].sum()) * 4
             if workload == "ragged":
                 nbytes += sum(len(s) for s in batch[TEXT])
+            last = batch if self.spec.out == "previous" else None
             del batch
             tc = pc()
             if fold:
@@ -455,6 +461,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "it with its own call (separate)",
     )
     ap.add_argument(
+        "--out",
+        choices=OUTS,
+        default="previous",
+        help="store get loop: read each batch into the previous batch's memory (get_data(..., "
+        "out=previous), as a training loop does: the default), or into fresh memory (none)",
+    )
+    ap.add_argument(
         "--rows-per-block",
         type=int,
         default=ROWS_PER_BLOCK,
@@ -495,7 +508,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     spec = Spec(
-        args.seq_len, args.fields, args.chunk, args.get_rows, args.layout, args.units, args.ack
+        args.seq_len,
+        args.fields,
+        args.chunk,
+        args.get_rows,
+        args.layout,
+        args.units,
+        args.ack,
+        args.out,
     )
     rt = RayRuntime(
         num_cpus=max(4, os.cpu_count() or 1),  # logical: every actor here reserves 0 CPUs
@@ -534,7 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"in [{max(1, args.seq_len // 4)}, {args.seq_len}] + a '{TEXT}' field (64-512 chars)"
             f" = {nbytes['ragged'] / GB:.3f} GB.\n    put: {args.chunk} rows per put, one in "
             f"flight per client; get: get_meta({args.get_rows}) on one shared task + get_data "
-            f"(layout {lay['fixed']} / {lay['ragged']}) + ack ({args.ack}: "
+            f"(layout {lay['fixed']} / {lay['ragged']}, out={args.out}) + ack ({args.ack}: "
             + ("in the next get_meta" if args.ack == "fold" else "its own call")
             + "). GB = 1e9 bytes of payload.\n"
             "    raw baseline: per chunk, one Ray actor call per sink carrying numpy arrays of "
@@ -646,6 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows_per_block": args.rows_per_block,
         "clients": args.clients,
         "ack": args.ack,
+        "out": args.out,
         "workload": {
             "batch": args.batch,
             "seq_len": args.seq_len,
