@@ -16,6 +16,7 @@ generates and a "put" span per put of new rows (which may wait for capacity).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import inspect
 import sys
@@ -344,6 +345,7 @@ class Pipeline:
         tracer = self.tracer
         fold = task.workers == 1
         unacked: BatchMeta | None = None  # fold: the finished batch the next get_meta acks
+        failing = False
         if callable(task.sampler) and not hasattr(task.sampler, "select"):
             samplers: list[Scheduler | None] = [task.sampler() for _ in range(task.workers)]
         else:
@@ -401,11 +403,19 @@ class Pipeline:
                     # comes back next
                     del batch
         except BaseExceptionGroup as eg:
+            failing = True
             raise _first_leaf(eg) from None
+        except BaseException:
+            failing = True
+            raise
         finally:
             if unacked is not None:  # done, but stopped or failed before the next get_meta
                 meta, unacked = unacked, None
-                await store.ack(meta)
+                if failing:  # the task's own error is the one to raise, not the ack's
+                    with contextlib.suppress(Exception):
+                        await store.ack(meta)
+                else:
+                    await store.ack(meta)
         if tracer is not None:  # every slot waited for data that never came
             end = tracer.now()
             for w in range(task.workers):

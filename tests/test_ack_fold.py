@@ -203,3 +203,23 @@ def test_a_failure_before_the_next_get_meta_still_acks_the_finished_batch() -> N
         Pipeline(rows_of(16), [task]).run_sync(store)  # type: ignore[arg-type]
     s = asyncio.run(store.stats("pipeline"))
     assert (dict(s.consumed), dict(s.leased)) == ({"t": 4}, {"t": 0})
+
+
+def test_a_failure_whose_finished_batch_cannot_be_acked_raises_its_own_error() -> None:
+    """As above, but the finished batch's lease has expired by then: the task's own error is
+    raised, not the ack's."""
+    clock = FakeClock()
+    calls = 0
+
+    def version() -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            clock.advance(100.0)  # the finished batch's 10 s lease is over
+            raise RuntimeError("no version")
+        return 0
+
+    store = NewStore(clock)
+    task = Task("t", noop, ("x",), batch_size=4, current_version=version, lease_s=10.0)
+    with pytest.raises(TaskFailedError, match="no version"):
+        Pipeline(rows_of(16), [task]).run_sync(store)  # type: ignore[arg-type]
