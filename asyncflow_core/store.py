@@ -667,8 +667,9 @@ _FOLDS_ACK: dict[type, bool] = {}
 
 def folds_ack(store: object) -> bool:
     """Whether ``store.get_meta`` takes ``ack=`` (see ``DataStore.get_meta``): it names the
-    parameter or takes ``**kwargs``. A store written before the parameter existed does not.
-    Asked once per store type."""
+    parameter. A store written before the parameter existed does not, and neither does one
+    that only takes ``**kwargs`` (it may drop an ``ack`` it does not know, and a lost ack is a
+    row trained twice): those get ``ack()`` then ``get_meta()``. Asked once per store type."""
     kind = type(store)
     known = _FOLDS_ACK.get(kind)
     if known is None:
@@ -677,9 +678,8 @@ def folds_ack(store: object) -> bool:
         except (AttributeError, TypeError, ValueError):
             known = False
         else:
-            known = "ack" in params or any(
-                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
-            )
+            param = params.get("ack")
+            known = param is not None and param.kind is not inspect.Parameter.VAR_POSITIONAL
         _FOLDS_ACK[kind] = known
     return known
 

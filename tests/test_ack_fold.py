@@ -80,15 +80,33 @@ class NewStore(OldStore):
     """The same store with the folded ack: records whether each get_meta carried one."""
 
     async def get_meta(  # type: ignore[override]
+        self,
+        partition: str,
+        task: str,
+        fields: Any,
+        batch_size: int,
+        *,
+        ack: BatchMeta | None = None,
+        **kwargs: Any,
+    ) -> BatchMeta:
+        self.calls.append("get_meta+ack" if ack is not None else "get_meta")
+        return await self.inner.get_meta(partition, task, fields, batch_size, ack=ack, **kwargs)
+
+
+class KwargsStore(OldStore):
+    """A wrapper whose get_meta takes only ``**kwargs``: it cannot be told apart from one
+    that drops what it does not know, so it is not trusted with an ack."""
+
+    async def get_meta(  # type: ignore[override]
         self, partition: str, task: str, fields: Any, batch_size: int, **kwargs: Any
     ) -> BatchMeta:
-        self.calls.append("get_meta+ack" if kwargs.get("ack") is not None else "get_meta")
         return await self.inner.get_meta(partition, task, fields, batch_size, **kwargs)
 
 
 def test_folds_ack_reads_the_signature() -> None:
     assert folds_ack(InProcessDataStore())
-    assert folds_ack(NewStore())  # **kwargs: it passes ack= on
+    assert folds_ack(NewStore())
+    assert not folds_ack(KwargsStore())  # **kwargs alone: it might drop an ack it does not know
     assert not folds_ack(OldStore())
     assert not folds_ack(object())
 

@@ -41,8 +41,8 @@ class WrappedStore:
     async def put(self, partition, data, **kwargs):
         return await self._inner.put(partition, data, **kwargs)
 
-    async def get_meta(self, partition, task, fields, batch_size, **kwargs):
-        return await self._inner.get_meta(partition, task, fields, batch_size, **kwargs)
+    async def get_meta(self, partition, task, fields, batch_size, *, ack=None, **kwargs):
+        return await self._inner.get_meta(partition, task, fields, batch_size, ack=ack, **kwargs)
 
     async def get_data(self, meta, fields=None, **kwargs):
         return await self._inner.get_data(meta, fields, **kwargs)

@@ -30,9 +30,9 @@ with the ability's name in the reason):
     The subclass overrides ``direct_read`` to read a stored cell without the API under test,
     an independent oracle for "ragged tensors are stored unpadded".
 
-One ability is read off the store itself: a ``get_meta`` that takes ``ack=`` (or
-``**kwargs``; ``asyncflow_core.store.folds_ack``) folds an ack into a lease, and the laws of
-the folded ack run; a store written before that parameter skips them.
+One ability is read off the store itself: a ``get_meta`` that names an ``ack`` parameter
+(``asyncflow_core.store.folds_ack``; ``**kwargs`` alone does not count) folds an ack into a
+lease, and the laws of the folded ack run; a store without it skips them.
 
 The suite reads data with ``get_data`` and hand-built ``BatchMeta(partition, task, rows,
 fields)`` (no lease), so a backend's ``get_data`` must accept any meta naming live rows whose
