@@ -554,3 +554,14 @@ def test_batch_slice_takes_rows_of_every_field_and_names_a_bad_one() -> None:
         Batch((1, 2), {"scale": 0.5}).slice(0, 1)
     with pytest.raises(ValueError, match=r"lengths\['x'\] has 3 rows, not 2"):
         Batch((1, 2), {"x": torch.zeros(2)}, {"x": torch.ones(3)}).slice(0, 1)
+
+
+def test_tags_pickle_every_field() -> None:
+    """``Tags.__reduce__`` lists its fields by hand (a remote lease carries one per row): a
+    field added later must be added there too."""
+    import dataclasses
+    import pickle
+
+    tags = Tags(group="g-7", versions=(3, 5), tokens=12)
+    assert pickle.loads(pickle.dumps(tags)) == tags
+    assert [f.name for f in dataclasses.fields(Tags)] == ["group", "versions", "tokens"]
