@@ -777,6 +777,29 @@ class Controller:
             return p.key, out
 
     # -- consumption ---------------------------------------------------------------------------
+    def check_lease(
+        self,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        sampler: Scheduler,
+        *,
+        lease_s: float,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        member: int = 0,
+    ) -> None:
+        """Raise what ``try_get_meta`` would refuse about this request, with its errors,
+        leasing nothing: a ``get_meta`` that carries an ``ack`` checks first, so a rejected
+        call commits nothing."""
+        check_get_args(batch_size, lease_s, dp_rank, dp_size, member, sampler)
+        with self._lock:
+            p = self._part(partition)
+            self._fields(p, fields)
+            self._task(p, task)
+        _members_serving(sampler, member)
+
     def try_get_meta(
         self,
         partition: str,
@@ -801,12 +824,7 @@ class Controller:
                 cols = self._fields(p, fields)
                 ts = self._task(p, task)
                 changed = self._expire(p)
-                members = members_of(sampler)
-                if member >= members:
-                    raise BadRequestError(
-                        f"member={member} but the sampler serves {members} member(s) per DP "
-                        "rank; members are numbered 0..members_per_rank-1"
-                    )
+                members = _members_serving(sampler, member)
                 if members > 1:
                     meta = self._replay(p, task, tuple(fields), dp_rank, member)
                     if meta is not None:
@@ -1140,6 +1158,17 @@ def _finished(p: _Partition, ts: _TaskState) -> bool:
         return False
     used = p.used
     return not (p.alive[:used] & ~ts.consumed[:used]).any()
+
+
+def _members_serving(sampler: Scheduler, member: int) -> int:
+    """The sampler's members per DP rank; ``BadRequestError`` if ``member`` is not one."""
+    members = members_of(sampler)
+    if member >= members:
+        raise BadRequestError(
+            f"member={member} but the sampler serves {members} member(s) per DP rank; members "
+            "are numbered 0..members_per_rank-1"
+        )
+    return members
 
 
 def members_of(sampler: Scheduler) -> int:

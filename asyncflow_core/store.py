@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncflow_core.controller import Controller, PutTicket, check_get_args, members_of
+from asyncflow_core.controller import Controller, PutTicket
 from asyncflow_core.errors import (
     AsyncFlowError,
     BadRequestError,
@@ -268,6 +268,29 @@ class ControlPlane:
         freed = self.controller.take_reclaimed()
         if freed:
             self._on_reclaimed(freed)
+
+    def ack_before_lease(
+        self,
+        ack: BatchMeta,
+        partition: str,
+        task: str,
+        fields: Sequence[str],
+        batch_size: int,
+        sampler: Scheduler,
+        *,
+        lease_s: float,
+        dp_rank: int,
+        dp_size: int,
+        member: int,
+    ) -> None:
+        """The ack a lease request carries (``DataStore.get_meta(ack=)``): every check of the
+        request first (a rejected request commits nothing), then the ack, as ``ack`` would."""
+        self.controller.check_lease(
+            partition, task, fields, batch_size, sampler, lease_s=lease_s, dp_rank=dp_rank,
+            dp_size=dp_size, member=member,
+        )  # fmt: skip
+        self.controller.ack(ack)
+        self.free_reclaimed()
 
     async def wait_for_change(self, generation: int, until: float | None) -> None:
         with self._waiters.arm() as waiter:
@@ -566,10 +589,10 @@ class InProcessDataStore:
         sampler = sampler if sampler is not None else SequentialSampler()
         if ack is not None:  # every check first: a rejected call commits nothing
             check_lease_meta(ack, "ack")
-            check_lease_target(self.controller, partition, task, fields, batch_size, sampler,
-                               lease_s, dp_rank, dp_size, member)  # fmt: skip
-            self.controller.ack(ack)
-            self._plane.free_reclaimed()
+            self._plane.ack_before_lease(
+                ack, partition, task, fields, batch_size, sampler, lease_s=lease_s,
+                dp_rank=dp_rank, dp_size=dp_size, member=member,
+            )  # fmt: skip
         return await self._plane.lease(
             partition, task, fields, batch_size, sampler, timeout=timeout, lease_s=lease_s,
             current_version=current_version, dp_rank=dp_rank, dp_size=dp_size, member=member,
@@ -631,35 +654,6 @@ class InProcessDataStore:
             for unit, mine in zip(self.units, rows_by_unit(rows, len(self.units)), strict=True):
                 if mine:
                     unit.delete_rows(key, mine)
-
-
-def check_lease_target(
-    controller: Controller,
-    partition: str,
-    task: str,
-    fields: Sequence[str],
-    batch_size: int,
-    sampler: Scheduler,
-    lease_s: float,
-    dp_rank: int,
-    dp_size: int,
-    member: int,
-) -> None:
-    """Everything ``Controller.try_get_meta`` would refuse about a lease request, with its
-    errors, checked without leasing: a ``get_meta`` that carries an ``ack`` makes these checks
-    before committing it, so a rejected call commits nothing."""
-    check_get_args(batch_size, lease_s, dp_rank, dp_size, member, sampler)
-    # the controller's own lookups, so the errors are the ones its lease would raise
-    with controller._lock:
-        p = controller._part(partition)
-        controller._fields(p, fields)
-        controller._task(p, task)
-    members = members_of(sampler)
-    if member >= members:
-        raise BadRequestError(
-            f"member={member} but the sampler serves {members} member(s) per DP rank; members "
-            "are numbered 0..members_per_rank-1"
-        )
 
 
 _FOLDS_ACK: dict[type, bool] = {}

@@ -124,7 +124,6 @@ from asyncflow_core.store import (
     check_get_data,
     check_get_meta,
     check_lease_meta,
-    check_lease_target,
     check_out,
     loop_clock,
     prepare_put,
@@ -572,8 +571,10 @@ class ControllerServer:
         lease's first ``get_data`` needs no check of its own. ``ack``: committed first (see
         ``DataStore.get_meta``), durable once applied here, before any wait."""
         if ack is not None:
-            self._ack_first(ack, partition, task, fields, batch_size, sampler, lease_s,
-                            dp_rank, dp_size, member)  # fmt: skip
+            self.plane.ack_before_lease(
+                ack, partition, task, fields, batch_size, sampler, lease_s=lease_s,
+                dp_rank=dp_rank, dp_size=dp_size, member=member,
+            )  # fmt: skip
         meta = await self.plane.lease(
             partition, task, fields, batch_size, sampler, timeout=timeout, lease_s=lease_s,
             current_version=current_version, dp_rank=dp_rank, dp_size=dp_size, member=member,
@@ -604,8 +605,10 @@ class ControllerServer:
         first, as in ``get_meta``."""
         capture = _Capture(members)
         if ack is not None:
-            self._ack_first(ack, partition, task, fields, batch_size, capture, lease_s,
-                            dp_rank, dp_size, member)  # fmt: skip
+            self.plane.ack_before_lease(
+                ack, partition, task, fields, batch_size, capture, lease_s=lease_s,
+                dp_rank=dp_rank, dp_size=dp_size, member=member,
+            )  # fmt: skip
         generation = self.controller.generation
         meta = self.controller.try_get_meta(
             partition, task, fields, batch_size, capture, lease_s=lease_s,
@@ -657,26 +660,6 @@ class ControllerServer:
         self, partition: str, rows: Sequence[int], fields: Sequence[str]
     ) -> tuple[str, dict[str, FieldSchema]]:
         return self.controller.check_readable(partition, rows, fields)
-
-    def _ack_first(
-        self,
-        ack: BatchMeta,
-        partition: str,
-        task: str,
-        fields: Sequence[str],
-        batch_size: int,
-        sampler: Scheduler,
-        lease_s: float,
-        dp_rank: int,
-        dp_size: int,
-        member: int,
-    ) -> None:
-        """The ack a lease request carries: every check of the request first (a rejected
-        request commits nothing), then the ack, as ``ack`` would."""
-        check_lease_target(self.controller, partition, task, fields, batch_size, sampler,
-                           lease_s, dp_rank, dp_size, member)  # fmt: skip
-        self.controller.ack(ack)
-        self.plane.free_reclaimed()
 
     async def ack(self, meta: BatchMeta) -> None:
         self.controller.ack(meta)
