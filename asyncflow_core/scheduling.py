@@ -414,16 +414,7 @@ def is_repeatable(sampler: object) -> bool:
     defines its ``select``) that ``select`` depends only on its arguments and has no effect
     when it selects and drops nothing. A store may then skip asking it again while nothing
     the answer depends on changed, after an answer of nothing (the controller does)."""
-    cls = type(sampler)
-    known = _REPEATABLE_OWNERS.get(cls)
-    if known is None:
-        sel = next((k for k in cls.__mro__ if "select" in k.__dict__), None)
-        flag = next((k for k in cls.__mro__ if "repeatable" in k.__dict__), None)
-        known = _REPEATABLE_OWNERS[cls] = sel is not None and sel is flag
-    return known and getattr(sampler, "repeatable", False) is True
-
-
-_REPEATABLE_OWNERS: dict[type, bool] = {}
+    return _promised(sampler, "repeatable")
 
 
 def reads_first(sampler: object) -> bool:
@@ -431,16 +422,22 @@ def reads_first(sampler: object) -> bool:
     defines its ``select``) that ``select`` answers the same for the first ``batch_size``
     candidates as for all of them, in the order given. A store may then pass only those
     (the controller does: a lease then costs O(batch_size), not O(candidates))."""
+    return _promised(sampler, "reads_first")
+
+
+_PROMISE_OWNERS: dict[tuple[type, str], bool] = {}
+
+
+def _promised(sampler: object, flag: str) -> bool:
+    """``sampler.<flag>`` is True and declared by the class that defines its ``select`` (a
+    subclass that overrides ``select`` alone does not inherit a promise made for another)."""
     cls = type(sampler)
-    known = _READS_FIRST_OWNERS.get(cls)
+    known = _PROMISE_OWNERS.get((cls, flag))
     if known is None:
         sel = next((k for k in cls.__mro__ if "select" in k.__dict__), None)
-        flag = next((k for k in cls.__mro__ if "reads_first" in k.__dict__), None)
-        known = _READS_FIRST_OWNERS[cls] = sel is not None and sel is flag
-    return known and getattr(sampler, "reads_first", False) is True
-
-
-_READS_FIRST_OWNERS: dict[type, bool] = {}
+        owner = next((k for k in cls.__mro__ if flag in k.__dict__), None)
+        known = _PROMISE_OWNERS[(cls, flag)] = sel is not None and sel is owner
+    return known and getattr(sampler, flag, False) is True
 
 
 def _cannot_fill_of(sampler: Scheduler) -> CannotFill | None:
