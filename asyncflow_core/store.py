@@ -920,8 +920,9 @@ def _assemble(
         batch.data[name] = values
         return
     tensors: list[torch.Tensor] = values  # type: ignore[assignment]  # schema says tensors
+    pieces = tensors.pieces if type(tensors) is Rows else None
     if layout == "list":
-        batch.data[name] = tensors
+        batch.data[name] = tensors if pieces is None else list(tensors)
         if schema.ndim:
             batch.lengths[name] = torch.tensor([t.shape[0] for t in tensors], dtype=torch.long)
         return
@@ -935,14 +936,14 @@ def _assemble(
     trailing = tensors[0].shape[1:]
     uniform = schema.ndim == 1 or all(t.shape[1:] == trailing for t in tensors)
     if layout == "nested":
-        batch.data[name] = _nested(buffers, name, tensors, lens, trailing, uniform)
+        batch.data[name] = _nested(buffers, name, tensors, lens, trailing, uniform, pieces)
         return
     if not uniform:
         raise BadRequestError(
             f"field {name!r}: rows differ beyond dim 0, so they cannot be padded into one "
             "tensor; read it with layout='list'"
         )
-    batch.data[name] = _padded(buffers, name, tensors, lens, trailing, pad_value)
+    batch.data[name] = _padded(buffers, name, tensors, lens, trailing, pad_value, pieces)
 
 
 def _padded(
@@ -952,10 +953,12 @@ def _padded(
     lens: list[int],
     trailing: torch.Size,
     pad_value: float,
+    pieces: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, max_len, *trailing]`` in one pass: each row copied into place and only the tail
     after it filled with ``pad_value`` (one ``torch.cat`` into the output, the padding pieces
-    read from one small filler), into reused memory when ``buffers`` has some."""
+    read from one small filler), into reused memory when ``buffers`` has some. ``pieces``
+    (see ``Rows``): rows of equal length are copied from them, a few large copies."""
     n, max_len, min_len = len(tensors), max(lens), min(lens)
     dtype = tensors[0].dtype
     dst = buffers.tensor(name, dtype, (n, max_len, *trailing))
@@ -963,7 +966,10 @@ def _padded(
         return dst
     flat = dst.view(n * max_len, *trailing)  # row i's slot: flat[i * max_len : (i + 1) * max_len]
     if min_len == max_len:
-        torch.cat(tensors, out=flat)
+        if pieces is not None:
+            torch.cat(pieces, out=dst.view(-1))
+        else:
+            torch.cat(tensors, out=flat)
         return dst
     if sum(lens) < _SMALL_ROWS_ELEMS * n and n > _SMALL_ROWS_MIN_BATCH:
         # many short rows: the per-piece cost of the copy below dominates, so fill the padding
@@ -978,12 +984,12 @@ def _padded(
     else:  # a huge gap (wide trailing dims): one value, broadcast
         one = torch.full((1,) * (1 + len(trailing)), pad_value, dtype=dtype)
         filler = one.expand(gap, *trailing)
-    pieces: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
     for t, k in zip(tensors, lens, strict=True):
-        pieces.append(t)
+        parts.append(t)
         if k < max_len:
-            pieces.append(filler[: max_len - k])
-    torch.cat(pieces, out=flat)
+            parts.append(filler[: max_len - k])
+    torch.cat(parts, out=flat)
     return dst
 
 
@@ -994,31 +1000,87 @@ def _nested(
     lens: list[int],
     trailing: torch.Size,
     uniform: bool,
+    pieces: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One jagged ``torch.nested`` tensor: the rows concatenated into one values tensor (in
-    reused memory when ``buffers`` has some) plus their offsets."""
+    reused memory when ``buffers`` has some; from ``pieces`` when given, see ``Rows``) plus
+    their offsets."""
     total = sum(lens)
     if not uniform or total == 0:  # torch decides which dim is ragged, as before
         return torch.nested.nested_tensor(tensors, layout=torch.jagged)
     values = buffers.tensor(name, tensors[0].dtype, (total, *trailing))
-    torch.cat(tensors, out=values)
+    if pieces is not None:
+        torch.cat(pieces, out=values.view(-1))
+    else:
+        torch.cat(tensors, out=values)
     offsets = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long)
-    return _JAGGED_VIEW(values, offsets, min_seqlen=min(lens), max_seqlen=max(lens))
+    return _JAGGED(values, offsets, min(lens), max(lens))
 
 
-def _jagged_view() -> Callable[..., torch.Tensor]:
-    """What ``torch.nested.nested_tensor(..., layout=torch.jagged)`` itself wraps its values
-    and offsets with (the public ``nested_tensor_from_jagged`` does the same but logs a
-    warning about fx tracing in every process); the public function if this torch lacks it."""
+class Rows(list[torch.Tensor]):
+    """The per-row tensors of one field, in batch order, that are consecutive slices of a few
+    flat 1-D tensors, ``pieces``: their concatenation is the rows' elements back to back. A
+    store's reader that knows this (the Ray store's rows arrive as a few packed columns)
+    passes ``Rows`` to ``assemble_batch``, which then builds a padded (rows of equal length)
+    or nested field with a few large copies instead of one per row."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, rows: Sequence[torch.Tensor], pieces: list[torch.Tensor]) -> None:
+        super().__init__(rows)
+        self.pieces = pieces
+
+
+def _jagged_builder() -> Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]:
+    """``build(values, offsets, min_len, max_len)``: a jagged nested tensor over ``values``.
+
+    It constructs torch's ``NestedTensor`` directly, as the op that
+    ``torch.nested.nested_tensor(..., layout=torch.jagged)`` ends in does
+    (``_nested_view_from_jagged_default`` in ``torch/nested/_internal/ops.py``); going through
+    that op costs ~90 us of Python dispatch per tensor, 3x the construction, and batches have
+    a dozen nested fields. The result is not an autograd view of ``values`` (store batches
+    carry no gradient). A probe at import compares it with the public builder (type, values,
+    offsets, rows, storage reference counts); if this torch differs, the public op is used."""
+
+    def public(values: torch.Tensor, offsets: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return torch.nested.nested_tensor_from_jagged(values, offsets, min_seqlen=lo, max_seqlen=hi)
+
     try:
         from torch.nested._internal import nested_tensor as njt
-    except ImportError:  # pragma: no cover - another torch layout
-        return torch.nested.nested_tensor_from_jagged
-    fn = getattr(njt, "nested_view_from_values_offsets", None)
-    return fn if callable(fn) else torch.nested.nested_tensor_from_jagged
 
+        view = njt.nested_view_from_values_offsets  # what the public op wraps, minus a warning
+        nested_tensor, store = njt.NestedTensor, njt._store_val_in_tensor
 
-_JAGGED_VIEW = _jagged_view()
+        def direct(values: torch.Tensor, offsets: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+            cache = {"min_seqlen": store(lo), "max_seqlen": store(hi)}
+            return nested_tensor(values, offsets, _metadata_cache=cache)
+
+        rows = [torch.arange(2.0), torch.arange(3.0, 6.0)]
+        want = torch.nested.nested_tensor(rows, layout=torch.jagged)
+        values, offsets = torch.cat(rows), torch.tensor([0, 2, 5])
+        got = direct(values, offsets, 2, 3)
+
+        def refs(t: torch.Tensor) -> tuple[int, tuple[bool, int] | None]:
+            py, found = _ref_counts({"n": t})["n"]
+            return py, None if found is None else (found[0], found[2])
+
+        ok = (
+            type(got) is type(want)
+            and getattr(got, "_values", None) is values
+            and getattr(got, "_offsets", None) is offsets
+            and got.dim() == want.dim()
+            and all(torch.equal(a, b) for a, b in zip(got.unbind(), rows, strict=True))
+            and refs(got) == refs(want)
+        )
+    except Exception:  # pragma: no cover - another torch's internals
+        return public
+    if ok:
+        return direct
+
+    def via_op(values: torch.Tensor, offsets: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return view(values, offsets, min_seqlen=lo, max_seqlen=hi)  # type: ignore[no-any-return,no-untyped-call]
+
+    return via_op  # pragma: no cover
 
 
 # -- batch memory: reuse of ``out`` and a small pool of recently freed buffers ---------------
@@ -1079,6 +1141,7 @@ def _probe_exclusive() -> tuple[int, int | None, int] | None:
 
 
 _EXCLUSIVE = _probe_exclusive()
+_JAGGED = _jagged_builder()
 
 
 def _spare_storages(data: Mapping[str, object]) -> dict[str, torch.UntypedStorage]:

@@ -119,6 +119,7 @@ from asyncflow_core.protocols import (
 from asyncflow_core.scheduling import SequentialSampler
 from asyncflow_core.store import (
     ControlPlane,
+    Rows,
     StorageUnit,
     assemble_batch,
     check_get_data,
@@ -188,13 +189,57 @@ def merge_by_unit(
     block: int,
 ) -> dict[str, list[CellValue]]:
     """Undo ``rows_by_unit``: ``got[u][field]`` holds unit ``u``'s values in its rows'
-    order; returns ``field -> values`` in ``rows``' order."""
+    order; returns ``field -> values`` in ``rows``' order. A field whose every unit gave
+    ``Rows`` comes back as ``Rows`` too, its pieces the runs of the batch's rows that are
+    consecutive in one unit piece (see ``batch_pieces``)."""
     n = len(got)
     order = [(r // block) % n for r in rows]
     out: dict[str, list[CellValue]] = {}
     for f in fields:
-        iters = [iter(g.get(f, ())) for g in got]
-        out[f] = [next(iters[u]) for u in order]
+        cols = [g.get(f, ()) for g in got]
+        iters = [iter(c) for c in cols]
+        values: list[Any] = [next(iters[u]) for u in order]
+        if values and all(type(c) is Rows or not c for c in cols):
+            pieces = batch_pieces(order, cast(list[Rows], cols))
+            if pieces is not None:
+                values = Rows(values, pieces)
+        out[f] = values
+    return out
+
+
+def batch_pieces(order: Sequence[int], cols: Sequence[Rows]) -> list[torch.Tensor] | None:
+    """The pieces (see ``Rows``) of the rows taken in ``order`` (``order[i]``: the unit whose
+    next row is the batch's row ``i``) from the units' ``cols``: each run of rows that follow
+    each other in one of a unit's pieces is one slice of it (a view). None if a column's rows
+    do not tile its pieces (the caller then copies row by row)."""
+    sizes = [[p.numel() for p in c.pieces] if c else [] for c in cols]
+    at = [[0, 0, 0] for _ in cols]  # per unit: next row, its piece, its element offset there
+    out: list[torch.Tensor] = []
+    run: list[int] = []  # the open run: unit, piece, first element, end element
+    try:
+        for u in order:
+            cursor = at[u]
+            k = cols[u][cursor[0]].numel()
+            cursor[0] += 1
+            if not k:
+                continue
+            while cursor[2] >= sizes[u][cursor[1]]:  # this piece is used up: the next one
+                cursor[1] += 1
+                cursor[2] = 0
+            p, a = cursor[1], cursor[2]
+            if a + k > sizes[u][p]:
+                return None
+            cursor[2] = a + k
+            if run and run[0] == u and run[1] == p and run[3] == a:
+                run[3] = a + k
+                continue
+            if run:
+                out.append(cols[run[0]].pieces[run[1]][run[2] : run[3]])
+            run = [u, p, a, a + k]
+    except IndexError:
+        return None
+    if run:
+        out.append(cols[run[0]].pieces[run[1]][run[2] : run[3]])
     return out
 
 
@@ -265,17 +310,22 @@ def rows_view(source: torch.Tensor, run: range) -> PackedColumn:
 def unpack(column: PackedColumn, *, copy: bool) -> list[torch.Tensor]:
     """The per-row tensors of a column: views of one buffer (``copy``: of a private copy of
     it, else of the received, read-only bytes)."""
+    return unpack_flat(column, copy=copy)[1]
+
+
+def unpack_flat(column: PackedColumn, *, copy: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``unpack``, and the flat 1-D tensor of all the rows' elements its rows view."""
     flat = bytes_tensor(column.data, column.dtype, copy=copy)
     shapes = column.shapes
     if not shapes:
-        return []
+        return flat, []
     first = shapes[0]
     if all(s == first for s in shapes):  # equal rows: one view, unbound
-        return list(flat.view(len(shapes), *first).unbind(0))
+        return flat, list(flat.view(len(shapes), *first).unbind(0))
     if all(len(s) == 1 for s in shapes):  # ragged 1-d rows: one split
-        return list(flat.split_with_sizes([s[0] for s in shapes]))
+        return flat, list(flat.split_with_sizes([s[0] for s in shapes]))
     parts = flat.split_with_sizes([math.prod(s) for s in shapes])
-    return [p.view(s) for p, s in zip(parts, shapes, strict=True)]
+    return flat, [p.view(s) for p, s in zip(parts, shapes, strict=True)]
 
 
 def unpack_read(column: ReadColumn, *, copy: bool = False) -> list[CellValue]:
@@ -1295,17 +1345,20 @@ async def _empty() -> tuple[list[Any], dict[str, Any]]:
 
 def _resolve(field: str, column: RefColumn, shares: Sequence[Share]) -> list[CellValue]:
     """The per-row values of a ``read_refs`` column, its ``RefSegment``s sliced out of the
-    mapped ``shares`` (views, no copy)."""
+    mapped ``shares`` (views, no copy); a tensor field as ``Rows``, one piece per segment."""
     if not column or not isinstance(column[0], PackedColumn | tuple):
         return list(cast(list[PlainValue], column))
-    out: list[CellValue] = []
+    rows: list[torch.Tensor] = []
+    pieces: list[torch.Tensor] = []
     for seg in column:
         if not isinstance(seg, PackedColumn):
             i, p, a, b, lo, hi = seg
             held = cast(PackedColumn, shares[i][field][p])
             seg = PackedColumn(held.dtype, held.shapes[a:b], held.data[lo:hi])
-        out.extend(unpack(seg, copy=False))
-    return out
+        flat, got = unpack_flat(seg, copy=False)
+        pieces.append(flat)
+        rows.extend(got)
+    return cast(list[CellValue], Rows(rows, pieces))
 
 
 def _plan(ids: Sequence[int], n_units: int, block: int) -> list[tuple[int, list[int], list[range]]]:
