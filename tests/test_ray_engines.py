@@ -408,6 +408,125 @@ def test_a_killed_actor_is_a_lost_worker() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Batched generate calls
+# --------------------------------------------------------------------------------------------
+async def _wait_until(check: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    """Poll ``check`` (a coroutine function) until it returns something truthy: a safety net
+    for evidence that arrives from the actor, not a timing assertion."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"no evidence of {what} in {timeout_s} s"
+        await asyncio.sleep(0.02)
+
+
+def test_generate_calls_of_one_turn_travel_in_one_actor_call(
+    echo_engine: RayInferenceEngine,
+) -> None:
+    async def body() -> None:
+        proxy = echo_engine
+        calls, requests = proxy.calls_sent, proxy.requests_sent
+        prompts = [(i, i + 1, i + 2) for i in range(10)]
+        results = await asyncio.gather(
+            *(proxy.generate(request(f"b{i}", prompt=p)) for i, p in enumerate(prompts))
+        )
+        assert (proxy.calls_sent - calls, proxy.requests_sent - requests) == (1, 10)
+        assert [r.request_id for r in results] == [f"b{i}" for i in range(10)]
+        assert [r.tokens for r in results] == prompts  # each caller its own result
+        # calls of different turns are different actor calls
+        await proxy.generate(request("c1"))
+        await proxy.generate(request("c2"))
+        assert proxy.calls_sent - calls == 3
+
+    run(body())
+
+
+def test_batched_results_stream_back_as_each_finishes(echo_engine: RayInferenceEngine) -> None:
+    async def body() -> None:
+        proxy = echo_engine
+        calls = proxy.calls_sent
+        held = asyncio.ensure_future(proxy.generate(request("hold-stream")))
+        quick = asyncio.ensure_future(proxy.generate(request("quick")))
+        assert (await quick).tokens == (1, 2, 3)  # while its batch-mate still runs
+        assert proxy.calls_sent - calls == 1 and not held.done()
+        held.cancel()  # the caller gives up: the request's task is cancelled in the actor
+        with pytest.raises(asyncio.CancelledError):
+            await held
+
+        async def cancelled() -> bool:
+            return "hold-stream" in await proxy.run(lambda e: list(e.cancelled))
+
+        await _wait_until(cancelled, "the held request cancelled in the actor")
+
+    run(body())
+
+
+def test_one_request_s_error_fails_only_its_caller(echo_engine: RayInferenceEngine) -> None:
+    async def body() -> None:
+        proxy = echo_engine
+        calls = proxy.calls_sent
+        got = await asyncio.gather(
+            proxy.generate(request("ok-1")),
+            proxy.generate(request("bad", max_tokens=13)),
+            proxy.generate(request("ok-2")),
+            return_exceptions=True,
+        )
+        assert proxy.calls_sent - calls == 1
+        assert isinstance(got[1], Unlucky) and "'bad'" in str(got[1])
+        assert [g.request_id for g in (got[0], got[2])] == ["ok-1", "ok-2"]  # type: ignore[union-attr]
+
+    run(body())
+
+
+def test_abort_in_a_batch_ends_exactly_the_named_requests(by_value: None) -> None:
+    async def body() -> None:
+        proxy = await RayInferenceEngine.create_async(ROLLOUT, devices=DEVICES, name="batch-abort")
+        try:
+            long = [
+                GenerationRequest(f"long-{i}", (1, 2, 3), SamplingParams(max_tokens=400, seed=i))
+                for i in range(3)
+            ]
+            calls = [asyncio.ensure_future(proxy.generate(r)) for r in long]
+            await asyncio.sleep(0)  # the calls are made (queued for this turn's actor call)
+            await proxy.abort(["long-1"])
+            results = await asyncio.gather(*calls)
+            assert proxy.calls_sent == 1
+            assert results[1].finish_reason == "abort"
+            assert [r.finish_reason for r in (results[0], results[2])] == ["length"] * 2
+            assert [len(r.tokens) for r in (results[0], results[2])] == [400, 400]
+        finally:
+            await proxy.close()
+
+    run(body())
+
+
+def test_a_killed_actor_fails_every_request_of_its_batch() -> None:
+    ray = import_ray()
+
+    async def body() -> None:
+        proxy = await RayInferenceEngine.create_async(
+            functools.partial(EchoEngine, delay_s=30.0), devices=0, name="doomed-batch"
+        )
+        try:
+            calls = [asyncio.ensure_future(proxy.generate(request(f"d{i}"))) for i in range(3)]
+            for _ in range(100):  # a few turns of the loop: the calls are made, then sent
+                if proxy.calls_sent:
+                    break
+                await asyncio.sleep(0)
+            assert (proxy.calls_sent, proxy.requests_sent) == (1, 3)
+            ray.kill(proxy.handle)
+            for call in calls:
+                with pytest.raises(WorkerLostError, match=r"^doomed-batch: the Ray actor"):
+                    await asyncio.wait_for(call, 60)
+        finally:
+            await proxy.close()
+
+    run(body())
+
+
+# --------------------------------------------------------------------------------------------
 # A weight sync through the proxies
 # --------------------------------------------------------------------------------------------
 def test_weight_sync_from_a_remote_trainer_into_remote_rollouts() -> None:

@@ -19,7 +19,9 @@ pickled *by reference*, so their module must be importable in the actor's worker
 on every node, ``runtime_env={"py_modules": [...]}``, or registered with
 ``ray.cloudpickle.register_pickle_by_value``). The host is an *async* actor: every call is a
 coroutine on the actor's one event loop, so concurrent ``generate`` calls batch in the engine
-and ``abort`` / ``pause`` / ``load_weights`` run while generations are in flight.
+and ``abort`` / ``pause`` / ``load_weights`` run while generations are in flight. The
+``generate`` calls a caller makes in one turn of its event loop travel in **one** actor call
+and their results stream back one by one as they finish (``RayInferenceEngine``).
 ``max_concurrency`` bounds the calls the actor runs at once (default
 ``DEFAULT_MAX_CONCURRENCY``); calls beyond it queue in Ray, *control calls included*: keep it
 above the number of requests you keep in flight, or a ``resume()`` can queue behind requests
@@ -82,6 +84,7 @@ import itertools
 import os
 import threading
 import traceback
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn, Self, TypeVar
@@ -141,6 +144,9 @@ DEFAULT_EXPORT_PREFETCH = 2
 
 DEFAULT_CLOSE_TIMEOUT_S = 30.0
 """How long ``close`` waits for the engine's own ``close()`` before killing the actor."""
+
+DEFAULT_MAX_BATCH_REQUESTS = 512
+"""Most ``generate`` requests one actor call carries (``RayInferenceEngine``'s batching)."""
 
 ABILITIES: dict[str, type] = {
     "pause": SupportsPause,
@@ -293,6 +299,7 @@ class _EngineHost:
         self._name = ""
         self._where = "a Ray actor"
         self._seq = itertools.count(1)
+        self._running: dict[str, set[asyncio.Task[Any]]] = {}  # generate_many's, by request id
 
     def _reply(self, kind: str, payload: Any) -> Reply:
         version = self._engine.weight_version if self._engine is not None else 0
@@ -336,11 +343,65 @@ class _EngineHost:
         if method not in _METHODS:
             return self._error(EngineError(f"{self._where}: no engine method {method!r}"))
         failpoint(f"ray.{self._name}.{method}")  # e.g. ray.rollout-1.generate=30
+        if method == "abort":
+            # the tasks of requests that generate_many started before this call have not run
+            # yet (a task starts on the loop's next turn): let them register with the engine
+            # first, or an abort sent right after its request would miss it
+            await asyncio.sleep(0)
         try:
             result = await getattr(self._engine, method)(*_unpack(args))
             return self._reply("ok", _pack(result))
         except Exception as e:
             return self._error(e)
+
+    async def generate_many(self, requests: list[GenerationRequest]) -> AsyncIterator[Reply]:
+        """Many ``generate`` calls in one actor call: every request runs as a task of its own
+        on this loop (so they batch in the engine, as separate calls would), and the results
+        stream back as they finish, those finished together in one ``("items", [(index,
+        result or error, failed)])`` reply; then ``("end", None)``. ``cancel_requests``
+        cancels some of them; cancelling the stream cancels those still running."""
+        tasks: dict[asyncio.Task[Any], int] = {}
+        for i, request in enumerate(requests):
+            failpoint(f"ray.{self._name}.generate")  # counted per request, as by ``call``
+            task = asyncio.ensure_future(self._engine.generate(_unpack(request)))
+            tasks[task] = i
+            self._running.setdefault(request.request_id, set()).add(task)
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                items: list[tuple[int, Any, bool]] = []
+                for task in done:
+                    self._forget(requests[tasks[task]].request_id, task)
+                    if task.cancelled():  # by cancel_requests: its caller gave up on it
+                        continue
+                    error = task.exception()
+                    if error is None:
+                        items.append((tasks[task], _pack(task.result()), False))
+                    else:
+                        items.append((tasks[task], _portable(error, self._where), True))
+                if items:
+                    yield self._reply("items", items)
+        finally:
+            for task in pending:  # the stream itself was cancelled: drop what still runs
+                task.cancel()
+                self._forget(requests[tasks[task]].request_id, task)
+        yield self._reply("end", None)
+
+    def _forget(self, request_id: str, task: asyncio.Task[Any]) -> None:
+        running = self._running.get(request_id)
+        if running is not None:
+            running.discard(task)
+            if not running:
+                del self._running[request_id]
+
+    async def cancel_requests(self, request_ids: list[str]) -> Reply:
+        """Cancel the tasks of these requests of ``generate_many`` (their callers gave up on
+        them: the engine drops them as when a ``generate`` call is cancelled)."""
+        for rid in request_ids:
+            for task in list(self._running.get(rid, ())):
+                task.cancel()
+        return self._reply("ok", None)
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Reply:
         try:
@@ -880,20 +941,169 @@ def _compose(base: type[_P], abilities: Sequence[str]) -> type[_P]:
 
 
 # -- the two proxies -------------------------------------------------------------------------
+class _Call:
+    """One ``generate`` call waiting in a ``_Batcher``."""
+
+    __slots__ = ("future", "request", "sent")
+
+    def __init__(self, request: GenerationRequest, future: asyncio.Future[GenerationResult]):
+        self.request = request
+        self.future = future
+        self.sent = False
+
+
+class _Batcher:
+    """A proxy's ``generate`` calls on one event loop: those made in one turn of the loop go
+    to the actor together, in one ``generate_many`` call (at most ``max_batch_requests`` a
+    call), and each caller gets its own result as it streams back."""
+
+    def __init__(self, engine: RayInferenceEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.queue: list[_Call] = []
+        self.scheduled = False
+        self.streams: set[asyncio.Task[None]] = set()
+
+    async def submit(self, request: GenerationRequest) -> GenerationResult:
+        call = _Call(request, self.loop.create_future())
+        self.queue.append(call)
+        if not self.scheduled:  # after every call made in this turn of the loop
+            self.scheduled = True
+            self.loop.call_soon(self.flush)
+        try:
+            return await call.future
+        except asyncio.CancelledError:
+            if call.sent:  # the caller gave up on it: the engine drops it
+                self.engine._cancel_requests([request.request_id])
+            raise
+
+    def flush(self) -> None:
+        """Send what is queued now (also before an ``abort``, so the abort follows the
+        requests it may name, as separate calls would)."""
+        self.scheduled = False
+        calls = [c for c in self.queue if not c.future.done()]  # done: cancelled while queued
+        self.queue = []
+        size = max(1, self.engine.max_batch_requests)
+        for start in range(0, len(calls), size):
+            chunk = calls[start : start + size]
+            try:
+                stream = self.send(chunk)
+            except BaseException as error:
+                for call in chunk:
+                    if not call.future.done():
+                        call.future.set_exception(error)
+                continue
+            task = self.loop.create_task(self.receive(chunk, stream))
+            self.streams.add(task)
+            task.add_done_callback(self.streams.discard)
+
+    def send(self, calls: list[_Call]) -> Any:
+        """One ``generate_many`` actor call for ``calls``: its stream of replies."""
+        engine = self.engine
+        engine._check_open("generate")
+        options = {"num_returns": "streaming"}
+        stream = engine._send(
+            engine._handle.generate_many.options(**options), "generate",
+            [c.request for c in calls],
+        )  # fmt: skip
+        for c in calls:
+            c.sent = True
+        engine.calls_sent += 1
+        engine.requests_sent += len(calls)
+        return stream
+
+    async def receive(self, calls: list[_Call], stream: Any) -> None:
+        """Hand each caller its result (or error) as the stream brings it."""
+        engine = self.engine
+        what = "generate"
+        waiting = dict(enumerate(calls))
+        try:
+            while waiting:
+                try:
+                    ref = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as e:
+                    raise engine._ray_error(what, e) from e
+                kind, payload = engine._take(await engine._reply_of(what, ref))
+                if kind == "err":
+                    raise payload
+                if kind == "end":
+                    break
+                for i, value, failed in payload:
+                    call = waiting.pop(i)
+                    if call.future.done():
+                        continue
+                    if failed:
+                        call.future.set_exception(value)
+                    else:
+                        call.future.set_result(_unpack(value))
+            if any(not c.future.done() for c in waiting.values()):
+                raise EngineError(
+                    f"{engine.name}: the actor's stream of generate results ended without "
+                    f"{len(waiting)} of them (it was cut)"
+                )
+        except BaseException as error:
+            for call in waiting.values():
+                if not call.future.done():
+                    call.future.set_exception(error)
+            with contextlib.suppress(Exception):
+                import_ray().cancel(stream)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+
+
 class RayInferenceEngine(_RayEngine):
     """An ``InferenceEngine`` in a Ray actor (see the module docstring). Build it with
     ``RayInferenceEngine.create(factory, ...)`` (or ``await create_async(...)``); it also
     implements ``SupportsPause`` / ``SupportsSleep`` / ``SupportsLoadWeights`` exactly when
-    the engine does (``abilities`` names them)."""
+    the engine does (``abilities`` names them).
+
+    **Batched calls.** The ``generate`` calls made in one turn of the event loop (a group's
+    samples, started together) travel to the actor in **one** actor call (``generate_many``,
+    at most ``max_batch_requests`` requests a call): the actor runs each request as its own
+    task, so they batch in the engine as separate calls would, and streams each result back
+    as it finishes (results finished together share a message), so a short request never
+    waits for a long one. Each caller gets its own result or its own error; ``abort`` ends
+    exactly the named requests (the engine answers them with ``finish_reason="abort"``);
+    cancelling a caller cancels its request's task in the actor, as before; a lost actor
+    fails every request in flight with ``WorkerLostError``. ``calls_sent`` and
+    ``requests_sent`` count the actor calls and the requests they carried."""
 
     _role = "inference"
     _protocol = "an InferenceEngine"
+    max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS
+
+    def __init__(
+        self, handle: Any, name: str, started: _Started, version: Version, seq: int
+    ) -> None:
+        super().__init__(handle, name, started, version, seq)
+        self.calls_sent = 0
+        self.requests_sent = 0
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        result: GenerationResult = await self._call("generate", request)
-        return result
+        self._check_open("generate")
+        loop = asyncio.get_running_loop()
+        batcher = self._batchers.get(loop)
+        if batcher is None:
+            batcher = self._batchers[loop] = _Batcher(self, loop)
+        return await batcher.submit(request)
+
+    def _cancel_requests(self, request_ids: list[str]) -> None:
+        """Ask the actor to cancel these requests' tasks (fire and forget: a lost actor has
+        dropped them anyway)."""
+        if self._closed or self._lost is not None:
+            return
+        with contextlib.suppress(Exception):
+            self._handle.cancel_requests.remote(request_ids)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
+        batcher = self._batchers.get(asyncio.get_running_loop())
+        if batcher is not None and batcher.queue:
+            batcher.flush()  # requests made this turn go first, or the abort could miss them
         await self._call("abort", request_ids)
 
 
