@@ -27,17 +27,21 @@ QUICK = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("store", "where"),
+    [("driver", "ray (1 node, the store in the driver)"), ("ray", "ray (1 node, 2 storage units)")],
+)
 def test_the_main_job_runs_on_a_local_ray_cluster(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], store: str, where: str
 ) -> None:
     assert not ray.is_initialized()
     out = tmp_path / "run"
     args = ["run", "--runtime", "ray", "--out", str(out), "--quiet"]
-    for item in QUICK:
+    for item in [*QUICK, f"runtime.store={store}"]:
         args += ["--set", item]
     assert cli_main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["runtime"] == "ray (1 node, 2 storage units)"
+    assert summary["runtime"] == where
     assert summary["trainer"] == "ray actor"
     assert summary["steps"] == 4 and summary["samples"] == 4 * 16
     hist = summary["staleness_hist"]
@@ -46,7 +50,7 @@ def test_the_main_job_runs_on_a_local_ray_cluster(
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     printed = capsys.readouterr().out
-    assert "ray (1 node, 2 storage units)" in printed and "a Ray actor of its own" in printed
+    assert where in printed and "a Ray actor of its own" in printed
     assert not ray.is_initialized(), "the cluster the run started was stopped"
 
 
@@ -55,7 +59,10 @@ def test_the_main_job_runs_on_a_local_ray_cluster(
     [
         (["runtime.kind=ray", "train.process=true"], "train.process = true are for"),
         (["runtime.kind=ray", "runtime.storage_units=0"], "runtime.storage_units must be >= 1"),
+        (["runtime.kind=ray", "runtime.storage_units=3"], "add --set runtime.store=ray"),
+        (["runtime.kind=ray", "runtime.store=s3"], "runtime.store must be one of 'driver', 'ray'"),
         (["runtime.address=auto"], "apply to runtime.kind = 'ray'"),
+        (["runtime.store=ray"], "apply to runtime.kind = 'ray'"),
         (["runtime.kind=k8s"], "runtime.kind must be one of 'local', 'ray', got 'k8s'"),
     ],
 )

@@ -284,24 +284,40 @@ class AgentSection:
 class RuntimeSection:
     """Where the job runs. ``local``: one process (the store in memory, each engine on a
     thread of its own; ``breakpoint()`` works anywhere). ``ray`` (the ``[ray]`` extra): the
-    same job with the store as a controller actor plus ``storage_units`` unit actors and every
-    engine in an actor of its own (``asyncflow_ray``), on the cluster at ``address`` (empty:
-    start a local cluster for the run and stop it after; ``auto``: the cluster started on this
-    node with ``ray start``; ``HOST:PORT``: that cluster's head)."""
+    same job with every engine in an actor of its own (``asyncflow_ray``), on the cluster at
+    ``address`` (empty: start a local cluster for the run and stop it after; ``auto``: the
+    cluster started on this node with ``ray start``; ``HOST:PORT``: that cluster's head).
+
+    ``store`` (Ray only): ``driver`` (default) keeps the store in the driver's memory, where
+    the job's stage tasks run: every row passes through the driver anyway (generations come
+    back to it, batches leave it for the trainer), so rows cross the network once per
+    direction and the store costs no actor calls. ``ray``: a ``RayDataStore`` (a controller
+    actor plus ``storage_units`` unit actors), for runs whose store other processes read too;
+    each stage's put, lease, read and ack are then actor calls (measured ~10x slower on one
+    2-core box: ``benchmarks/ray_runtime.py``)."""
 
     kind: Literal["local", "ray"] = "local"
     address: str = ""
+    store: Literal["driver", "ray"] = "driver"
     storage_units: int = 2
 
     def validate(self) -> None:
         if self.kind not in ("local", "ray"):
             raise ConfigError(f"runtime.kind must be 'local' or 'ray', got {self.kind!r}")
-        if self.kind == "local" and (self.address or self.storage_units != 2):
+        if self.store not in ("driver", "ray"):
             raise ConfigError(
-                "runtime.address and runtime.storage_units apply to runtime.kind = 'ray'"
+                f"runtime.store must be 'driver' (the store in the driver's memory) or 'ray' "
+                f"(a RayDataStore of actors), got {self.store!r}"
             )
+        if self.kind == "local" and (self.address or self.store != "driver"):
+            raise ConfigError("runtime.address and runtime.store apply to runtime.kind = 'ray'")
         if self.storage_units < 1:
             raise ConfigError(f"runtime.storage_units must be >= 1, got {self.storage_units}")
+        if self.store != "ray" and self.storage_units != 2:
+            raise ConfigError(
+                "runtime.storage_units applies to runtime.store = 'ray' (the default store, "
+                "'driver', has no unit actors); add --set runtime.store=ray"
+            )
         if self.kind == "ray":
             import importlib.util
 
@@ -343,7 +359,7 @@ RESUME_KEYS = (
     "rl.steps", "eval_prompts", "threads", "checkpoint.every", "checkpoint.keep",
     "checkpoint.min_interval_s",
     "rollout.engines", "rollout.max_batch", "rollout.process", "train.process", "runtime.kind",
-    "runtime.address",
+    "runtime.address", "runtime.store",
     "runtime.storage_units",
 )  # fmt: skip
 """The config keys ``asyncflow run --resume`` lets ``--set`` change: how long to train, where
@@ -1248,7 +1264,8 @@ async def _placed(
     made: list[Any] = []
     store = None
     try:
-        store = RayDataStore.create(cfg.runtime.storage_units)
+        if cfg.runtime.store == "ray":
+            store = RayDataStore.create(cfg.runtime.storage_units)
         trainer_ray = await RayTrainEngine.create_async(
             functools.partial(make_trainer, model, cfg=cfg, threads=threads, platform=platform),
             platform=platform,
@@ -1262,10 +1279,8 @@ async def _placed(
             )
             made.append(engines[-1])
         nodes = len(rt.nodes())
-        where = (
-            f"ray ({nodes} node{'s' if nodes != 1 else ''}, "
-            f"{cfg.runtime.storage_units} storage units)"
-        )
+        held = f"{cfg.runtime.storage_units} storage units" if store else "the store in the driver"
+        where = f"ray ({nodes} node{'s' if nodes != 1 else ''}, {held})"
         yield engines, trainer_ray, store, where
     finally:
         for proxy in made:
@@ -1546,8 +1561,8 @@ def main_job(args: Any) -> int:
     resume = getattr(args, "resume", None)
     try:
         sets = list(args.set or ())
-        if getattr(args, "runtime", None):
-            sets.append(f"runtime.kind={args.runtime}")
+        if getattr(args, "runtime", None):  # first: the runtime.* keys --set names check it
+            sets.insert(0, f"runtime.kind={args.runtime}")
         if resume:
             if args.config or args.out:
                 raise ConfigError(
