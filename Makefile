@@ -44,7 +44,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf adapters/asyncflow_serve adapters/asyncflow_tq tools
 
-RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py tests/test_ray_runtime_bench.py \
+RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py tests/test_ray_runtime_bench.py tests/test_ray_weightsync.py \
 	tests/test_ray_tq_diff.py tests/test_ray_tq_attach.py tests/test_ray_tq_bench.py
 
 pytest: $(STAMP)

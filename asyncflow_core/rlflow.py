@@ -64,7 +64,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -124,7 +124,13 @@ from asyncflow_core.scheduling import (
 )
 from asyncflow_core.staleness import AdmissionController
 from asyncflow_core.trace import Tracer
-from asyncflow_core.weightsync import InProcessWeightSync, StagedUpdate, _pause, _resume
+from asyncflow_core.weightsync import (
+    InProcessWeightSync,
+    StagedUpdate,
+    SyncTiming,
+    _pause,
+    _resume,
+)
 from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
 _T = TypeVar("_T")
@@ -137,6 +143,27 @@ row whose reward failed: it gets advantage 0 (its group is normalised without it
 ``reward_mean`` leaves it out and ``metrics.extra["reward_failed"]`` counts it; any exception
 stops the job instead."""
 MakeTransport = Callable[[Sequence[SupportsLoadWeights]], WeightSync]
+
+
+class StagedSync(Protocol):
+    """What the job asks of a staged (delayed) weight update: ``StagedUpdate``, or one of an
+    engine package's own (``RLEngines.make_staged``). ``sync(buckets, version)`` stages a
+    version while the engines generate (it may ignore ``buckets``: the Ray runtime's direct
+    sync sends from the trainer's actor), ``apply()`` loads the newest staged version at a
+    safe point (None if none), ``pending_version`` is that version, and ``engines`` can be
+    set to take a lost engine out."""
+
+    engines: Any
+
+    @property
+    def pending_version(self) -> Version | None: ...
+
+    async def sync(self, buckets: Any, version: Version) -> float: ...
+
+    async def apply(self) -> SyncTiming | None: ...
+
+
+MakeStaged = Callable[[Sequence[SupportsLoadWeights], Literal["abort", "keep"]], StagedSync]
 
 _MODES = ("async", "colocated")
 _DEFAULT_SAMPLING = SamplingParams(max_tokens=256)
@@ -275,12 +302,16 @@ class RLConfig:
 class RLEngines:
     """The engines of a job: rollout instances (requests are routed to the least loaded, a
     group sticking to one instance), the trainer, an optional reference model, and the weight
-    transport (``make_transport(targets) -> WeightSync``; default in-process)."""
+    transport (``make_transport(targets) -> WeightSync``; default in-process).
+    ``make_staged(targets, pause_mode) -> StagedSync``: the staged update of
+    ``weight_sync = "staged"`` (None: ``StagedUpdate`` over ``make_transport``; the Ray
+    runtime passes ``RayDirectWeightSync``, trainer actor to rollout actors)."""
 
     rollout: Sequence[InferenceEngine]
     trainer: TrainEngine
     reference: TrainEngine | None = None
     make_transport: MakeTransport = InProcessWeightSync
+    make_staged: MakeStaged | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -794,7 +825,7 @@ class RLJob:
         self._rid = 0
         self._inflight: dict[str, InferenceEngine] = {}
         self._t0 = 0.0
-        self._staged: StagedUpdate | None = None
+        self._staged: StagedSync | None = None
         self._transport: WeightSync | None = None
         self._transport_ready = False
         self._sleeping = False
@@ -1344,14 +1375,17 @@ class RLJob:
                 "generate any more"
             ) from error
 
-    def _staged_update(self) -> StagedUpdate:
+    def _staged_update(self) -> StagedSync:
         # the engines only load what the host buffer staged: safe to guard whatever the
         # transport is
         if self._staged is None:
             mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
-            self._staged = StagedUpdate(
-                self._load_targets(), self.engines.make_transport, pause_mode=mode
-            )
+            if self.engines.make_staged is not None:
+                self._staged = self.engines.make_staged(self._load_targets(), mode)
+            else:
+                self._staged = StagedUpdate(
+                    self._load_targets(), self.engines.make_transport, pause_mode=mode
+                )
         return self._staged
 
     async def _ensure_transport(self) -> WeightSync:
@@ -1583,11 +1617,13 @@ class RLJob:
 __all__ = [
     "JOB_STATE_FILE",
     "JobState",
+    "MakeStaged",
     "RLConfig",
     "RLEngines",
     "RLJob",
     "RLResult",
     "RewardFn",
+    "StagedSync",
     "StepRecord",
     "group_advantages",
     "policy_gradient_loss",

@@ -32,8 +32,20 @@ QUICK = [
     [("driver", "ray (1 node, the store in the driver)"), ("ray", "ray (1 node, 2 storage units)")],
 )
 def test_the_main_job_runs_on_a_local_ray_cluster(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], store: str, where: str
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    store: str,
+    where: str,
 ) -> None:
+    """Its staged weight syncs go from the trainer's actor to the rollout actor directly:
+    the driver's export of the trainer's weights fails here, and is never called."""
+    from asyncflow_ray import RayTrainEngine
+
+    def no_export(self: object, bucket_bytes: int) -> object:
+        raise AssertionError("the driver pulled the trainer's weights")
+
+    monkeypatch.setattr(RayTrainEngine, "export_weights", no_export)
     assert not ray.is_initialized()
     out = tmp_path / "run"
     args = ["run", "--runtime", "ray", "--out", str(out), "--quiet"]

@@ -7,6 +7,8 @@ nodes.
   nodes; clients read and write the units directly, tensors through Ray's object store.
 * ``RayInferenceEngine`` / ``RayTrainEngine``: any engine in an actor, placed by its
   platform's Ray resource (CPU / GPU / NPU), behind the same protocols.
+* ``RayDirectWeightSync``: a staged weight sync from the trainer's actor straight to the
+  rollout actors over a collective group of their own (the driver only says when).
 
 Ray is imported when one of these is used, never at import: without the ``[ray]`` extra the
 error names it.
@@ -15,6 +17,7 @@ error names it.
 from asyncflow_ray.engines import RayInferenceEngine, RayTrainEngine, WorkerLostError
 from asyncflow_ray.runtime import INSTALL, TESTED, NodeInfo, RayRuntime, ray_runtime, resources_for
 from asyncflow_ray.store import PackedColumn, RayDataStore, UnitPlacement
+from asyncflow_ray.weightsync import RayDirectWeightSync
 
 __all__ = [
     "INSTALL",
@@ -22,6 +25,7 @@ __all__ = [
     "NodeInfo",
     "PackedColumn",
     "RayDataStore",
+    "RayDirectWeightSync",
     "RayInferenceEngine",
     "RayRuntime",
     "RayTrainEngine",

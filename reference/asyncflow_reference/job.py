@@ -77,7 +77,15 @@ from asyncflow_core.protocols import (
     TrainEngine,
 )
 from asyncflow_core.rl import LOSS_MASK, DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
-from asyncflow_core.rlflow import JobState, RLConfig, RLEngines, RLJob, RLResult, StepRecord
+from asyncflow_core.rlflow import (
+    JobState,
+    MakeStaged,
+    RLConfig,
+    RLEngines,
+    RLJob,
+    RLResult,
+    StepRecord,
+)
 from asyncflow_core.tools import ToolRunner
 from asyncflow_core.trace import Tracer
 from asyncflow_core.workflow import PipelineResult
@@ -960,7 +968,8 @@ async def run(
                 )
             agent_loop = getattr(workload, "agent_loop", None)
             job = RLJob(
-                rl_config, RLEngines(engines, trainer), workload.prompts(cfg.seed),
+                rl_config, RLEngines(engines, trainer, make_staged=_direct_sync(cfg, trainer)),
+                workload.prompts(cfg.seed),
                 None if callable(agent_loop) else workload.reward,
                 agent=agent_loop() if callable(agent_loop) else None, loss_fn=cfg.loss_fn(),
                 tracer=tracer, on_step=step_hook, store=store, checkpoints=checkpoints,
@@ -1289,6 +1298,23 @@ async def _placed(
         if store is not None:
             store.shutdown()
         rt.shutdown()
+
+
+def _direct_sync(cfg: RunConfig, trainer: TrainEngine) -> MakeStaged | None:
+    """On Ray, a staged sync goes from the trainer's actor straight to the rollout actors
+    (``RayDirectWeightSync``: the driver never holds the weights); None elsewhere."""
+    if cfg.runtime.kind != "ray" or cfg.rl_config().weight_sync != "staged":
+        return None
+    from asyncflow_ray import RayTrainEngine
+    from asyncflow_ray.weightsync import RayDirectWeightSync
+
+    assert isinstance(trainer, RayTrainEngine)
+    bucket_bytes = cfg.rl_config().bucket_bytes
+
+    def make(targets: Sequence[Any], mode: Literal["abort", "keep"]) -> RayDirectWeightSync:
+        return RayDirectWeightSync(trainer, targets, bucket_bytes=bucket_bytes, pause_mode=mode)
+
+    return make
 
 
 def _trainer_label(cfg: RunConfig) -> str:
