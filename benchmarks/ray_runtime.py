@@ -20,7 +20,16 @@ repetition), and each Ray run is divided by the local run of the same repetition
 ``ray_vs_local`` is the median of those ratios, with [min-max]. The goal of the Ray runtime
 issue is ``ray_vs_local`` >= 0.7 on one box.
 
-    python benchmarks/ray_runtime.py             # 3 repetitions (about 2 minutes)
+``--two-node`` then runs the Ray configurations once more on a two-node
+``ray.cluster_utils.Cluster`` started on this machine (2 logical CPUs per node, the job
+joining it with ``runtime.address``, ``--engines`` at least 2) and prints where the trainer,
+the rollout actors and the storage units landed (``summary.json``'s ``extra.placement``): on
+one machine that shows placement, not speed. Ray's ``Cluster`` test utility binds its
+nodes to this machine's network address (not loopback; Ray's cluster token guards it) for the
+few seconds of those runs.
+
+    python benchmarks/ray_runtime.py             # 3 repetitions (about 3 minutes)
+    python benchmarks/ray_runtime.py --two-node  # and the placement on two nodes
     python benchmarks/ray_runtime.py --quick     # 4 steps, 1 repetition: checks it runs
 
 The last stdout line is one JSON object with every figure.
@@ -74,6 +83,33 @@ def run_once(name: str, sets: Sequence[str]) -> dict[str, Any]:
     return summary
 
 
+def two_node(names: Sequence[str], sets: Sequence[str]) -> dict[str, Any]:
+    """The Ray configurations once each on a two-node cluster on this machine: samples/s
+    and where each actor landed."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "object_store_memory": 512 << 20},
+    )
+    out: dict[str, Any] = {}
+    try:
+        cluster.add_node(num_cpus=2, object_store_memory=512 << 20)
+        cluster.wait_for_nodes()
+        print(f"two-node cluster at {cluster.address}", file=sys.stderr, flush=True)
+        for name in names:
+            summary = run_once(name, [*sets, f"runtime.address={cluster.address}"])
+            placement = summary.get("extra", {}).get("placement", {})
+            out[name] = {"samples_per_s": summary["samples_per_s"], "placement": placement}
+    finally:
+        cluster.shutdown()
+    print("\ntwo nodes on this machine (placement, not speed: the nodes share its cores):")
+    for name, got in out.items():
+        where = ", ".join(f"{actor} on {node}" for actor, node in got["placement"].items())
+        print(f"  {name}: {got['samples_per_s']:,.0f} samples/s; {where}")
+    return out
+
+
 def span(xs: Sequence[float], digits: int = 3) -> str:
     return f"{statistics.median(xs):.{digits}f} [{min(xs):.{digits}f}-{max(xs):.{digits}f}]"
 
@@ -87,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only", default=",".join(CONFIGS), help="configurations to run (comma-separated)"
     )
     parser.add_argument("--quick", action="store_true", help="4 steps, 1 repetition")
+    parser.add_argument(
+        "--two-node", action="store_true",
+        help="also run the Ray configurations on a two-node cluster on this machine",
+    )  # fmt: skip
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a RunConfig key for every run (see asyncflow run --keys)",
@@ -148,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures[f"{key}_vs_local"] = statistics.median(ratios[n])
             figures[f"{key}_vs_local_min"] = min(ratios[n])
             figures[f"{key}_vs_local_max"] = max(ratios[n])
+    if args.two_node:
+        figures["two_node"] = two_node(
+            [n for n in names if n != "local"], [*sets, f"rollout.engines={max(2, args.engines)}"]
+        )
     figures["wall_s"] = round(time.perf_counter() - t_start, 1)
     if "ray" in names:
         verdict = "met" if figures["ray_vs_local"] >= TARGET else "not met"

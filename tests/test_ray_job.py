@@ -54,6 +54,8 @@ def test_the_main_job_runs_on_a_local_ray_cluster(
     assert cli_main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runtime"] == where
+    units = {"unit-0": "head", "unit-1": "head"} if store == "ray" else {}
+    assert summary["extra"]["placement"] == {"trainer": "head", "rollout-0": "head", **units}
     assert summary["trainer"] == "ray actor"
     assert summary["steps"] == 4 and summary["samples"] == 4 * 16
     hist = summary["staleness_hist"]

@@ -940,13 +940,15 @@ async def run(
         sampling = workload.sampling(r.temperature, r.top_p, r.top_k)
         rl_config = cfg.rl_config(sampling)
         resumed_at: list[int] = []
+        placement: dict[str, str] = {}  # Ray: each actor's node
         left = cfg.rl.steps
         if point is not None:
             _, state, run_state = point
             left = cfg.rl.steps - (state.version - state.origin)
             rl_config = replace(rl_config, steps=max(left, 1))  # 0 left: no run() below
             resumed_at = [*run_state.get("resumed_at", []), state.version]
-        async with _placed(cfg, model, threads, platform) as (engines, trainer, store, where):
+        placed = _placed(cfg, model, threads, platform, placement)
+        async with placed as (engines, trainer, store, where):
             tracer = _load_trace(point[0], point[2]) if point is not None else Tracer()
             checkpoints = None
             if out is not None:
@@ -1016,6 +1018,8 @@ async def run(
         extra["resumed_at"] = resumed_at
     if lost:
         extra["lost_engines"] = lost
+    if placement:
+        extra["placement"] = placement
     summary = replace(summary, runtime=where, extra=extra)
     if out is not None:
         _write_run_folder(out, cfg, summary, tracer, result)
@@ -1234,11 +1238,17 @@ def torch_trainer(model: Any, *, cfg: RunConfig, threads: int, platform: str) ->
 
 @contextlib.asynccontextmanager
 async def _placed(
-    cfg: RunConfig, model: TransformerLM, threads: int, platform: str
+    cfg: RunConfig,
+    model: TransformerLM,
+    threads: int,
+    platform: str,
+    placement: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[list[InferenceEngine], TrainEngine, DataStore | None, str]]:
     """The rollout engines, the trainer and the store of the run's runtime, closed (and a
     Ray cluster started for the run stopped) on the way out. Local: engines in this process,
-    the default in-process store (``None``)."""
+    the default in-process store (``None``). Ray: ``placement`` gets each actor's node
+    (``head`` or ``node N``) by its name (``trainer``, ``rollout-i``, ``unit-u``)."""
+    placement = {} if placement is None else placement
     rollout_name, train_name = cfg.engine_names()
     make_rollout = registry.get("rollout", rollout_name)
     make_trainer = registry.get("trainer", train_name)
@@ -1287,9 +1297,18 @@ async def _placed(
                 await RayInferenceEngine.create_async(make, platform="cpu", name=f"rollout-{i}")
             )
             made.append(engines[-1])
-        nodes = len(rt.nodes())
+        alive = rt.nodes()
+        nodes = len(alive)
         held = f"{cfg.runtime.storage_units} storage units" if store else "the store in the driver"
         where = f"ray ({nodes} node{'s' if nodes != 1 else ''}, {held})"
+        # where each actor landed, by node: "head" or "node N" (the others, in Ray's order)
+        label = {n.node_id: "head" for n in alive if n.is_head}
+        workers = [n for n in alive if not n.is_head]
+        label.update({n.node_id: f"node {i}" for i, n in enumerate(workers, 1)})
+        placement.update({p.name: label.get(p.node_id, p.node_id) for p in made})
+        if store is not None:
+            for unit in await store.placement():
+                placement[f"unit-{unit.unit}"] = label.get(unit.node_id, unit.node_id)
         yield engines, trainer_ray, store, where
     finally:
         for proxy in made:
