@@ -24,3 +24,18 @@ def ray_runtime(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield rt
     finally:
         rt.shutdown()
+
+
+@pytest.fixture(scope="module")
+def module_by_value(ray_runtime: Any, request: pytest.FixtureRequest) -> Iterator[None]:
+    """Ray's workers cannot import a test module: what the requesting module defines (its
+    small engines, the functions it runs in actors) is pickled by value while it runs."""
+    from asyncflow_ray.runtime import import_ray
+
+    ray = import_ray()
+    module = request.module
+    ray.cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(module)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import pickle
-import sys
 import threading
 import time
 from collections import deque
@@ -79,16 +78,8 @@ class Spare:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def by_value(ray_runtime: Any) -> Iterator[None]:
-    """Ray's workers cannot import this module: pickle what it defines by value."""
-    ray = import_ray()
-
-    module = sys.modules[__name__]
-    ray.cloudpickle.register_pickle_by_value(module)
-    try:
-        yield
-    finally:
-        ray.cloudpickle.unregister_pickle_by_value(module)
+def by_value(module_by_value: None) -> None:
+    """Ray's workers cannot import this module: what it defines travels by value."""
 
 
 @pytest.fixture(scope="class")

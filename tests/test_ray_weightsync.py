@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,15 +30,7 @@ ROLLOUT = functools.partial(TorchInferenceEngine, MODEL, max_batch=8, seed=0, th
 DEVICES = 0.5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def by_value(ray_runtime: Any) -> Iterator[None]:
-    """Ray's workers cannot import this module: pickle what it defines by value."""
-    module = sys.modules[__name__]
-    ray.cloudpickle.register_pickle_by_value(module)
-    try:
-        yield
-    finally:
-        ray.cloudpickle.unregister_pickle_by_value(module)
+pytestmark = pytest.mark.usefixtures("module_by_value")  # its functions run in actors
 
 
 def weights(engine: Any) -> dict[str, torch.Tensor]:
