@@ -1038,18 +1038,24 @@ class _Batcher:
                         call.future.set_exception(value)
                     else:
                         call.future.set_result(_unpack(value))
-            if any(not c.future.done() for c in waiting.values()):
+            missing = sum(not c.future.done() for c in waiting.values())
+            if missing:
                 raise EngineError(
                     f"{engine.name}: the actor's stream of generate results ended without "
-                    f"{len(waiting)} of them (it was cut)"
+                    f"{missing} of them (it was cut)"
                 )
         except BaseException as error:
+            cancelled = isinstance(error, asyncio.CancelledError)
             for call in waiting.values():
-                if not call.future.done():
+                if call.future.done():
+                    continue
+                if cancelled:  # a future cannot hold a CancelledError: cancel it instead
+                    call.future.cancel()
+                else:
                     call.future.set_exception(error)
             with contextlib.suppress(Exception):
                 import_ray().cancel(stream)
-            if isinstance(error, asyncio.CancelledError):
+            if cancelled:
                 raise
 
 
