@@ -27,6 +27,7 @@ machines cannot join such a cluster: for several nodes start the head with ``ray
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -368,3 +369,14 @@ def _wait_gone(pids: list[int], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.05)
+
+
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def background(coro: Any) -> None:
+    """Run ``coro`` on the running loop without awaiting it (fire and forget), keeping a
+    reference so the task is not garbage-collected before it ends."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)

@@ -129,7 +129,7 @@ from asyncflow_core.store import (
     loop_clock,
     prepare_put,
 )
-from asyncflow_ray.runtime import alive_nodes, bytes_tensor, first_line, import_ray
+from asyncflow_ray.runtime import alive_nodes, background, bytes_tensor, first_line, import_ray
 
 UNIT_CONCURRENCY = 8
 """Calls a storage-unit actor serves at once (threads; a unit's state has its own lock)."""
@@ -975,7 +975,7 @@ class RayDataStore:
                 with contextlib.suppress(Exception):
                     await undo(got)
 
-            _background(settle())
+            background(settle())
             raise
 
     # -- partitions ----------------------------------------------------------------------------
@@ -1399,15 +1399,6 @@ def _share(
         else:
             out[f] = cast(list[PlainValue], [values[i] for run in runs for i in run])
     return out
-
-
-_TASKS: set[asyncio.Task[None]] = set()
-
-
-def _background(coro: Any) -> None:
-    task = asyncio.get_running_loop().create_task(coro)
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
 
 
 def _cause(err: Exception) -> BaseException:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any, Literal
 
 from asyncflow_core.checkpoint import failpoint
 from asyncflow_core.errors import EngineLostError, WeightSyncError
+from asyncflow_core.process import free_port
 from asyncflow_core.protocols import SupportsPause, Version
 from asyncflow_core.weightsync import (
     DistributedWeightReceiver,
@@ -49,7 +49,7 @@ from asyncflow_core.weightsync import (
     WeightSyncGroup,
 )
 from asyncflow_ray.engines import RayInferenceEngine, RayTrainEngine
-from asyncflow_ray.runtime import alive_nodes, import_ray
+from asyncflow_ray.runtime import alive_nodes, background, import_ray
 
 __all__ = ["RayDirectWeightSync"]
 
@@ -84,10 +84,7 @@ def _address(engine: Any) -> tuple[str, int]:
     ray = import_ray()
     node_id = ray.get_runtime_context().get_node_id()
     host = next((n.address for n in alive_nodes() if n.node_id == node_id), "127.0.0.1")
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = int(s.getsockname()[1])
-    return host, port
+    return host, free_port(host)
 
 
 async def _sender_open(
@@ -197,10 +194,9 @@ async def _receiver_drop(engine: Any, gid: int) -> None:
 
 
 async def _receiver_close(engine: Any, gid: int) -> None:
-    state = _RECEIVERS.pop(gid, None)
+    state = _RECEIVERS.get(gid)
+    await _receiver_drop(engine, gid)
     if state is not None:
-        state.receiver.close()
-        state.serving.cancel()
         state.group.close()
 
 
@@ -370,10 +366,10 @@ class RayDirectWeightSync:
         self._gid, self._members = None, []
         if gid is None:
             return
-        _background(self.trainer.run(_sender_forget, gid))
+        background(self.trainer.run(_sender_forget, gid))
         for e in members:
             if e in self._engines:
-                _background(e.run(_receiver_drop, gid))
+                background(e.run(_receiver_drop, gid))
 
     async def _first_lost(self, members: Sequence[RayInferenceEngine]) -> list[Any]:
         """The members found dead, polled every ``WATCH_S`` (returns once one is)."""
@@ -407,15 +403,6 @@ async def _alive(engine: RayInferenceEngine) -> bool:
     except Exception:
         return True
     return True
-
-
-_TASKS: set[asyncio.Task[Any]] = set()
-
-
-def _background(coro: Any) -> None:
-    task = asyncio.ensure_future(coro)
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
 
 
 def _unwrap(engine: Any) -> Any:

@@ -1242,13 +1242,12 @@ async def _placed(
     model: TransformerLM,
     threads: int,
     platform: str,
-    placement: dict[str, str] | None = None,
+    placement: dict[str, str],
 ) -> AsyncIterator[tuple[list[InferenceEngine], TrainEngine, DataStore | None, str]]:
     """The rollout engines, the trainer and the store of the run's runtime, closed (and a
     Ray cluster started for the run stopped) on the way out. Local: engines in this process,
     the default in-process store (``None``). Ray: ``placement`` gets each actor's node
     (``head`` or ``node N``) by its name (``trainer``, ``rollout-i``, ``unit-u``)."""
-    placement = {} if placement is None else placement
     rollout_name, train_name = cfg.engine_names()
     make_rollout = registry.get("rollout", rollout_name)
     make_trainer = registry.get("trainer", train_name)
@@ -1322,13 +1321,14 @@ async def _placed(
 def _direct_sync(cfg: RunConfig, trainer: TrainEngine) -> MakeStaged | None:
     """On Ray, a staged sync goes from the trainer's actor straight to the rollout actors
     (``RayDirectWeightSync``: the driver never holds the weights); None elsewhere."""
-    if cfg.runtime.kind != "ray" or cfg.rl_config().weight_sync != "staged":
+    rl = cfg.rl_config()
+    if cfg.runtime.kind != "ray" or rl.weight_sync != "staged":
         return None
     from asyncflow_ray import RayTrainEngine
     from asyncflow_ray.weightsync import RayDirectWeightSync
 
     assert isinstance(trainer, RayTrainEngine)
-    bucket_bytes = cfg.rl_config().bucket_bytes
+    bucket_bytes = rl.bucket_bytes
 
     def make(targets: Sequence[Any], mode: Literal["abort", "keep"]) -> RayDirectWeightSync:
         return RayDirectWeightSync(trainer, targets, bucket_bytes=bucket_bytes, pause_mode=mode)
