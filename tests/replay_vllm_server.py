@@ -218,7 +218,10 @@ class FirstTokenFreeze:
         def submit(request: GenerationRequest) -> asyncio.Future[Any]:
             future = self._submit(request)
             self.engine.submit = self._submit  # type: ignore[method-assign]
-            self._task = asyncio.ensure_future(self._freeze(request.request_id))
+            # registered now, before the engine's next step: a task's own wait_for_tokens
+            # would register only when the task first runs, tokens later on a loaded machine
+            watch = self.engine.watch_tokens(request.request_id, 1)
+            self._task = asyncio.ensure_future(self._freeze(watch))
             return future
 
         self.engine.submit = submit  # type: ignore[method-assign]
@@ -227,8 +230,8 @@ class FirstTokenFreeze:
     def __exit__(self, *exc: object) -> None:
         self.engine.submit = self._submit  # type: ignore[method-assign]
 
-    async def _freeze(self, request_id: str) -> None:
-        self.tokens = await self.engine.wait_for_tokens(request_id, 1)
+    async def _freeze(self, watch: asyncio.Future[int]) -> None:
+        self.tokens = await watch
         await self.engine.pause("keep")
         self._done.set()
 

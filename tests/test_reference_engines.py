@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import threading
+import time
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -421,6 +422,25 @@ def test_abort_returns_what_was_generated_so_far() -> None:
     run(main())
 
 
+def test_watch_tokens_registers_before_the_caller_yields() -> None:
+    """A watch made right after submit stops the engine at the count even when the event
+    loop is held up afterwards (the worker thread may step freely meanwhile): a
+    ``wait_for_tokens`` in a task of its own would register only when that task runs."""
+
+    async def main() -> None:
+        engine = TorchInferenceEngine(CFG)
+        running = engine.submit(req("a", [4, 2], LONG))
+        watch = engine.watch_tokens("a", 2)
+        await asyncio.sleep(0)  # the driver starts the first step on the worker thread
+        time.sleep(0.3)  # the loop is held up; with no watch the worker would run on
+        assert await watch == 2
+        await engine.abort(["a"])
+        assert len((await running).tokens) == 2
+        await engine.close()
+
+    run(main())
+
+
 def test_resume_from_a_prefix_continues_and_keeps_the_prefix_versions() -> None:
     async def main() -> None:
         engine = TorchInferenceEngine(CFG)
@@ -570,8 +590,8 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_engine_recovers() -
 
         setattr(engine.model, "decode", broken)  # noqa: B010 (an instance attribute)
         doomed = engine.submit(req("a", [2, 4], LONG))
-        watcher = asyncio.ensure_future(engine.wait_for_tokens("a", 20))
-        await engine.wait_for_tokens("a", 2)  # the watcher task registered before this returns
+        watcher = engine.watch_tokens("a", 20)  # registered now
+        await engine.wait_for_tokens("a", 2)
         armed.set()  # the next step fails
         with pytest.raises(EngineError, match=r"generation failed .*simulated kernel failure"):
             await doomed

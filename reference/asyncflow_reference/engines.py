@@ -414,7 +414,16 @@ class TorchInferenceEngine:
         The engine checks after every step and holds its next step until the waiting task has
         run: an ``abort``, ``pause`` or ``load_weights`` that task calls right away (before any
         other await) applies before another token is sampled, so a request can be stopped or
-        re-weighted at an exact token count. For progress reports and tests."""
+        re-weighted at an exact token count. For progress reports and tests. Awaited directly
+        the wait is registered before the caller yields; from a task of its own it is
+        registered only when that task first runs (the engine may have stepped on by then):
+        use :meth:`watch_tokens` there."""
+        return await self.watch_tokens(request_id, count)
+
+    def watch_tokens(self, request_id: str, count: int) -> asyncio.Future[int]:
+        """``wait_for_tokens`` registered now, synchronously (call from the event loop's
+        thread): the returned future is set as ``wait_for_tokens`` would return, and no step
+        that starts after this call can pass ``count`` unseen."""
         loop = self._bind()
         if not _is_int(count) or count < 0:
             raise EngineError(f"{self.name}: count must be an int >= 0, got {count!r}")
@@ -424,16 +433,17 @@ class TorchInferenceEngine:
                 f"{self.name}: request {request_id!r} is not in flight; wait on it before "
                 "its generate() call returns"
             )
+        future: asyncio.Future[int] = loop.create_future()
         have = len(pending.request.resume_tokens)
         if have >= count:
-            return have
-        future: asyncio.Future[int] = loop.create_future()
+            future.set_result(have)
+            return future
         pending.watchers.append((int(count), future))
         self._watched.add(pending)
         self._new_watch = True  # checked even while paused or asleep
         self._interrupt = True
         self._kick()
-        return await future
+        return future
 
     async def close(self) -> None:
         """Abort everything in flight, stop the driver and the worker thread. Final."""
