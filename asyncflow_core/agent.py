@@ -223,7 +223,8 @@ class GenerationClient:
     ``closing()``: True once the job is stopping (an aborted turn is then not retried).
     ``on_lost(name, error)``: called when engine ``name`` is lost (``EngineLostError``) with
     this client's turn on it; the turn then goes to another engine (default: take the engine
-    out of the router).
+    out of the router). ``wait_ready()``: awaited before a turn is routed while the router has
+    no engine (``generate_routed``).
     ``too_stale(version)``: True when a trajectory whose oldest generated token has
     ``version`` can no longer be trained (a turn then does not start). ``tracer``: where the
     turn spans (on ``resource``) and tool spans go. ``inflight``: a registry shared with the
@@ -244,6 +245,7 @@ class GenerationClient:
         resource: str = "rollout",
         inflight: dict[str, InferenceEngine] | None = None,
         on_lost: Callable[[str, EngineLostError], None] | None = None,
+        wait_ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("GenerationClient: give at least one InferenceEngine")
@@ -261,6 +263,7 @@ class GenerationClient:
         self._inflight = {} if inflight is None else inflight
         self._closing = closing
         self._on_lost = on_lost
+        self._wait_ready = wait_ready
         self._too_stale = too_stale
         self._tokens: list[int] = []
         self._mask: list[int] = []
@@ -282,7 +285,7 @@ class GenerationClient:
             self.engines, self.router, trajectory_id, sampling=self.sampling,
             limits=self.limits, partial_rollout=self.partial_rollout, closing=self._closing,
             too_stale=self._too_stale, tracer=self.tracer, resource=self.resource,
-            inflight=self._inflight, on_lost=self._on_lost,
+            inflight=self._inflight, on_lost=self._on_lost, wait_ready=self._wait_ready,
         )  # fmt: skip
 
     # ---- context --------------------------------------------------------------------------
@@ -392,7 +395,7 @@ class GenerationClient:
         name, result = await generate_routed(
             self.engines, self.router, request, len(prompt) + cap, self.trajectory_id,
             partial_rollout=self.partial_rollout, closing=self._closing,
-            inflight=self._inflight, on_lost=self._on_lost,
+            inflight=self._inflight, on_lost=self._on_lost, wait_ready=self._wait_ready,
         )  # fmt: skip
         if tuple(result.prompt_tokens) != prompt:
             raise EngineError(
@@ -648,6 +651,7 @@ async def generate_routed(
     closing: Callable[[], bool],
     inflight: dict[str, InferenceEngine],
     on_lost: Callable[[str, EngineLostError], None] | None = None,
+    wait_ready: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[str, GenerationResult]:
     """Generate ``request`` on the engine ``router`` picks (``engines[int(name)]``; ``tokens``
     is its load, ``group`` its sticky group) and return ``(name, result)``. A request aborted
@@ -657,9 +661,12 @@ async def generate_routed(
     one out (default: out of the router): from the tokens the lost engine returned with the
     error where it could (``error.partial``), else from where the request was. ``inflight``
     maps the request id to the engine it is on while it runs (a job aborts those at its
-    end)."""
+    end). ``wait_ready()``: awaited before each routing while the router has no engine (a
+    job's restarting engines come back; it raises when none will)."""
     rid = request.request_id
     while True:
+        if wait_ready is not None and not router.instances:
+            await wait_ready()
         name = router.route(rid, tokens, group)
         engine = engines[int(name)]
         try:

@@ -40,6 +40,7 @@ from pathlib import Path
 from asyncflow_core.errors import ConfigError
 
 FAILPOINTS_ENV = "ASYNCFLOW_FAILPOINTS"
+FAILPOINTS_ONCE_ENV = "ASYNCFLOW_FAILPOINTS_ONCE"
 _PREFIX = "step-"
 _TMP = ".tmp-"
 _NAME = re.compile(r"^step-(\d{8,})$")
@@ -163,7 +164,9 @@ def _parse(spec: str) -> dict[str, int]:
 
 def failpoint(name: str) -> None:
     """SIGKILL this process at the K-th hit of ``name`` when ``ASYNCFLOW_FAILPOINTS`` arms it
-    (``name=K``); otherwise nothing."""
+    (``name=K``); otherwise nothing. With ``ASYNCFLOW_FAILPOINTS_ONCE`` set to a folder, a
+    failpoint fires once in all: it leaves a file named after it there first, and a process
+    that finds the file (e.g. a worker restarted after the kill) lets the hit pass."""
     global _armed
     if _armed is None:
         _armed = _parse(os.environ.get(FAILPOINTS_ENV, ""))
@@ -171,7 +174,14 @@ def failpoint(name: str) -> None:
         return
     _hits[name] = _hits.get(name, 0) + 1
     if _hits[name] == _armed[name]:
+        once = os.environ.get(FAILPOINTS_ONCE_ENV)
+        if once:
+            try:
+                with open(Path(once) / f"{name}.fired", "x"):
+                    pass
+            except FileExistsError:
+                return
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["FAILPOINTS_ENV", "Checkpoints", "failpoint"]
+__all__ = ["FAILPOINTS_ENV", "FAILPOINTS_ONCE_ENV", "Checkpoints", "failpoint"]

@@ -553,6 +553,22 @@ class SupportsProgress(Protocol):
 
 
 @runtime_checkable
+class SupportsRestart(Protocol):
+    """An engine that can come back after it was lost (``EngineLostError``), e.g. a Ray
+    actor created with ``max_restarts``. ``lost`` is True from the loss until ``restart()``
+    returns; meanwhile every call raises ``EngineLostError``. ``restart()`` waits for the
+    worker to come back and builds a fresh engine there: its weights and version are the
+    factory's, not the lost engine's, so load the current weights before routing requests to
+    it (the RL job does). It raises ``EngineLostError`` when the engine cannot come back (its
+    restarts are spent, or it did not start in time)."""
+
+    @property
+    def lost(self) -> bool: ...
+
+    async def restart(self) -> None: ...
+
+
+@runtime_checkable
 class SupportsSleep(Protocol):
     """Release accelerator memory (weights and/or KV cache) and take it back."""
 

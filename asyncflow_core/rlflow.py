@@ -64,7 +64,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -98,6 +98,7 @@ from asyncflow_core.protocols import (
     SamplingParams,
     Selection,
     SupportsLoadWeights,
+    SupportsRestart,
     SupportsSleep,
     Tags,
     TrainEngine,
@@ -813,7 +814,11 @@ class RLJob:
         self._checkpoint_failed: BaseException | None = None
         self.lost: dict[str, str] = {}
         """Rollout engines lost during the job (router name -> why); the job went on with the
-        others (``EngineLostError``)."""
+        others (``EngineLostError``). An engine that restarted and rejoined is taken out."""
+        self.restarted: dict[str, int] = {}
+        """Rollout engines that came back after a loss (``SupportsRestart``): name -> times."""
+        self._rejoining: dict[str, asyncio.Task[None]] = {}  # restarts under way, by name
+        self._rejoined = asyncio.Event()  # set when one ends (back in routing, or not)
         self._ended: float | None = None  # the last run's wall seconds, once it ended
         self._start: Version = 0  # the trainer's version when run() started
         # replaced at each run() by one counting from that run's start version
@@ -1031,7 +1036,7 @@ class RLJob:
         _, result = await generate_routed(
             self.engines.rollout, self.router, request, len(prompt) + cfg.sampling.max_tokens,
             group, partial_rollout=cfg.partial_rollout, closing=lambda: self._closing,
-            inflight=self._inflight, on_lost=self._engine_lost,
+            inflight=self._inflight, on_lost=self._engine_lost, wait_ready=self._rollout_ready,
         )  # fmt: skip
         return result
 
@@ -1092,6 +1097,7 @@ class RLJob:
                 too_stale=self._too_stale if cfg.drop_stale else None, tracer=self.tracer,
                 resource="devices" if cfg.mode == "colocated" else "rollout",
                 inflight=self._inflight, on_lost=self._engine_lost,
+                wait_ready=self._rollout_ready,
             )  # fmt: skip
             trajectory = await self.agent.run(dict(sample), client)
             if not isinstance(trajectory, Trajectory):
@@ -1345,13 +1351,17 @@ class RLJob:
 
     def _engine_lost(self, name: str, error: EngineLostError) -> None:
         """Rollout engine ``name`` is gone: take it out of routing and of weight sync (its
-        requests are sent again by ``generate_routed``). With none left, the job stops."""
+        requests are sent again by ``generate_routed``). An engine that can restart
+        (``SupportsRestart``) comes back through ``_rejoin``; with none left and none
+        coming back, the job stops."""
         if name in self.lost:
             return
+        engine = self.engines.rollout[int(name)]
+        if isinstance(engine, SupportsRestart) and not engine.lost:
+            return  # a call sent before the engine restarted failed late: it is back already
         self.lost[name] = str(error)
         if name in self.router.instances:
             self.router.remove_instance(name)
-        engine = self.engines.rollout[int(name)]
         if self._staged is not None:
             self._staged.engines = [
                 e for e in self._staged.engines if getattr(e, "engine", e) is not engine
@@ -1360,20 +1370,103 @@ class RLJob:
             self._transport = None
             self._transport_ready = False
         live = len(self.engines.rollout) - len(self.lost)
+        restart = isinstance(engine, SupportsRestart) and not self._closing and self._can_rejoin()
         _log.warning(
-            "rollout engine %s (%s) is lost: %s; its requests go to the %d left",
+            "rollout engine %s (%s) is lost: %s; its requests go to the %d left%s",
             name, type(engine).__name__, error, live,
+            " (it restarts, and rejoins with the current weights)" if restart else "",
         )  # fmt: skip
         if self.tracer is not None:
             now = self._now()
             self.tracer.record(
                 "lost", "engine lost", now, now, resource="rollout", engine=name, error=str(error)
             )
-        if live == 0:
+        if restart and name not in self._rejoining:
+            back = cast(SupportsRestart, engine)
+            task = asyncio.get_running_loop().create_task(self._rejoin(name, back))
+            self._rejoining[name] = task
+        if live == 0 and not self._rejoining:
             raise EngineError(
                 f"every rollout engine is lost (the last, {name}: {error}); the job cannot "
                 "generate any more"
             ) from error
+
+    def _can_rejoin(self) -> bool:
+        """Whether a restarted engine can rejoin: it loads the weights between two updates, so
+        no update may wait for generations to drain (they may wait for the engine): not
+        colocated, and no blocking sync that drains (one without partial rollout)."""
+        cfg = self.config
+        drains = cfg.weight_sync == "blocking" and not cfg.partial_rollout
+        return cfg.mode == "async" and not drains
+
+    async def _rejoin(self, name: str, engine: SupportsRestart) -> None:
+        """Bring lost engine ``name`` back in step: wait for it to restart, then, between two
+        updates (the update lock), load the trainer's weights at the trainer's version and
+        put it back into routing and into the weight sync. Its requests were sent again
+        elsewhere when it was lost; none of its old results can arrive (the engine drops a
+        failure from before its restart), so nothing is trained twice."""
+        try:
+            try:
+                await engine.restart()
+            except EngineLostError as error:
+                self.lost[name] = str(error)
+                _log.warning("rollout engine %s stays lost: %s", name, error)
+                return
+            async with self._lock:  # no update (or sync) moves the trainer meanwhile
+                if self._closing:
+                    return
+                trainer = self.engines.trainer
+                version = trainer.weight_version
+                weights: list[tuple[str, torch.Tensor]] = []
+                async for bucket in trainer.export_weights(self.config.bucket_bytes):
+                    weights.extend(zip(bucket.names, bucket.tensors, strict=True))
+                target = cast(SupportsLoadWeights, engine)
+                try:
+                    await target.load_weights(weights, version)
+                except EngineLostError as error:  # lost again before it rejoined
+                    self.lost[name] = str(error)
+                    _log.warning("rollout engine %s was lost again while rejoining", name)
+                    return
+                del weights
+                self.lost.pop(name, None)
+                self.restarted[name] = self.restarted.get(name, 0) + 1
+                self._with_engine(name)
+            _log.warning("rollout engine %s restarted and rejoined at version %d", name, version)
+            if self.tracer is not None:
+                now = self._now()
+                self.tracer.record(
+                    "lost", "engine rejoined", now, now, resource="rollout", engine=name,
+                    version=version,
+                )  # fmt: skip
+        finally:
+            self._rejoining.pop(name, None)
+            self._rejoined.set()
+
+    def _with_engine(self, name: str) -> None:
+        """Put a rejoined engine back into routing and into the next weight sync."""
+        engine = self.engines.rollout[int(name)]
+        if self._staged is not None:
+            # a staged sync over the engines (the host buffer) loads it from the next swap
+            # on; one of an engine package (a collective group) rebuilds its group over it
+            guarded = _Guarded(cast(SupportsLoadWeights, engine), name, self._engine_lost)
+            self._staged.engines = [*self._staged.engines, guarded]
+        if self._transport is not None:  # rebuilt over the live engines at the next sync
+            self._transport = None
+            self._transport_ready = False
+        self.router.add_instance(name)
+
+    async def _rollout_ready(self) -> None:
+        """Before a request is routed: while no rollout engine is left but one is restarting,
+        wait for it; with none left and none coming back, the job cannot go on."""
+        while not self.router.instances:
+            if not self._rejoining:
+                raise EngineError(
+                    "every rollout engine is lost and none restarted ("
+                    + "; ".join(f"{n}: {why}" for n, why in self.lost.items())
+                    + "); the job cannot generate any more"
+                )
+            self._rejoined.clear()
+            await self._rejoined.wait()
 
     def _staged_update(self) -> StagedSync:
         # the engines only load what the host buffer staged: safe to guard whatever the
@@ -1563,6 +1656,9 @@ class RLJob:
             result = await self.pipeline.run(self.store)
         finally:
             self._closing = True  # aborted generations are not re-submitted any more
+            for task in list(self._rejoining.values()):
+                task.cancel()
+            await asyncio.gather(*self._rejoining.values(), return_exceptions=True)
             await self._abort_inflight()
             if self._checkpointing:  # the last step's checkpoint, or one under way
                 await asyncio.gather(*self._checkpointing, return_exceptions=True)

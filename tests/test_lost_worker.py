@@ -113,6 +113,135 @@ def test_losing_every_rollout_engine_stops_the_run_with_its_reason() -> None:
     assert set(job.lost) == {"0"}
 
 
+class Restartable:
+    """A ``SupportsRestart`` rollout engine for the job's side of a restart, without Ray: a
+    ``ProcessInferenceEngine`` whose child, once killed, makes the engine ``lost`` until
+    ``restart()`` starts a fresh child (the factory's weights, version 0), as a Ray actor
+    with ``max_restarts`` does. A failure of a call made before the restart does not mark
+    the new child lost (``RayInferenceEngine`` keeps the same rule)."""
+
+    def __init__(self, seed: int, restarts: int = 1) -> None:
+        self.seed = seed
+        self.left = restarts
+        self.engine = _rollout(seed)
+        self.epoch = 0
+        self.restarts_done = 0
+        self._lost = False
+        self.loads: list[int] = []  # the versions loaded
+        self.after_restart = 0  # requests the restarted engine answered
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def restart(self) -> None:
+        if not self._lost:
+            return
+        if self.left == 0:
+            raise EngineLostError(f"rollout-{self.seed}: its restarts are spent")
+        self.left -= 1
+        await self.engine.close()
+        self.engine = _rollout(self.seed)
+        self.epoch += 1
+        self.restarts_done += 1
+        self._lost = False
+
+    async def _do(self, method: str, *args: object) -> object:
+        if self._lost:
+            raise EngineLostError(f"rollout-{self.seed} is lost ({method} was not sent)")
+        epoch = self.epoch
+        try:
+            return await getattr(self.engine, method)(*args)
+        except EngineLostError:
+            if epoch == self.epoch:
+                self._lost = True
+            raise
+
+    async def generate(self, request: GenerationRequest) -> object:
+        result = await self._do("generate", request)
+        self.after_restart += self.epoch > 0
+        return result
+
+    async def abort(self, request_ids: object) -> None:
+        await self._do("abort", request_ids)
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._do("pause", mode)
+
+    async def resume(self) -> None:
+        await self._do("resume")
+
+    async def load_weights(self, weights: object, version: int) -> None:
+        await self._do("load_weights", weights, version)
+        self.loads.append(version)
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_a_restarted_rollout_engine_rejoins_with_the_trainer_s_weights(engines: int) -> None:
+    """Killed with requests in flight, the engine restarts; the job loads the trainer's
+    weights at the trainer's version into the fresh engine between two updates and routes to
+    it again. With it the only engine, the job waits for it instead of stopping. Every step
+    trains, no group twice, nothing staler than η."""
+    rollout = [Restartable(1 + i) for i in range(engines)]
+    victim = rollout[-1]
+    killed: list[int] = []
+    job = _job(rollout, 10)  # type: ignore[arg-type]
+
+    async def kill_when_busy() -> None:
+        while not any(e is victim for e in job._inflight.values()):  # evidence, as above
+            await asyncio.sleep(0.001)
+        assert victim.engine.pid is not None
+        killed.append(victim.engine.pid)
+        os.kill(victim.engine.pid, signal.SIGKILL)
+
+    async def main() -> RLResult:
+        watcher = asyncio.create_task(kill_when_busy())
+        try:
+            return await job.run()
+        finally:
+            watcher.cancel()
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        for e in rollout:
+            asyncio.run(e.close())
+    assert killed and victim.restarts_done == 1 and victim.engine.pid != killed[0]
+    assert job.restarted == {str(engines - 1): 1} and job.lost == {}
+    assert [s.version for s in result.steps] == list(range(1, 11))
+    groups = [g for s in result.steps for g in s.groups]
+    assert len(groups) == len(set(groups)) and result.samples == 10 * 8
+    assert max(s.max_staleness for s in result.steps) <= 1
+    # the fresh engine got the trainer's weights before it was routed to, then every sync
+    assert victim.loads and victim.weight_version >= 9
+    assert victim.after_restart > 0
+
+
+def test_a_restartable_engine_stays_lost_when_its_restarts_are_spent() -> None:
+    rollout = [Restartable(1, restarts=0)]
+
+    def on_step(record: StepRecord) -> None:
+        if record.version == 2:
+            assert rollout[0].engine.pid is not None
+            os.kill(rollout[0].engine.pid, signal.SIGKILL)
+
+    job = _job(rollout, 20)  # type: ignore[arg-type]
+    job.on_step = on_step
+    try:
+        with pytest.raises(TaskFailedError, match="every rollout engine is lost and none rest"):
+            asyncio.run(job.run())
+    finally:
+        asyncio.run(rollout[0].close())
+    assert "restarts are spent" in job.lost["0"] and job.restarted == {}
+
+
 def _cli(out: Path, *sets: str, failpoints: str) -> subprocess.CompletedProcess[str]:
     args = ["--out", str(out), "--quiet"]
     for s in (

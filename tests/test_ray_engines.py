@@ -38,6 +38,7 @@ from asyncflow_core.protocols import (
     SamplingParams,
     SupportsLoadWeights,
     SupportsPause,
+    SupportsRestart,
     SupportsSleep,
     TrainEngine,
 )
@@ -159,6 +160,7 @@ class EchoEngine:
         self.delay_s = delay_s
         self._version = 0
         self.cancelled: list[str] = []
+        self.started: list[str] = []
 
     @property
     def weight_version(self) -> int:
@@ -167,6 +169,7 @@ class EchoEngine:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if request.params.max_tokens == 13:
             raise Unlucky(f"request {request.request_id!r}: max_tokens=13 is unlucky")
+        self.started.append(request.request_id)
         try:
             await asyncio.sleep(60.0 if request.request_id.startswith("hold") else self.delay_s)
         except asyncio.CancelledError:
@@ -331,8 +334,12 @@ def test_bad_factories_and_options_are_clear_errors(echo_engine: RayInferenceEng
         RayTrainEngine.create(EchoEngine, devices=0)
     with pytest.raises(ConfigError, match="factory must be a zero-argument callable"):
         RayInferenceEngine.create("EchoEngine", devices=0)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"max_restarts=3 is not supported.*WorkerLostError"):
-        RayInferenceEngine.create(EchoEngine, devices=0, max_restarts=3)
+    with pytest.raises(ConfigError, match=r"max_restarts=1 is not supported by RayTrainEngine"):
+        RayTrainEngine.create(TRAINER, devices=0, max_restarts=1)
+    with pytest.raises(ConfigError, match="max_restarts must be an int >= 0, got -1"):
+        RayInferenceEngine.create(EchoEngine, devices=0, max_restarts=-1)
+    with pytest.raises(ConfigError, match=r"max_task_retries=2 is not supported.*run twice"):
+        RayInferenceEngine.create(EchoEngine, devices=0, max_task_retries=2)
     with pytest.raises(ConfigError, match="devices must be a number >= 0, got -1"):
         RayInferenceEngine.create(EchoEngine, devices=-1)
 
@@ -396,6 +403,68 @@ def test_a_killed_actor_is_a_lost_worker() -> None:
             await proxy.generate(request("closed"))
 
     run(body())
+
+
+def test_a_restarted_actor_is_lost_until_restart_brings_a_fresh_engine_back() -> None:
+    """``max_restarts=1``: Ray restarts the killed actor, but never silently. The requests in
+    flight fail with ``WorkerLostError``, later calls are refused, and ``restart()`` builds a
+    fresh engine from the factory (the factory's version, not the lost engine's). A failure of
+    a call sent before the restart never marks the restarted engine lost. A second death spends
+    the restarts: ``restart()`` then says so."""
+    ray = import_ray()
+
+    async def body() -> None:
+        proxy = await RayInferenceEngine.create_async(
+            functools.partial(EchoEngine, delay_s=0.0), devices=0, name="phoenix",
+            max_restarts=1,
+        )  # fmt: skip
+        plain = await RayInferenceEngine.create_async(EchoEngine, devices=0)
+        try:
+            assert isinstance(proxy, SupportsRestart) and not proxy.lost
+            assert not isinstance(plain, SupportsRestart)  # no max_restarts: no restart()
+            await proxy.run(set_version, 5)
+            assert await proxy.refresh_version() == 5
+            first_pid = proxy.pid
+            held = [asyncio.ensure_future(proxy.generate(request(f"hold{i}"))) for i in range(2)]
+            await _wait_until(lambda: proxy.run(started, 2), "the held requests running")
+            ray.kill(proxy.handle, no_restart=False)
+            for call in held:
+                with pytest.raises(WorkerLostError, match="restart\\(\\) brings a fresh engine"):
+                    await asyncio.wait_for(call, 60)
+            assert proxy.lost and "lost" in repr(proxy)
+            with pytest.raises(WorkerLostError, match=r"\(generate was not sent\)"):
+                await proxy.generate(request("refused"))
+            await asyncio.wait_for(proxy.restart(), 120)
+            assert not proxy.lost and proxy.restarts == 1 and proxy.pid != first_pid
+            assert proxy.weight_version == 0  # the factory's engine, not the lost one's v5
+            done = await proxy.generate(request("after"))
+            assert done.finish_reason == "length" and done.versions == (0, 0, 0)
+            # a failure from before the restart does not mark the new engine lost
+            stale = proxy._ray_error("generate", RuntimeError("late"), epoch=0)
+            assert isinstance(stale, WorkerLostError) and "before its actor restarted" in str(stale)
+            assert not proxy.lost
+            await proxy.restart()  # not lost: nothing to do
+            assert proxy.restarts == 1
+            # the second death spends the restarts
+            last = asyncio.ensure_future(proxy.generate(request("hold-last")))
+            await _wait_until(lambda: proxy.run(started, 1), "the held request running")
+            ray.kill(proxy.handle, no_restart=False)
+            with pytest.raises(WorkerLostError) as info:
+                await asyncio.wait_for(last, 60)
+            assert proxy.lost
+            with pytest.raises(WorkerLostError, match=r"phoenix.*(cannot restart|restarts are sp)"):
+                await asyncio.wait_for(proxy.restart(), 120)
+            assert proxy.lost and proxy.restarts == 1 and "phoenix" in str(info.value)
+        finally:
+            await proxy.close()
+            await plain.close()
+
+    run(body())
+
+
+def started(engine: Any, count: int) -> bool:
+    """Whether the engine has started ``count`` requests."""
+    return len(engine.started) >= count
 
 
 # --------------------------------------------------------------------------------------------

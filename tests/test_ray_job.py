@@ -77,6 +77,8 @@ def test_the_main_job_runs_on_a_local_ray_cluster(
         (["runtime.kind=ray", "runtime.store=s3"], "runtime.store must be one of 'driver', 'ray'"),
         (["runtime.address=auto"], "apply to runtime.kind = 'ray'"),
         (["runtime.store=ray"], "apply to runtime.kind = 'ray'"),
+        (["runtime.rollout_restarts=1"], "apply to runtime.kind = 'ray'"),
+        (["runtime.kind=ray", "runtime.rollout_restarts=-1"], "must be an int >= 0, got -1"),
         (["runtime.kind=k8s"], "runtime.kind must be one of 'local', 'ray', got 'k8s'"),
     ],
 )
@@ -105,6 +107,35 @@ def test_a_killed_rollout_actor_does_not_end_the_run(
     lost = summary["extra"]["lost_engines"]
     assert list(lost) == ["1"] and "rollout-1" in lost["1"]
     assert "lost rollout engines" in capsys.readouterr().out
+    assert not ray.is_initialized()
+
+
+def test_a_killed_rollout_actor_restarts_and_rejoins_with_the_current_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only rollout actor kills its own process (a failpoint that fires once across
+    restarts) at its 10th generate request, with requests in flight. Ray restarts it
+    (runtime.rollout_restarts=1); the job waits for it (no other engine is left), loads the
+    trainer's weights into the fresh engine between two updates, and rebuilds the direct
+    sync's group over it. The run completes with every sample trained once and no sample
+    staler than η."""
+    monkeypatch.setenv("ASYNCFLOW_FAILPOINTS", "ray.rollout-0.generate=10")
+    monkeypatch.setenv("ASYNCFLOW_FAILPOINTS_ONCE", str(tmp_path))
+    out = tmp_path / "run"
+    args = ["run", "--runtime", "ray", "--out", str(out), "--quiet"]
+    for item in [*QUICK, "rl.steps=6", "runtime.rollout_restarts=1"]:
+        args += ["--set", item]
+    assert cli_main(args) == 0
+    assert (tmp_path / "ray.rollout-0.generate.fired").exists()  # it did die, once
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["samples"] == 6 * 16
+    assert summary["extra"]["restarted_engines"] == {"0": 1}
+    assert "lost_engines" not in summary["extra"]
+    hist = summary["staleness_hist"]
+    assert sum(hist.values()) == 6 * 16 and set(hist) <= {"0", "1"}
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert "restarted rollout engines" in capsys.readouterr().out
     assert not ray.is_initialized()
 
 

@@ -64,8 +64,17 @@ every later call raise ``WorkerLostError`` naming the engine and the actor: the 
 state (weights, requests) is gone, build a new one. An actor that is only unreachable for a
 moment gives ``EngineUnavailableError`` (the call may or may not have run). Cancelling a
 call (e.g. a task awaiting ``generate``) cancels it in the actor, where the engine drops the
-request. Actor restarts (``max_restarts``) are refused: a restarted actor would hold a fresh
-engine that silently lost its weights and version.
+request.
+
+**Restarts.** ``RayInferenceEngine.create(..., max_restarts=N)`` lets Ray restart a dead
+rollout actor up to N times. A restart is never silent: the calls in flight and every later
+call raise ``WorkerLostError`` (``lost`` is True) until ``await proxy.restart()``, which
+waits for the new actor and builds a fresh engine there from the same factory (so its
+weights and version are the factory's: load the current weights before using it; the RL job
+does, and routes to it again only then). A failure of a call sent before the restart never
+marks the restarted engine lost. Trainers refuse ``max_restarts`` (a restarted trainer would
+have lost its optimizer state), and ``max_task_retries`` is refused everywhere (a retried
+call could run twice).
 
 **Creation** is ``create(...)`` (blocking until the engine is built) or ``await
 create_async(...)`` (from a coroutine: the loop keeps running). ``close()`` closes the engine
@@ -173,8 +182,6 @@ _METHODS = frozenset(
 """The engine methods the host forwards (nothing else can be called by name)."""
 
 _REFUSED_OPTIONS = {
-    "max_restarts": "a restarted actor would build a fresh engine that silently lost its "
-    "weights, version and requests",
     "max_task_retries": "a retried call could run twice (a train step applied twice)",
 }
 
@@ -308,8 +315,28 @@ class _EngineHost:
     def _error(self, exc: BaseException) -> Reply:
         return self._reply("err", _portable(exc, self._where))
 
+    def _no_engine(self, method: str) -> Reply:
+        """The answer of a restarted actor (Ray ran ``__init__`` again, not ``start``) to a
+        call sent before its proxy saw the restart: the engine it was meant for is gone."""
+        context = import_ray().get_runtime_context()
+        return self._reply(
+            "err",
+            WorkerLostError(
+                f"the Ray actor {context.get_actor_id()} restarted and holds no engine yet: "
+                f"the engine's weights and requests were lost ({method} did not run); "
+                "restart() the proxy",
+                actor_id=str(context.get_actor_id()),
+            ),
+        )
+
     async def start(self, factory: Callable[[], Any], name: str) -> Reply:
         context = import_ray().get_runtime_context()
+        if self._engine is not None:  # a restart() of an actor that did not die: start over
+            for tasks in list(self._running.values()):
+                for task in list(tasks):
+                    task.cancel()
+            await self.stop()
+            self._engine = None
         self._name = name
         self._where = f"engine {name!r} (Ray actor {context.get_actor_id()})"
         try:
@@ -342,6 +369,8 @@ class _EngineHost:
     async def call(self, method: str, args: tuple[Any, ...]) -> Reply:
         if method not in _METHODS:
             return self._error(EngineError(f"{self._where}: no engine method {method!r}"))
+        if self._engine is None:
+            return self._no_engine(method)
         failpoint(f"ray.{self._name}.{method}")  # e.g. ray.rollout-1.generate=30
         if method == "abort":
             # the tasks of requests that generate_many started before this call have not run
@@ -360,6 +389,9 @@ class _EngineHost:
         stream back as they finish, those finished together in one ``("items", [(index,
         result or error, failed)])`` reply; then ``("end", None)``. ``cancel_requests``
         cancels some of them; cancelling the stream cancels those still running."""
+        if self._engine is None:
+            yield self._no_engine("generate")
+            return
         tasks: dict[asyncio.Task[Any], int] = {}
         for i, request in enumerate(requests):
             failpoint(f"ray.{self._name}.generate")  # counted per request, as by ``call``
@@ -404,6 +436,8 @@ class _EngineHost:
         return self._reply("ok", None)
 
     async def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Reply:
+        if self._engine is None:
+            return self._no_engine("run")
         try:
             result = fn(self._engine, *_unpack(args))
             if inspect.isawaitable(result):
@@ -413,6 +447,9 @@ class _EngineHost:
             return self._error(e)
 
     async def export(self, bucket_bytes: int) -> AsyncIterator[Reply]:
+        if self._engine is None:
+            yield self._no_engine("export_weights")
+            return
         try:
             async for bucket in self._engine.export_weights(bucket_bytes):
                 yield self._reply("item", _pack(bucket))
@@ -422,6 +459,8 @@ class _EngineHost:
         yield self._reply("end", None)
 
     async def ping(self) -> Reply:
+        if self._engine is None:
+            return self._no_engine("ping")
         try:
             return self._reply("ok", None)
         except Exception as e:
@@ -505,7 +544,7 @@ def _check_resources(
 # --------------------------------------------------------------------------------------------
 _P = TypeVar("_P", bound="_RayEngine")
 _names = itertools.count(1)
-_classes: dict[tuple[type, frozenset[str]], type] = {}
+_classes: dict[tuple[type, frozenset[str], bool], type] = {}
 _classes_lock = threading.Lock()
 
 
@@ -514,6 +553,7 @@ class _RayEngine:
 
     _role: ClassVar[str] = ""
     _protocol: ClassVar[str] = ""
+    _restartable: ClassVar[bool] = False
 
     def __init__(
         self, handle: Any, name: str, started: _Started, version: Version, seq: int
@@ -530,6 +570,13 @@ class _RayEngine:
         self._seq = seq
         self._closed = False
         self._lost: str | None = None
+        self.max_restarts = 0
+        """Restarts Ray may make of this engine's actor (``create(..., max_restarts=)``)."""
+        self.restarts = 0
+        """Times ``restart()`` brought the engine back; calls are tagged with it, so the failure
+        of a call sent before a restart never marks the restarted engine lost."""
+        self._factory: Callable[[], Any] | None = None
+        self._start_timeout_s = DEFAULT_START_TIMEOUT_S
 
     # -- creation ------------------------------------------------------------------------
     @classmethod
@@ -545,6 +592,7 @@ class _RayEngine:
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         check_resources: bool = True,
+        max_restarts: int = 0,
         **actor_options: Any,
     ) -> Self:
         """Start an actor that builds the engine with ``factory()`` and return its proxy, once
@@ -553,19 +601,21 @@ class _RayEngine:
         (``resources_for``); ``name``: the engine's name in messages and the Ray actor's name
         (unique in the runtime's namespace; default: a generated one, and no Ray name);
         ``node_id``: pin the actor to that node; ``runtime_env``, ``**actor_options``: Ray
-        actor options (they override the resource options). Raises ``ConfigError`` for bad
-        options or resources no node has, ``EngineError`` if the factory failed (its error
-        as ``__cause__``) or the engine did not start in time."""
+        actor options (they override the resource options); ``max_restarts``: restarts Ray
+        may make of a dead actor (``RayInferenceEngine`` only; see "Restarts" in the module
+        docstring). Raises ``ConfigError`` for bad options or resources no node has,
+        ``EngineError`` if the factory failed (its error as ``__cause__``) or the engine did
+        not start in time."""
         ray = import_ray()
         handle, ref, who = cls._launch(
             ray, factory, platform, devices, name, node_id, runtime_env, max_concurrency,
-            start_timeout_s, check_resources, actor_options,
+            start_timeout_s, check_resources, max_restarts, actor_options,
         )  # fmt: skip
         try:
             reply = ray.get(ref, timeout=start_timeout_s)
         except BaseException as e:
             cls._start_failed(ray, handle, who, e, start_timeout_s)
-        return cls._started(ray, handle, who, reply)
+        return cls._started(ray, handle, who, reply, factory, start_timeout_s, max_restarts)
 
     @classmethod
     async def create_async(
@@ -580,13 +630,14 @@ class _RayEngine:
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         check_resources: bool = True,
+        max_restarts: int = 0,
         **actor_options: Any,
     ) -> Self:
         """``create`` for a coroutine: the event loop keeps running while the engine builds."""
         ray = import_ray()
         handle, ref, who = cls._launch(
             ray, factory, platform, devices, name, node_id, runtime_env, max_concurrency,
-            start_timeout_s, check_resources, actor_options,
+            start_timeout_s, check_resources, max_restarts, actor_options,
         )  # fmt: skip
 
         async def wait() -> Reply:
@@ -597,7 +648,7 @@ class _RayEngine:
             reply = await asyncio.wait_for(wait(), start_timeout_s)
         except BaseException as e:
             cls._start_failed(ray, handle, who, e, start_timeout_s)
-        return cls._started(ray, handle, who, reply)
+        return cls._started(ray, handle, who, reply, factory, start_timeout_s, max_restarts)
 
     @classmethod
     def _launch(
@@ -612,6 +663,7 @@ class _RayEngine:
         max_concurrency: int,
         start_timeout_s: float,
         check_resources: bool,
+        max_restarts: int,
         actor_options: dict[str, Any],
     ) -> tuple[Any, Any, str]:
         """Check the options, create the actor and send it ``start``."""
@@ -633,6 +685,16 @@ class _RayEngine:
             )
         if not start_timeout_s > 0:
             raise ConfigError(f"{who}: start_timeout_s must be > 0, got {start_timeout_s!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or (
+            max_restarts < 0
+        ):  # fmt: skip
+            raise ConfigError(f"{who}: max_restarts must be an int >= 0, got {max_restarts!r}")
+        if max_restarts and not cls._restartable:
+            raise ConfigError(
+                f"{who}: max_restarts={max_restarts} is not supported by {cls.__name__}: a "
+                "restarted trainer would have lost its optimizer state and steps; resume the "
+                "job from a checkpoint instead"
+            )
         for option, why in _REFUSED_OPTIONS.items():
             if actor_options.get(option):
                 raise ConfigError(
@@ -651,7 +713,7 @@ class _RayEngine:
             options["resources"] = {**options["resources"], **(extra.pop("resources") or {})}
         options.update(extra)
         options["max_concurrency"] = max_concurrency
-        options["max_restarts"] = 0
+        options["max_restarts"] = max_restarts
         options["max_task_retries"] = 0
         if runtime_env is not None:
             options["runtime_env"] = dict(runtime_env)
@@ -712,7 +774,16 @@ class _RayEngine:
         raise EngineError(message) from error
 
     @classmethod
-    def _started(cls, ray: Any, handle: Any, who: str, reply: Reply) -> Self:
+    def _started(
+        cls,
+        ray: Any,
+        handle: Any,
+        who: str,
+        reply: Reply,
+        factory: Callable[[], Any],
+        start_timeout_s: float,
+        max_restarts: int,
+    ) -> Self:
         kind, payload, version, seq = reply
         if kind == "err":
             with contextlib.suppress(Exception):
@@ -731,8 +802,12 @@ class _RayEngine:
                 f"{who}: the factory built a {started.engine_type}, which is not "
                 f"{cls._protocol} (it lacks a method or property of the protocol){hint}"
             )
-        klass = _compose(cls, started.abilities)
-        return klass(handle, who, started, version, seq)
+        klass = _compose(cls, started.abilities, restart=max_restarts > 0)
+        proxy = klass(handle, who, started, version, seq)
+        proxy.max_restarts = max_restarts
+        proxy._factory = factory
+        proxy._start_timeout_s = start_timeout_s
+        return proxy
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -817,20 +892,23 @@ class _RayEngine:
         """``engine.method(*args)`` in the actor."""
         self._check_open(method)
         ref = self._send(self._handle.call, method, method, args)
-        return await self._request(method, ref)
+        return await self._request(method, ref, self.restarts)
 
     async def _await_ref(self, ref: Any) -> Any:
         return await ref
 
-    async def _request(self, method: str, ref: Any) -> Any:
-        """Await ``ref``'s reply: its result, or the engine's error raised here."""
-        kind, payload = self._take(await self._reply_of(method, ref))
+    async def _request(self, method: str, ref: Any, epoch: int | None = None) -> Any:
+        """Await ``ref``'s reply: its result, or the engine's error raised here. ``epoch``:
+        ``restarts`` when the call was sent (default: now)."""
+        epoch = self.restarts if epoch is None else epoch
+        kind, payload = self._take(await self._reply_of(method, ref, epoch), epoch)
         if kind == "err":
             raise payload
         return _unpack(payload)
 
-    async def _reply_of(self, method: str, ref: Any) -> Reply:
+    async def _reply_of(self, method: str, ref: Any, epoch: int | None = None) -> Reply:
         ray = import_ray()
+        epoch = self.restarts if epoch is None else epoch
         try:
             reply: Reply = await ref
             return reply
@@ -839,20 +917,53 @@ class _RayEngine:
                 ray.cancel(ref)  # an async actor cancels the call's task: the engine drops it
             raise
         except Exception as e:
-            raise self._ray_error(method, e) from e
+            raise self._ray_error(method, e, epoch) from e
 
-    def _take(self, reply: Reply) -> tuple[str, Any]:
+    def _take(self, reply: Reply, epoch: int | None = None) -> tuple[str, Any]:
+        """A reply's kind and payload; its version updates the cache if it is the newest of
+        this incarnation. A restarted actor's "no engine" answer marks the engine lost."""
         kind, payload, version, seq = reply
-        if seq > self._seq:
+        current = epoch is None or epoch == self.restarts
+        if current and seq > self._seq:
             self._seq, self._version = seq, version
+        if kind == "err" and isinstance(payload, WorkerLostError):
+            payload.engine = payload.engine or self.name
+            if current and self._lost is None:
+                self._lost = f"{self.name}: {payload}"
         return kind, payload
 
-    def _ray_error(self, method: str, error: Exception) -> Exception:
-        """What a Ray failure of a call means for the caller."""
+    def _ray_error(self, method: str, error: Exception, epoch: int | None = None) -> Exception:
+        """What a Ray failure of a call means for the caller. ``epoch``: ``restarts`` when the
+        call was sent; a failure from before a restart does not mark the engine lost."""
         ray = import_ray()
         exceptions = ray.exceptions
         if self._closed:
             return EngineError(f"{self.name}: {method} was interrupted: the engine was closed")
+        if epoch is not None and epoch != self.restarts:
+            return WorkerLostError(
+                f"{self.name}: {method} was sent to the engine before its actor restarted and "
+                f"failed ({_summary(error)}); the engine is back since",
+                self.name,
+                self.actor_id,
+            )
+        if self.max_restarts and isinstance(
+            error, exceptions.ActorUnavailableError | exceptions.RayActorError
+        ):
+            # Ray restarts the actor (it fails the calls in flight with ActorUnavailableError)
+            # with a fresh host: the engine is gone, and stays lost until restart()
+            spent = isinstance(error, exceptions.ActorDiedError)
+            if self._lost is None:
+                self._lost = (
+                    f"{self.name}: the Ray actor hosting the engine ({self.engine_type}, actor "
+                    f"{self.actor_id}, node {self.node_id}) failed: {_summary(error)}. The "
+                    "engine's weights and requests are lost; "
+                    + (
+                        f"its restarts are spent (max_restarts={self.max_restarts})"
+                        if spent
+                        else "restart() brings a fresh engine back once Ray restarted the actor"
+                    )
+                )
+            return WorkerLostError(f"{self._lost} ({method} failed)", self.name, self.actor_id)
         if isinstance(error, exceptions.ActorUnavailableError):
             return EngineUnavailableError(
                 f"{self.name}: the engine's Ray actor {self.actor_id} is unreachable for now "
@@ -927,13 +1038,84 @@ _MIXINS: dict[str, type[_RayEngine]] = {
 }
 
 
-def _compose(base: type[_P], abilities: Sequence[str]) -> type[_P]:
-    """``base`` with the mixins of ``abilities`` (one class per combination, cached)."""
-    key = (base, frozenset(abilities))
+class _RestartAbility(_RayEngine):
+    """``SupportsRestart``: composed in when the engine was created with ``max_restarts``."""
+
+    @property
+    def lost(self) -> bool:
+        """True from the loss of the engine's actor until ``restart()`` returns."""
+        return self._lost is not None
+
+    async def restart(self) -> None:
+        """Wait for Ray to restart the engine's actor and build a fresh engine there (from the
+        factory ``create`` was given); a no-op while the engine is not lost. The fresh engine
+        has the factory's weights and version: load the current weights before using it.
+        ``WorkerLostError`` if the actor cannot come back (its restarts are spent, or Ray
+        reports it dead) or the engine did not build within ``start_timeout_s``; the engine
+        then stays lost."""
+        if self._closed:
+            raise EngineError(f"{self.name}: restart after close(); create a new engine")
+        if self._lost is None:
+            return
+        ray = import_ray()
+        factory = self._factory
+        assert factory is not None  # composed in by create() only, which sets it
+        deadline = asyncio.get_running_loop().time() + self._start_timeout_s
+        while True:  # a call sent while Ray restarts the actor waits for the new one
+            ref = self._handle.start.remote(factory, self.name)
+            try:
+                left = deadline - asyncio.get_running_loop().time()
+                reply: Reply = await asyncio.wait_for(self._await_ref(ref), max(left, 0.001))
+                break
+            except TimeoutError as e:
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+                raise WorkerLostError(
+                    f"{self._lost}; the engine did not restart within start_timeout_s="
+                    f"{self._start_timeout_s} s",
+                    self.name,
+                    self.actor_id,
+                ) from e
+            except ray.exceptions.ActorUnavailableError:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                await asyncio.sleep(0.05)  # still restarting: ask again (bounded by deadline)
+            except ray.exceptions.RayActorError as e:
+                raise WorkerLostError(
+                    f"{self._lost}; it cannot restart: {_summary(e)}", self.name, self.actor_id
+                ) from e
+        kind, payload, version, seq = reply
+        if kind == "err":
+            raise WorkerLostError(
+                f"{self._lost}; building the engine again failed: {type(payload).__name__}: "
+                f"{first_line(payload)}",
+                self.name,
+                self.actor_id,
+            ) from payload
+        started: _Started = payload
+        if set(started.abilities) != set(self.abilities) or self._role not in started.roles:
+            raise WorkerLostError(
+                f"{self._lost}; the factory built a {started.engine_type} with abilities "
+                f"{sorted(started.abilities)} this time, not {sorted(self.abilities)}",
+                self.name,
+                self.actor_id,
+            )
+        self.actor_id, self.node_id, self.pid = started.actor_id, started.node_id, started.pid
+        self.restarts += 1
+        self._seq, self._version = seq, version  # the new actor counts from 1 again
+        self._lost = None
+
+
+def _compose(base: type[_P], abilities: Sequence[str], *, restart: bool = False) -> type[_P]:
+    """``base`` with the mixins of ``abilities`` (one class per combination, cached), and
+    ``SupportsRestart`` when ``restart``."""
+    key = (base, frozenset(abilities), restart)
     with _classes_lock:
         klass = _classes.get(key)
         if klass is None:
             mixins = tuple(_MIXINS[a] for a in ABILITIES if a in key[1])
+            if restart:
+                mixins = (_RestartAbility, *mixins)
             klass = type(base.__name__, (*mixins, base), {"__module__": base.__module__})
             klass.__qualname__ = base.__qualname__
             _classes[key] = klass
@@ -993,7 +1175,7 @@ class _Batcher:
                     if not call.future.done():
                         call.future.set_exception(error)
                 continue
-            task = self.loop.create_task(self.receive(chunk, stream))
+            task = self.loop.create_task(self.receive(chunk, stream, self.engine.restarts))
             self.streams.add(task)
             task.add_done_callback(self.streams.discard)
 
@@ -1012,8 +1194,9 @@ class _Batcher:
         engine.requests_sent += len(calls)
         return stream
 
-    async def receive(self, calls: list[_Call], stream: Any) -> None:
-        """Hand each caller its result (or error) as the stream brings it."""
+    async def receive(self, calls: list[_Call], stream: Any, epoch: int) -> None:
+        """Hand each caller its result (or error) as the stream brings it (``epoch``: the
+        engine's ``restarts`` when the stream was sent)."""
         engine = self.engine
         what = "generate"
         waiting = dict(enumerate(calls))
@@ -1024,8 +1207,8 @@ class _Batcher:
                 except StopAsyncIteration:
                     break
                 except Exception as e:
-                    raise engine._ray_error(what, e) from e
-                kind, payload = engine._take(await engine._reply_of(what, ref))
+                    raise engine._ray_error(what, e, epoch) from e
+                kind, payload = engine._take(await engine._reply_of(what, ref, epoch), epoch)
                 if kind == "err":
                     raise payload
                 if kind == "end":
@@ -1078,6 +1261,7 @@ class RayInferenceEngine(_RayEngine):
 
     _role = "inference"
     _protocol = "an InferenceEngine"
+    _restartable = True
     max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS
 
     def __init__(

@@ -211,7 +211,8 @@ class RayDirectWeightSync:
     ``RayInferenceEngine``s' actors (see the module docstring). The interface of
     ``StagedUpdate`` the job uses: ``sync(buckets, version)`` (``buckets`` is not read: the
     trainer's actor exports its own weights), ``apply()``, ``pending_version``, ``engines``
-    (set it to take engines out: the group is rebuilt over them at the next sync)."""
+    (set it to take engines out, or put a restarted one back: the group is rebuilt over them
+    at the next sync; a member that restarted since it joined is never asked to apply)."""
 
     def __init__(
         self,
@@ -235,6 +236,7 @@ class RayDirectWeightSync:
         self.backend = backend
         self._gid: int | None = None
         self._members: list[RayInferenceEngine] = []
+        self._epochs: list[int] = []  # each member's ``restarts`` when it joined the group
         self._pending: Version | None = None
         self._transfer_s: dict[Version, float] = {}
         self._lock: asyncio.Lock | None = None
@@ -309,7 +311,11 @@ class RayDirectWeightSync:
             self._pending = None
             gid = self._gid
             t0 = time.perf_counter()
-            live = [e for e in self._members if e in self._engines]  # not one taken out since
+            live = [  # not one taken out, or restarted (its receiver is gone), since
+                e
+                for e, epoch in zip(self._members, self._epochs, strict=True)
+                if e in self._engines and e.restarts == epoch
+            ]
             await asyncio.gather(
                 *(e.run(_receiver_apply, gid, version, self.pause_mode) for e in live)
             )
@@ -324,11 +330,14 @@ class RayDirectWeightSync:
 
     # -- the group ---------------------------------------------------------------------------
     async def _ensure_group(self) -> None:
-        if self._gid is not None and self._members == self._engines:
+        restarted = any(
+            e.restarts != epoch for e, epoch in zip(self._members, self._epochs, strict=True)
+        )
+        if self._gid is not None and self._members == self._engines and not restarted:
             return
         if self._gid is not None:  # members changed: close the group, or drop it if one died
             answers = await asyncio.gather(*(_alive(e) for e in self._members))
-            if all(answers):
+            if all(answers) and not restarted:
                 await self._close_group()
             else:  # its close message would wait on the dead rank until the group's timeout
                 self._abandon_group()
@@ -347,11 +356,12 @@ class RayDirectWeightSync:
             self.trainer.run(_sender_open, gid, host, port, world, self.backend), *joins
         )
         self._gid, self._members = gid, members
+        self._epochs = [e.restarts for e in members]
         self.groups_built += 1
 
     async def _close_group(self) -> None:
         gid, members = self._gid, self._members
-        self._gid, self._members = None, []
+        self._gid, self._members, self._epochs = None, [], []
         if gid is None:
             return
         calls = [self.trainer.run(_sender_close, gid)]
@@ -362,13 +372,13 @@ class RayDirectWeightSync:
         """Forget a group one of whose ranks died, closing it nowhere (a thread waiting in
         one of its broadcasts ends at the group's timeout; closing the group meanwhile would
         block that actor): the trainer and the live members only drop it."""
-        gid, members = self._gid, self._members
-        self._gid, self._members = None, []
+        gid, members, epochs = self._gid, self._members, self._epochs
+        self._gid, self._members, self._epochs = None, [], []
         if gid is None:
             return
         background(self.trainer.run(_sender_forget, gid))
-        for e in members:
-            if e in self._engines:
+        for e, epoch in zip(members, epochs, strict=True):
+            if e in self._engines and e.restarts == epoch:
                 background(e.run(_receiver_drop, gid))
 
     async def _first_lost(self, members: Sequence[RayInferenceEngine]) -> list[Any]:

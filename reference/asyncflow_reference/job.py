@@ -302,12 +302,19 @@ class RuntimeSection:
     direction and the store costs no actor calls. ``ray``: a ``RayDataStore`` (a controller
     actor plus ``storage_units`` unit actors), for runs whose store other processes read too;
     each stage's put, lease, read and ack are then actor calls (measured ~10x slower on one
-    2-core box: ``benchmarks/ray_runtime.py``)."""
+    2-core box: ``benchmarks/ray_runtime.py``).
+
+    ``rollout_restarts`` (Ray only): how many times Ray may restart each rollout actor that
+    dies (``RayInferenceEngine.create(max_restarts=)``). Its requests go to the other rollout
+    engines at once; once the actor is back, the job loads the trainer's weights into the
+    fresh engine between two updates and routes to it again (``RLJob``: async mode, and no
+    blocking sync that drains). 0: a dead rollout actor stays lost."""
 
     kind: Literal["local", "ray"] = "local"
     address: str = ""
     store: Literal["driver", "ray"] = "driver"
     storage_units: int = 2
+    rollout_restarts: int = 0
 
     def validate(self) -> None:
         if self.kind not in ("local", "ray"):
@@ -317,8 +324,19 @@ class RuntimeSection:
                 f"runtime.store must be 'driver' (the store in the driver's memory) or 'ray' "
                 f"(a RayDataStore of actors), got {self.store!r}"
             )
-        if self.kind == "local" and (self.address or self.store != "driver"):
-            raise ConfigError("runtime.address and runtime.store apply to runtime.kind = 'ray'")
+        if self.kind == "local" and (
+            self.address or self.store != "driver" or self.rollout_restarts
+        ):  # fmt: skip
+            raise ConfigError(
+                "runtime.address, runtime.store and runtime.rollout_restarts apply to "
+                "runtime.kind = 'ray'"
+            )
+        if isinstance(self.rollout_restarts, bool) or not isinstance(
+            self.rollout_restarts, int
+        ) or self.rollout_restarts < 0:  # fmt: skip
+            raise ConfigError(
+                f"runtime.rollout_restarts must be an int >= 0, got {self.rollout_restarts!r}"
+            )
         if self.storage_units < 1:
             raise ConfigError(f"runtime.storage_units must be >= 1, got {self.storage_units}")
         if self.store != "ray" and self.storage_units != 2:
@@ -368,7 +386,7 @@ RESUME_KEYS = (
     "checkpoint.min_interval_s",
     "rollout.engines", "rollout.max_batch", "rollout.process", "train.process", "runtime.kind",
     "runtime.address", "runtime.store",
-    "runtime.storage_units",
+    "runtime.storage_units", "runtime.rollout_restarts",
 )  # fmt: skip
 """The config keys ``asyncflow run --resume`` lets ``--set`` change: how long to train, where
 and on how many processes. Every other key shapes the model, the data order, the optimizer
@@ -987,6 +1005,7 @@ async def run(
                 await job.sync_rollout()
                 result = RLResult(rl_config, (), 0.0, 0, 0, PipelineResult({}, 0.0), tracer)
             lost = dict(job.lost)
+            restarted = dict(job.restarted)
             if point is not None:  # the whole run's records and totals
                 state = point[1]
                 result = replace(
@@ -1018,6 +1037,8 @@ async def run(
         extra["resumed_at"] = resumed_at
     if lost:
         extra["lost_engines"] = lost
+    if restarted:
+        extra["restarted_engines"] = restarted
     if placement:
         extra["placement"] = placement
     summary = replace(summary, runtime=where, extra=extra)
@@ -1293,7 +1314,12 @@ async def _placed(
         engines = []
         for i, make in enumerate(rollout):
             engines.append(
-                await RayInferenceEngine.create_async(make, platform="cpu", name=f"rollout-{i}")
+                await RayInferenceEngine.create_async(
+                    make,
+                    platform="cpu",
+                    name=f"rollout-{i}",
+                    max_restarts=cfg.runtime.rollout_restarts,
+                )
             )
             made.append(engines[-1])
         alive = rt.nodes()
@@ -1472,6 +1498,10 @@ def format_summary(s: RunSummary) -> str:
     if s.extra.get("lost_engines"):
         lost = s.extra["lost_engines"]
         rows.append(("lost rollout engines", f"{len(lost)} ({', '.join(sorted(lost))}), survived"))
+    if s.extra.get("restarted_engines"):
+        back = s.extra["restarted_engines"]
+        text = ", ".join(f"{n} ({k}×)" for n, k in sorted(back.items()))
+        rows.append(("restarted rollout engines", f"{text}, rejoined"))
     rows += _agent_rows(s.extra)
     rows += [
         ("bubble ratio", ", ".join(f"{k} {v:.2f}" for k, v in s.bubble_ratio.items())),
