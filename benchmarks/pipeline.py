@@ -14,6 +14,13 @@ paper's per-scale figures are not in our sources). The last stdout line is one J
     python benchmarks/pipeline.py --quick          # headline on fewer steps, no table
     python benchmarks/pipeline.py --only 7B:1024   # one table row (colocated and async)
     python benchmarks/pipeline.py --only 7B:1024:async,32B:64   # its async run; another row
+    python benchmarks/pipeline.py --ray            # and the async runs on the Ray runtime
+    python benchmarks/pipeline.py --only 7B:1024:ray  # one async run on the Ray runtime
+
+``--ray`` adds, for every row of the scaling table, the async run on the Ray runtime: every
+engine behind the actor-call costs measured on the dev box (``RayCosts``, from
+``benchmarks/ray_calls.py``; the driver's CPU queued across all engines), and a table of Ray
+vs local async samples/s and the driver's busy fraction (JSON ``ray_scaling``).
 
 The JSON line also says how long the simulation took in real seconds: ``real_s`` (the whole
 benchmark) and ``sim_1024_real_s`` (the 1024-device 7B async run of the table, the largest:
@@ -56,7 +63,10 @@ def _job(spec: tuple[str, int | None, int | None, str, int]) -> tuple[Any, ...]:
     mode, eta = spec[3], spec[4]
     preset = _preset(spec)
     cpu_start = time.process_time()
-    run = simulate(preset, mode, staleness=eta, weight_sync="staged")  # type: ignore[arg-type]
+    if mode == "ray":  # the async run on the Ray runtime's measured call costs
+        run = simulate(preset, "async", staleness=eta, weight_sync="staged", runtime="ray")
+    else:
+        run = simulate(preset, mode, staleness=eta, weight_sync="staged")  # type: ignore[arg-type]
     row = run_row(run)  # plain data: a run itself holds locks and loops, it does not pickle
     row["cpu_s"] = round(time.process_time() - cpu_start, 1)
     row["ideal_step_s"] = preset.ideal().step_s
@@ -88,7 +98,8 @@ MODEL_ALIASES = {"7b": "qwen2.5-7b-grpo", "32b": "qwen2.5-32b-grpo"}
 
 def parse_only(text: str) -> list[tuple[str, int | None, int | None, str, int]]:
     """``--only``: comma-separated ``MODEL:DEVICES[:MODE]`` (MODEL a preset name, or 7B / 32B;
-    MODE colocated or async, default both) as job specs of the scaling table's runs."""
+    MODE colocated, async or ray (async on the Ray runtime), default colocated and async) as
+    job specs of the scaling table's runs."""
     specs: list[tuple[str, int | None, int | None, str, int]] = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
@@ -104,8 +115,8 @@ def parse_only(text: str) -> list[tuple[str, int | None, int | None, str, int]]:
             raise ValueError(f"--only item {item!r}: DEVICES must be an int") from None
         modes = ["colocated", "async"] if len(parts) == 2 else [parts[2]]
         for mode in modes:
-            if mode not in ("colocated", "async"):
-                raise ValueError(f"--only item {item!r}: MODE must be colocated or async")
+            if mode not in ("colocated", "async", "ray"):
+                raise ValueError(f"--only item {item!r}: MODE must be colocated, async or ray")
             specs.append((model, devices, None, mode, 0 if mode == "colocated" else 1))
     if not specs:
         raise ValueError("--only names no run")
@@ -162,8 +173,12 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument(
         "--only", default=None, metavar="MODEL:DEVICES[:MODE],...",
-        help="run only these table rows (MODEL: a preset, 7B or 32B; MODE: colocated or async, "
-        "default both) and print their rows and a JSON line with them",
+        help="run only these table rows (MODEL: a preset, 7B or 32B; MODE: colocated, async or "
+        "ray, default colocated and async) and print their rows and a JSON line with them",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ray", action="store_true",
+        help="also run every scaling-table row's async job on the Ray runtime's measured costs",
     )  # fmt: skip
     args = parser.parse_args()
     if args.only is not None:
@@ -188,6 +203,12 @@ def main() -> int:
             if model == args.preset and d == get_preset(model).devices:
                 continue  # the headline runs already cover it
             specs += [(model, d, None, "colocated", 0), (model, d, None, "async", 1)]
+    if args.ray:
+        for model in models:
+            for d in scales:
+                head_run = model == args.preset and d == get_preset(model).devices
+                key_d, key_steps = (None, steps) if head_run else (d, None)
+                specs.append((model, key_d, key_steps, "ray", 1))
 
     done = _run_specs(specs, args.workers)
 
@@ -251,6 +272,31 @@ def main() -> int:
             f"{PAPER['average_speedup']}x, peak {PAPER['peak_speedup']}x"
         )
 
+    ray_table = []
+    if args.ray and scales:
+        print("\n== the async runs on the Ray runtime (measured per-call costs) vs locally ==")
+        print(f"{'model':<18} {'devices':>8} {'local s/s':>10} {'ray s/s':>10} {'ray/local':>10} "
+              f"{'driver busy':>12} {'vs coloc':>9}")  # fmt: skip
+        for model in models:
+            for d in scales:
+                p = get_preset(model)
+                head_run = model == args.preset and d == p.devices
+                key_d, key_steps = (None, steps) if head_run else (d, None)
+                a_row = done[(model, key_d, key_steps, "async", 1)]
+                r_row = done[(model, key_d, key_steps, "ray", 1)]
+                c_row = done[(model, key_d, key_steps, "colocated", 0)]
+                ratio = r_row["samples_per_s"] / a_row["samples_per_s"]
+                vs_coloc = r_row["samples_per_s"] / c_row["samples_per_s"]
+                print(
+                    f"{model:<18} {d:>8} {a_row['samples_per_s']:>10.2f} "
+                    f"{r_row['samples_per_s']:>10.2f} {ratio:>9.3f}x "
+                    f"{r_row['driver_busy']:>11.1%} {vs_coloc:>8.2f}x"
+                )
+                ray_table.append(
+                    {"model": model, "devices": d, "ray_vs_local": ratio,
+                     "ray_vs_colocated": vs_coloc, "driver_busy": r_row["driver_busy"],
+                     "real_s": round(r_row["real_s"], 1)}
+                )  # fmt: skip
     largest = next(
         (r for r in table if r["model"] == "qwen2.5-7b-grpo" and r["devices"] == 1024), None
     )
@@ -272,6 +318,7 @@ def main() -> int:
                 "async": asynchronous,
                 "staleness_sweep": sweep_rows,
                 "scaling": table,
+                "ray_scaling": ray_table,
                 "paper": PAPER,
             }
         )

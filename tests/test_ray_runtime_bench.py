@@ -40,3 +40,23 @@ def test_ray_runtime_benchmark_quick_emits_json() -> None:
         value = figures[name]
         assert isinstance(value, int | float) and math.isfinite(value) and value > 0, name
     assert "the store in the driver" in proc.stdout and "2 storage units" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ray_call_costs_benchmark_writes_a_file_the_simulator_loads(tmp_path: Path) -> None:
+    """``benchmarks/ray_calls.py`` fits the per-call costs and writes them where
+    ``RayCosts.load`` reads them (figures positive and finite; their size is the benchmark's
+    business, not this test's)."""
+    from asyncflow_reference.sim import RayCosts
+
+    out = tmp_path / "costs.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ray_calls.py"), "--reps", "2",
+         "--write", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fit = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(isinstance(v, float) and math.isfinite(v) and v >= 0 for v in fit.values()), fit
+    costs = RayCosts.load(out)
+    assert costs.generate_call_s == fit["generate_call_s"] and "--reps 2" in costs.measured

@@ -36,6 +36,7 @@ def test_only_names_table_runs() -> None:
         ("qwen2.5-7b-grpo", 1024, None, "async", 1),
         ("qwen2.5-32b-grpo", 64, None, "colocated", 0),
     ]
+    assert parse("7B:256:ray") == [("qwen2.5-7b-grpo", 256, None, "ray", 1)]
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ def test_only_names_table_runs() -> None:
     [
         ("7B", "is not MODEL:DEVICES"),
         ("7B:many", "DEVICES must be an int"),
-        ("7B:64:sync", "MODE must be colocated or async"),
+        ("7B:64:sync", "MODE must be colocated, async or ray"),
         (",", "names no run"),
     ],
 )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import hashlib
 import heapq
 import json
@@ -1163,11 +1164,226 @@ class SimWeightTransport:
         self.syncs += 1
 
 
+# --------------------------------------------------------------------------------------------
+# The Ray runtime's per-call costs
+# --------------------------------------------------------------------------------------------
+RAY_COSTS_FILE = Path(__file__).with_name("ray_costs.json")
+
+
+@dataclass(frozen=True, slots=True)
+class RayCosts:
+    """What the Ray runtime adds to each engine call, measured by ``benchmarks/ray_calls.py``
+    with engines that do no work behind the real proxies (``RAY_COSTS_FILE`` holds the dev
+    box's figures and the command). Fits: a batch of ``k`` generate requests of ``T`` tokens
+    takes ``generate_call_s + k·(generate_request_s + T·generate_token_s)`` of wall time, of
+    which the driver's CPU is ``driver_call_cpu_s + k·(driver_request_cpu_s +
+    T·driver_token_cpu_s)``; a ``train_step`` (or ``compute_logprobs``) of ``B`` bytes takes
+    ``train_call_s + B / train_bytes_per_s`` (driver CPU ``driver_train_call_cpu_s +
+    B·driver_train_byte_cpu_s``); a control call (pause, resume, load, swap) takes
+    ``control_call_s`` (driver CPU ``driver_control_cpu_s``).
+
+    ``train_bytes_per_token`` is an assumption, not a measurement: the update batch's bytes
+    per token (an int64 token id, float32 behaviour and proximal log-probs, an int64
+    version: 24), crossing unpadded."""
+
+    generate_call_s: float
+    generate_request_s: float
+    generate_token_s: float
+    driver_call_cpu_s: float
+    driver_request_cpu_s: float
+    driver_token_cpu_s: float
+    train_call_s: float
+    train_bytes_per_s: float
+    driver_train_call_cpu_s: float
+    driver_train_byte_cpu_s: float
+    control_call_s: float
+    driver_control_cpu_s: float
+    train_bytes_per_token: int = 24
+    measured: str = ""
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> RayCosts:
+        """The figures in ``path`` (default ``RAY_COSTS_FILE``); ``ConfigError`` naming a
+        missing or bad field."""
+        target = RAY_COSTS_FILE if path is None else Path(path)
+        try:
+            raw = json.loads(target.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"RayCosts: cannot read {target}: {e}") from e
+        names = [f.name for f in dataclasses.fields(cls)]
+        values: dict[str, Any] = {}
+        for name in names:
+            if name not in raw:
+                if name in ("train_bytes_per_token", "measured"):
+                    continue
+                raise ConfigError(
+                    f"RayCosts: {target} has no {name!r}; measure it with "
+                    "python benchmarks/ray_calls.py --write PATH"
+                )
+            value = raw[name]
+            if name == "measured":
+                values[name] = str(value)
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ConfigError(
+                    f"RayCosts: {target}: {name} must be a number >= 0, got {value!r}"
+                )
+            values[name] = value
+        return cls(**values)
+
+    def generate_s(self, requests: int, tokens: float) -> tuple[float, float]:
+        """(wall seconds, driver CPU seconds) of one request of ``tokens`` response tokens
+        sent with ``requests - 1`` others in one call (the call's share included)."""
+        wall = self.generate_call_s / requests + self.generate_request_s
+        cpu = self.driver_call_cpu_s / requests + self.driver_request_cpu_s
+        return wall + tokens * self.generate_token_s, cpu + tokens * self.driver_token_cpu_s
+
+    def train_s(self, tokens: int) -> tuple[float, float]:
+        """(wall seconds, driver CPU seconds) of a train call whose batch has ``tokens``."""
+        nbytes = tokens * self.train_bytes_per_token
+        wall = self.train_call_s + nbytes / self.train_bytes_per_s
+        return wall, self.driver_train_call_cpu_s + nbytes * self.driver_train_byte_cpu_s
+
+
+class VirtualDriver:
+    """The one driver process every Ray call of a job goes through: the CPU seconds the calls
+    cost there serialize (first come, first served), whatever the number of engines.
+    ``busy_s``: the seconds charged."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self._free_at = 0.0
+
+    async def work(self, seconds: float) -> None:
+        """Take ``seconds`` of the driver's CPU, after the work queued before."""
+        if seconds <= 0:
+            return
+        now = asyncio.get_running_loop().time()
+        self._free_at = max(now, self._free_at) + seconds
+        self.busy_s += seconds
+        await asyncio.sleep(self._free_at - now)
+
+
+class RaySimInferenceEngine:
+    """A ``SimInferenceEngine`` as ``--runtime ray`` would see it: behind an actor call. Each
+    request's result comes back after the call's latency beyond the engine's own time (its
+    wall cost less its driver CPU) and after its driver CPU share on the ``VirtualDriver``
+    (``RayCosts.generate_s``; ``group``: requests sent per call, a group's samples); every
+    control call (pause, resume, load, abort, sleep) adds ``control_call_s``."""
+
+    def __init__(
+        self, engine: SimInferenceEngine, costs: RayCosts, driver: VirtualDriver, *, group: int
+    ) -> None:
+        self.engine = engine
+        self.costs = costs
+        self.driver = driver
+        self.group = max(1, group)
+        self.name = engine.name
+
+    @property
+    def weight_version(self) -> Version:
+        return self.engine.weight_version
+
+    @property
+    def busy_s(self) -> float:
+        return self.engine.busy_s
+
+    async def _control(self) -> None:
+        await self.driver.work(self.costs.driver_control_cpu_s)
+        await asyncio.sleep(max(0.0, self.costs.control_call_s - self.costs.driver_control_cpu_s))
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        result = await self.engine.generate(request)
+        wall, cpu = self.costs.generate_s(self.group, len(result.tokens))
+        await asyncio.sleep(max(0.0, wall - cpu))
+        await self.driver.work(cpu)
+        return result
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._control()
+        await self.engine.abort(request_ids)
+
+    async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
+        await self._control()
+        await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        await self._control()
+        await self.engine.resume()
+
+    async def load_weights(
+        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
+    ) -> None:
+        await self._control()
+        await self.engine.load_weights(weights, version)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._control()
+        await self.engine.sleep(level)
+
+    async def wake_up(self) -> None:
+        await self._control()
+        await self.engine.wake_up()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class RaySimTrainEngine:
+    """A ``SimTrainEngine`` behind an actor call: ``train_step`` and ``compute_logprobs``
+    first ship the batch (``RayCosts.train_s`` of its tokens: latency, and the driver CPU on
+    the ``VirtualDriver``). Weights go trainer to rollout directly (the sync's transport
+    charges them), never through the driver."""
+
+    batch_layout: ClassVar[Literal["list"]] = "list"
+
+    def __init__(self, trainer: SimTrainEngine, costs: RayCosts, driver: VirtualDriver) -> None:
+        self.trainer = trainer
+        self.costs = costs
+        self.driver = driver
+        self.name = trainer.name
+
+    @property
+    def weight_version(self) -> Version:
+        return self.trainer.weight_version
+
+    @property
+    def busy_s(self) -> float:
+        return self.trainer.busy_s
+
+    async def _ship(self, batch: Batch) -> None:
+        wall, cpu = self.costs.train_s(self.trainer.batch_tokens(batch))
+        await self.driver.work(cpu)
+        await asyncio.sleep(max(0.0, wall - cpu))
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        await self._ship(batch)
+        return await self.trainer.train_step(batch, loss_fn)
+
+    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        await self._ship(batch)
+        return await self.trainer.compute_logprobs(batch)
+
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
+        return self.trainer.export_weights(bucket_bytes)
+
+    async def save_checkpoint(self, path: str) -> None:
+        await self.trainer.save_checkpoint(path)
+
+    async def load_checkpoint(self, path: str) -> None:
+        await self.trainer.load_checkpoint(path)
+
+
 __all__ = [
+    "RAY_COSTS_FILE",
     "SOURCES",
     "CostModel",
+    "RayCosts",
+    "RaySimInferenceEngine",
+    "RaySimTrainEngine",
     "SimInferenceEngine",
     "SimTrainEngine",
     "SimWeightTransport",
+    "VirtualDriver",
     "qwen2_param_count",
 ]

@@ -7,6 +7,13 @@ the preset's devices in turn (η = 0, blocking sync, engines sleep while the tra
 η, a weight-sync strategy and optional partial rollout. ``compare(preset)`` runs both and
 sets their throughput ratio next to the ideal overlap bound from the same cost model.
 
+``runtime="ray"`` runs the same job as ``asyncflow run --runtime ray`` would: every engine
+behind an actor call whose costs were measured on the dev box (``RayCosts``,
+``benchmarks/ray_calls.py``): each request's result arrives after the call's latency and
+after its share of the driver's CPU, which every call of the job queues for (one driver
+process, however many engines); each batch is shipped to the trainer's actor; each control
+call adds its round trip. ``SimRun.driver_busy_s`` is the driver CPU charged.
+
 Throughput is the steady state: samples trained after the first optimizer step (pipeline
 fill) divided by the time from the first step's end to the last's.
 """
@@ -28,7 +35,15 @@ from asyncflow_core.trace import Tracer
 from asyncflow_core.vclock import run_virtual
 from asyncflow_core.weightsync import InProcessWeightSync
 from asyncflow_reference.presets import SimPreset
-from asyncflow_reference.sim import SimInferenceEngine, SimTrainEngine, SimWeightTransport
+from asyncflow_reference.sim import (
+    RayCosts,
+    RaySimInferenceEngine,
+    RaySimTrainEngine,
+    SimInferenceEngine,
+    SimTrainEngine,
+    SimWeightTransport,
+    VirtualDriver,
+)
 
 SimMode = Literal["colocated", "async"]
 
@@ -48,6 +63,8 @@ class SimRun:
     rollout_busy_s: float
     rollout_devices: int
     train_devices: int
+    runtime: Literal["local", "ray"] = "local"
+    driver_busy_s: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -121,10 +138,16 @@ def simulate(
     steps: int | None = None,
     trace: bool = True,
     seed: int = 0,
+    runtime: Literal["local", "ray"] = "local",
+    ray_costs: RayCosts | None = None,
 ) -> SimRun:
-    """Run ``preset`` as one RL job on simulated engines (see the module docstring)."""
+    """Run ``preset`` as one RL job on simulated engines (see the module docstring);
+    ``runtime="ray"`` puts every engine behind the Ray runtime's measured call costs
+    (``ray_costs``, default ``RayCosts.load()``)."""
     if mode not in ("colocated", "async"):
         raise ConfigError(f"mode must be 'colocated' or 'async', got {mode!r}")
+    if runtime not in ("local", "ray"):
+        raise ConfigError(f"runtime must be 'local' or 'ray', got {runtime!r}")
     cost = preset.cost
     colocated = mode == "colocated"
     rollout_devices = preset.devices if colocated else preset.rollout_devices
@@ -145,11 +168,17 @@ def simulate(
             partition=f"sim-{preset.name}-async", reward_in_thread=False,
         )  # fmt: skip
     config.validate()
-    engines = [
+    sims = [
         SimInferenceEngine(cost, name=f"rollout-{i}", seed=seed * 100_003 + i)
         for i in range(instances)
     ]
-    trainer = SimTrainEngine(cost, train_devices)
+    engines: list[Any] = list(sims)
+    trainer: Any = SimTrainEngine(cost, train_devices)
+    driver = VirtualDriver()
+    if runtime == "ray":
+        costs = RayCosts.load() if ray_costs is None else ray_costs
+        engines = [RaySimInferenceEngine(e, costs, driver, group=preset.n) for e in sims]
+        trainer = RaySimTrainEngine(trainer, costs, driver)
 
     def make_transport(targets: Sequence[SupportsLoadWeights]) -> WeightSync:
         # colocated: the weights are already on the devices (resharding is in the switch
@@ -185,8 +214,8 @@ def simulate(
         gc.set_threshold(*thresholds)
         gc.unfreeze()
     return SimRun(
-        preset, mode, result, time.perf_counter() - t0, sum(e.busy_s for e in engines),
-        rollout_devices, train_devices,
+        preset, mode, result, time.perf_counter() - t0, sum(e.busy_s for e in sims),
+        rollout_devices, train_devices, runtime, driver.busy_s,
     )  # fmt: skip
 
 
@@ -224,6 +253,8 @@ def run_row(run: SimRun) -> dict[str, Any]:
     resources = summary.get("resources", {})
     return {
         "mode": run.mode,
+        "runtime": run.runtime,
+        "driver_busy": run.driver_busy_s / run.result.wall_s if run.result.wall_s else 0.0,
         "staleness": run.result.config.staleness,
         "devices": run.preset.devices,
         "rollout_devices": run.rollout_devices,
