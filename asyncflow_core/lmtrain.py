@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import copy
 import hashlib
 import hmac
 import json
@@ -36,6 +37,7 @@ import os
 import pickle
 import secrets
 import stat
+import statistics
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -786,6 +788,13 @@ class AdamWTrainer(ThreadedTrainer):
     tokens is skipped. Then the gradient norm is clipped to ``max_grad_norm`` (``None``: not
     clipped, still reported), AdamW steps and ``weight_version`` adds 1. A non-finite loss or
     gradient, or a bad loss value, raises ``EngineError`` and changes nothing.
+
+    **Minibatches** (PPO's, AReaL's ``ppo_n_minibatches``): with ``minibatches`` k > 1 the
+    rows are cut into k consecutive minibatches and each takes an optimizer step of its own
+    (its micro-batches accumulated as above), so a clipped loss's trust region engages from
+    the second step on; ``weight_version`` still adds 1 per ``train_step`` (the version the
+    staleness bound counts). The weights and the optimizer state are copied for the step,
+    so that a failure in a later minibatch restores them: nothing changes then either.
     ``TrainMetrics.extra``: the loss function's metrics (token-weighted means),
     ``micro_batches`` and ``logprobs_off_support`` (``OFF_SUPPORT_METRIC``).
 
@@ -821,8 +830,12 @@ class AdamWTrainer(ThreadedTrainer):
         temperature: float,
         seed: int,
         lr_warmup_steps: int = 0,
+        minibatches: int = 1,
     ) -> None:
         self.lr = check_number(who, "lr", lr)
+        if not is_int(minibatches) or minibatches < 1:
+            raise ConfigError(f"{who}: minibatches must be an int >= 1, got {minibatches!r}")
+        self.minibatches = int(minibatches)
         if not is_int(lr_warmup_steps) or lr_warmup_steps < 0:
             raise ConfigError(
                 f"{who}: lr_warmup_steps must be an int >= 0, got {lr_warmup_steps!r}"
@@ -920,12 +933,64 @@ class AdamWTrainer(ThreadedTrainer):
         b = len(rows)
         if b == 0:
             raise EngineError(f"{self.name}: train_step got an empty batch; pass at least 1 row")
-        parts = self._split(batch, b)  # validates every field before any compute
+        k = min(self.minibatches, b)
+        spans = [(i * b // k, (i + 1) * b // k) for i in range(k)]
+        plans = []  # every field validated before any compute
+        for start, stop in spans:
+            mini = batch if k == 1 else slice_batch(self.name, batch, start, stop)
+            plans.append(
+                (rows if k == 1 else rows.part(start, stop), self._split(mini, stop - start))
+            )
+        saved = None
+        if k > 1:  # a later minibatch that fails must leave the earlier ones' steps undone too
+            saved = (
+                {n: t.detach().clone() for n, t in self.model.state_dict().items()},
+                copy.deepcopy(self._optimizer.state_dict()),
+                self._steps_taken,
+            )
+        means = MetricMeans(self.name)
+        loss_sum, off_support, norms = 0.0, 0, []
+        try:
+            for mini_rows, parts in plans:
+                loss, norm, off = self._optimizer_step(mini_rows, parts, loss_fn, means)
+                loss_sum += loss / k
+                off_support += off
+                norms.append(norm)
+        except BaseException:
+            if saved is not None:
+                self.model.load_state_dict(saved[0])
+                self._optimizer.load_state_dict(saved[1])
+                self._steps_taken = saved[2]
+            raise
+        self._version += 1
+        extra = means.means()
+        extra["micro_batches"] = float(sum(len(parts) for _, parts in plans))
+        extra[OFF_SUPPORT_METRIC] = float(off_support)
+        if k > 1:
+            extra["minibatches"] = float(k)
+        return TrainMetrics(
+            version=self._version,
+            loss=loss_sum,
+            grad_norm=statistics.fmean(norms),
+            samples=b,
+            tokens=rows.tokens,
+            extra=extra,
+        )
+
+    def _optimizer_step(
+        self,
+        rows: TokenRows,
+        parts: list[tuple[int, int, Batch]],
+        loss_fn: LossFn,
+        means: MetricMeans,
+    ) -> tuple[float, float, int]:
+        """One optimizer step over ``rows`` (its micro-batches ``parts``): (loss, gradient
+        norm, log-probs off support)."""
+        b = len(rows)
         total = rows.trained_tokens
         params = [p for p in self.model.parameters() if p.requires_grad]
         loss_sum = 0.0
         off_support = 0
-        means = MetricMeans(self.name)
         self._optimizer.zero_grad(set_to_none=True)
         try:
             for start, stop, part in parts:
@@ -953,18 +1018,7 @@ class AdamWTrainer(ThreadedTrainer):
             self._steps_taken += 1
         finally:
             self._optimizer.zero_grad(set_to_none=True)
-        self._version += 1
-        extra = means.means()
-        extra["micro_batches"] = float(len(parts))
-        extra[OFF_SUPPORT_METRIC] = float(off_support)
-        return TrainMetrics(
-            version=self._version,
-            loss=loss_sum,
-            grad_norm=grad_norm,
-            samples=b,
-            tokens=rows.tokens,
-            extra=extra,
-        )
+        return loss_sum, grad_norm, off_support
 
     # -- weights -------------------------------------------------------------------------------
     async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:

@@ -175,8 +175,8 @@ def get(kind: Kind, name: str) -> Callable[..., Any]:
 def trainer_options(cfg: Any) -> dict[str, Any]:
     """The options every trainer of the main job is built with, from its ``RunConfig``
     (``train.lr``, ``weight_decay``, ``max_grad_norm``, ``micro_batch_size``, ``seed``, the
-    rollout's ``temperature`` and, when it is not 0, ``lr_warmup_steps``): a trainer factory
-    passes them on."""
+    rollout's ``temperature`` and, when they are not the default, ``lr_warmup_steps`` and
+    ``minibatches``): a trainer factory passes them on."""
     t = cfg.train
     options = {
         "lr": t.lr,
@@ -189,6 +189,9 @@ def trainer_options(cfg: Any) -> dict[str, Any]:
     warmup = cfg.lr_warmup_steps() if callable(getattr(cfg, "lr_warmup_steps", None)) else 0
     if warmup:  # only then: a trainer without the option is not handed it
         options["lr_warmup_steps"] = warmup
+    minibatches = getattr(t, "minibatches", 1)
+    if minibatches != 1:  # likewise
+        options["minibatches"] = minibatches
     return options
 
 

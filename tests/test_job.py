@@ -94,6 +94,7 @@ def test_decoupled_ppo_gets_proximal_logprobs(tmp_path: Path) -> None:
         ("task.digits=9", "task digits must be in 1..8, got 9"),
         ("rl.sync_every=3", "raise staleness to >= 2 or lower sync_every"),
         ("rollout.temperature=0", "rollout.temperature must be > 0"),
+        ("train.minibatches=0", "train.minibatches must be an int >= 1, got 0"),
     ],
 )
 def test_bad_config_is_a_clear_error_and_exit_2(

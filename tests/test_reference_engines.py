@@ -840,6 +840,60 @@ def test_gradient_clipping_bounds_the_update_and_reports_the_norm_before_it() ->
     run(main())
 
 
+def test_minibatches_take_one_optimizer_step_each_and_one_version() -> None:
+    """minibatches=2 over 6 rows is exactly two steps of a one-step trainer on rows 0-2 then
+    3-5 (same seed, same micro-batching), but adds 1 to the version, not 2."""
+
+    async def main() -> None:
+        batch = await padded_batch(_rows(6, seed=4), advantage=[1.0, -1.0, 0.5, -0.5, 0.3, -0.2])
+        two = TorchTrainEngine(CFG, lr=5e-3, micro_batch_size=2, minibatches=2)
+        one = TorchTrainEngine(CFG, lr=5e-3, micro_batch_size=2)
+        assert same_weights(two.model, one.model)
+        metrics = await two.train_step(batch, policy_gradient_loss)
+        assert metrics.version == 1 and two.weight_version == 1
+        assert metrics.extra["minibatches"] == 2 and metrics.extra["micro_batches"] == 4
+        await one.train_step(batch.slice(0, 3), policy_gradient_loss)
+        await one.train_step(batch.slice(3, 6), policy_gradient_loss)
+        assert one.weight_version == 2
+        for name, tensor in two.model.state_dict().items():
+            assert torch.allclose(tensor, one.model.state_dict()[name], atol=1e-6), name
+        # one step per batch (the default) lands elsewhere: the minibatches did step twice
+        single = TorchTrainEngine(CFG, lr=5e-3, micro_batch_size=2)
+        await single.train_step(batch, policy_gradient_loss)
+        assert not same_weights(single.model, two.model)
+
+    run(main())
+
+
+def test_a_minibatch_that_fails_undoes_the_earlier_ones() -> None:
+    """The second minibatch's loss is NaN: the first one's step is undone too, the version,
+    weights and optimizer state are as before."""
+
+    async def main() -> None:
+        batch = await padded_batch(_rows(4, seed=5), advantage=[1.0, -1.0, 0.5, -0.5])
+        trainer = TorchTrainEngine(CFG, lr=5e-3, micro_batch_size=2, minibatches=2)
+        await trainer.train_step(batch, policy_gradient_loss)  # optimizer state exists
+        state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        opt = optimizer_tensors(trainer)
+        steps = trainer._steps_taken  # optimizer steps (the lr warm-up counts them): 2
+        calls = []
+
+        def second_fails(logprobs: torch.Tensor, part: Batch) -> Any:
+            calls.append(len(part))
+            loss, metrics = policy_gradient_loss(logprobs, part)
+            return (loss * math.nan, metrics) if len(calls) == 2 else (loss, metrics)
+
+        with pytest.raises(EngineError, match=r"not finite|NaN|nan"):
+            await trainer.train_step(batch, second_fails)
+        assert calls == [2, 2] and trainer.weight_version == 1
+        assert all(torch.equal(v, state[k]) for k, v in trainer.model.state_dict().items())
+        now = optimizer_tensors(trainer)
+        assert now.keys() == opt.keys() and all(torch.equal(now[k], opt[k]) for k in opt)
+        assert trainer._steps_taken == steps == 2
+
+    run(main())
+
+
 def test_checkpoint_round_trip_restores_weights_optimizer_and_version(tmp_path: Path) -> None:
     async def main() -> None:
         batch = await padded_batch(_rows(5, seed=1), advantage=[1.0, -1.0, 0.5, 0.2, -0.7])
@@ -1160,6 +1214,7 @@ def test_bad_batches_are_rejected_by_name_and_change_nothing() -> None:
         ({"betas": (0.9, 1.0)}, "betas must be two numbers in [0, 1)"),
         ({"max_grad_norm": 0}, "max_grad_norm must be a number > 0 or None"),
         ({"micro_batch_size": 0}, "micro_batch_size must be an int >= 1"),
+        ({"minibatches": 0}, "minibatches must be an int >= 1, got 0"),
         ({"temperature": 0}, "temperature must be a number > 0"),
         ({"seed": -1}, "seed must be an int in [0, 2**63)"),
     ],

@@ -115,6 +115,7 @@ class HFTrainEngine(AdamWTrainer):
         gradient_checkpointing: bool = False,
         seed: int = 0,
         lr_warmup_steps: int = 0,
+        minibatches: int = 1,
         trust_remote_code: bool = False,
         name: str = "hf-trainer",
         threads: int | None = None,
@@ -133,6 +134,7 @@ class HFTrainEngine(AdamWTrainer):
             temperature=temperature,
             seed=seed,
             lr_warmup_steps=lr_warmup_steps,
+            minibatches=minibatches,
         )
         if dtype not in ("fp32", "bf16"):
             raise ConfigError(f"{who}: dtype must be 'fp32' or 'bf16', got {dtype!r}")

@@ -946,6 +946,7 @@ class TorchTrainEngine(AdamWTrainer):
         micro_batch_size: int = 32,
         seed: int = 0,
         lr_warmup_steps: int = 0,
+        minibatches: int = 1,
         temperature: float = 1.0,
         name: str = "torch-trainer",
         threads: int | None = None,
@@ -962,6 +963,7 @@ class TorchTrainEngine(AdamWTrainer):
             temperature=temperature,
             seed=seed,
             lr_warmup_steps=lr_warmup_steps,
+            minibatches=minibatches,
         )
         self.model = _take_model(model_or_config, self.seed, who).train().requires_grad_(True)
         self.config: ModelConfig = self.model.config

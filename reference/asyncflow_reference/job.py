@@ -236,6 +236,12 @@ class TrainSection:
     trainers). None: 20 for the agentic tasks, 0 otherwise. A fresh AdamW's first steps move
     every weight by about ``lr``; after the clock task's warm-up, one such step at 2e-3 took
     the rate of calling the tool from 75% to 1%, on every seed tried, and nothing was learnt."""
+    minibatches: int = 1
+    """torch and hf trainers: optimizer steps per ``train_step`` (PPO's minibatches, AReaL's
+    ``ppo_n_minibatches``): the batch is cut into this many and each takes a step of its own,
+    the version still adding 1 per batch. With 1 (the default) a clipped loss's trust region
+    never engages (every ratio is 1 against the proximal policy at the one step), and decoupled
+    PPO is an importance-weighted policy gradient with no trust region at all."""
     is_cap: float | None = 2.0
     """decoupled-ppo only (ignored otherwise): truncate the importance weight π_prox/π_behav at
     this value (none: uncapped). At η = 4 on the default task, uncapped stalled near 0.17
@@ -494,6 +500,15 @@ class RunConfig:
             )
         if not self.reward_timeout_s > 0:
             raise ConfigError(f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        if isinstance(t.minibatches, bool) or not isinstance(t.minibatches, int) or (
+            t.minibatches < 1
+        ):  # fmt: skip
+            raise ConfigError(f"train.minibatches must be an int >= 1, got {t.minibatches!r}")
+        if train_engine == "deepspeed" and t.minibatches != 1:
+            raise ConfigError(
+                "train.minibatches applies to the torch and hf trainers; the DeepSpeed trainer "
+                "takes one step per batch"
+            )
         if t.lr_warmup_steps is not None and t.lr_warmup_steps < 0:
             raise ConfigError(f"train.lr_warmup_steps must be >= 0, got {t.lr_warmup_steps}")
         if train_engine == "deepspeed" and self.lr_warmup_steps():
