@@ -203,12 +203,14 @@ def main() -> int:
             if model == args.preset and d == get_preset(model).devices:
                 continue  # the headline runs already cover it
             specs += [(model, d, None, "colocated", 0), (model, d, None, "async", 1)]
+
+    def key(model: str, d: int) -> tuple[int | None, int | None]:
+        """A table row's (devices, steps) in the specs: the headline run stands for its row."""
+        head_run = model == args.preset and d == get_preset(model).devices
+        return (None, steps) if head_run else (d, None)
+
     if args.ray:
-        for model in models:
-            for d in scales:
-                head_run = model == args.preset and d == get_preset(model).devices
-                key_d, key_steps = (None, steps) if head_run else (d, None)
-                specs.append((model, key_d, key_steps, "ray", 1))
+        specs += [(model, *key(model, d), "ray", 1) for model in models for d in scales]
 
     done = _run_specs(specs, args.workers)
 
@@ -248,11 +250,8 @@ def main() -> int:
               f"{'async s/step':>13} {'speedup':>8} {'bound':>7} {'of bound':>9}")  # fmt: skip
         for model in models:
             for d in scales:
-                p = get_preset(model)
-                head_run = model == args.preset and d == p.devices
-                key_d, key_steps = (None, steps) if head_run else (d, None)
-                c_row = done[(model, key_d, key_steps, "colocated", 0)]
-                a_row = done[(model, key_d, key_steps, "async", 1)]
+                c_row = done[(model, *key(model, d), "colocated", 0)]
+                a_row = done[(model, *key(model, d), "async", 1)]
                 comp = _compare(c_row, a_row)
                 split = f"{a_row['rollout_devices']}/{a_row['train_devices']}"
                 print(
@@ -279,12 +278,9 @@ def main() -> int:
               f"{'driver busy':>12} {'vs coloc':>9}")  # fmt: skip
         for model in models:
             for d in scales:
-                p = get_preset(model)
-                head_run = model == args.preset and d == p.devices
-                key_d, key_steps = (None, steps) if head_run else (d, None)
-                a_row = done[(model, key_d, key_steps, "async", 1)]
-                r_row = done[(model, key_d, key_steps, "ray", 1)]
-                c_row = done[(model, key_d, key_steps, "colocated", 0)]
+                a_row = done[(model, *key(model, d), "async", 1)]
+                r_row = done[(model, *key(model, d), "ray", 1)]
+                c_row = done[(model, *key(model, d), "colocated", 0)]
                 ratio = r_row["samples_per_s"] / a_row["samples_per_s"]
                 vs_coloc = r_row["samples_per_s"] / c_row["samples_per_s"]
                 print(
