@@ -47,7 +47,7 @@ from asyncflow_core.protocols import (
     Selection,
     Tags,
 )
-from asyncflow_core.scheduling import is_repeatable, reads_first
+from asyncflow_core.scheduling import FillView, cannot_fill_of, is_repeatable, reads_first
 
 _NO_TAGS = Tags()
 _ENDED_LEASES_KEPT = 100_000  # how many ended lease ids we remember to explain a late ack
@@ -58,6 +58,7 @@ _FEW = 32  # below this many rows a Python loop beats numpy's per-call set-up
 # grow with the rows (~160 K at 1024 simulated devices) and the updates win. A task stops
 # tracking when the partition shrinks below a quarter of it (no flapping at the border).
 TRACK_MIN_SLOTS = 4096
+_NO_FLOOR = np.iinfo(np.int64).max
 
 
 def fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
@@ -176,6 +177,10 @@ class _Partition:
         self.rows_live = 0
         self.bytes_live = 0
         self.reclaimed = 0
+        # lower bound of every versioned min_version of a live row (NO_FLOOR: none has one),
+        # lowered as tags are set and raised by a rescan (``version_floor``)
+        self.vfloor = _NO_FLOOR
+        self.untagged = False  # some committed row may have no group
 
     # -- slot management ---------------------------------------------------------------------
     def _row_arrays(self) -> list[str]:
@@ -312,8 +317,23 @@ class _Partition:
             self.group[slot] = code
         self.tags[row] = merged
         self.tokens[slot] = merged.tokens
-        self.vmin[slot] = merged.min_version
+        self.vmin[slot] = v = merged.min_version
         self.vmax[slot] = merged.max_version
+        if NO_VERSION < v < self.vfloor:
+            self.vfloor = v
+        if merged.group is None:
+            self.untagged = True
+
+    def version_floor(self) -> int | None:
+        """A lower bound of the ``min_version`` of every versioned live row (None: none)."""
+        return None if self.vfloor == _NO_FLOOR else self.vfloor
+
+    def rescan_version_floor(self) -> None:
+        """Raise ``vfloor`` to the oldest versioned live row (rows since gone held it down)."""
+        used = self.used
+        v = self.vmin[:used][self.alive[:used] & ~self.creating[:used]]
+        v = v[v > NO_VERSION]
+        self.vfloor = int(v.min()) if v.size else _NO_FLOOR
 
     def _dec_group(self, code: int) -> None:
         if code < 0:
@@ -368,6 +388,21 @@ class _Partition:
             self.track(ts, cols)
         assert ts.cand is not None
         return np.flatnonzero(ts.cand[:used])
+
+    def candidate_count(self, ts: _TaskState, cols: IntArray) -> tuple[int, IntArray | None]:
+        """How many candidates ``candidate_slots`` would give, and those slots where counting
+        needed them: from the incremental state without listing them, when it is there."""
+        used = self.used
+        if (
+            ts.cand is not None
+            and used >= TRACK_MIN_SLOTS // 4
+            and ts.cols is not None
+            and len(ts.cols) == len(cols)
+            and ts.cols == tuple(cols.tolist())
+        ):
+            return int(np.count_nonzero(ts.cand[:used])), None
+        slots = self.candidate_slots(ts, cols)
+        return int(slots.size), slots
 
     def count_groups(self, ts: _TaskState) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Live rows per group code that ``ts`` has not consumed: ``ts.gcount`` while the
@@ -708,6 +743,7 @@ class Controller:
                 ):
                     p.dirty_all()  # group sizes of other rows changed
             elif ticket.new_rows:  # untagged new rows: no group, no version, 0 tokens
+                p.untagged = True
                 p.group[slots] = -1
                 p.tokens[slots] = 0
                 p.vmin[slots] = NO_VERSION
@@ -849,17 +885,26 @@ class Controller:
                         return None  # nothing it can see changed since it got nothing
                 ts.clean = False
                 used = p.used
-                slots = p.candidate_slots(ts, cols)
-                if slots.size > batch_size and reads_first(sampler):
-                    slots = slots[:batch_size]  # all it reads: the rest costs O(candidates)
+                first = batch_size if reads_first(sampler) else None  # all it reads
                 final = False
                 if p.closed and not p.pending:
                     free = p.alive[:used] & ~ts.consumed[:used] & ~ts.leased[:used]
                     final = not (free & ~p.ready[:used][:, cols].all(axis=1)).any()
-                cand = self._candidates(p, slots, ts)
                 request = SampleRequest(
                     partition, task, batch_size, final, current_version, dp_rank, dp_size, member
                 )
+                promise = None if final else cannot_fill_of(sampler)
+                if promise is not None and promise(_FillView(p, ts, cols, first), request):
+                    # the sampler promises an empty answer for any such candidates: skip
+                    # building them (O(candidates)) for a consumer waiting on a full batch
+                    ts.n_held = 0
+                    if request_key is not None:
+                        ts.idle_request, ts.clean = request_key, True
+                    return None
+                slots = p.candidate_slots(ts, cols)
+                if first is not None and slots.size > first:
+                    slots = slots[:first]  # the rest would cost O(candidates)
+                cand = self._candidates(p, slots, ts)
                 sel = sampler.select(cand, request)
                 rows, dropped = validate_selection(sel, cand, batch_size, sampler)
                 ts.n_held = int(sel.held)
@@ -1082,6 +1127,12 @@ class Controller:
         with self._lock:
             for p in self._parts.values():
                 used = p.used
+                live = p.alive[:used] & ~p.creating[:used]
+                v = p.vmin[:used][live]
+                v = v[v > NO_VERSION]
+                assert not v.size or p.vfloor <= int(v.min()), f"{p.name}: version floor"
+                g = p.group[:used][live & p.ready[:used].any(axis=1)]
+                assert p.untagged or not (g < 0).any(), f"{p.name}: untagged rows unflagged"
                 for name, ts in p.tasks.items():
                     if ts.cand is not None and ts.col_index is not None:
                         want = (
@@ -1181,6 +1232,39 @@ def members_of(sampler: Scheduler) -> int:
             raise BadRequestError(f"members_per_rank must be an int >= 1, got {m!r}")
         return m
     return 1
+
+
+class _FillView(FillView):
+    """A task's candidates as a ``cannot_fill`` promise reads them: counted from the
+    incremental state, listed only if the promise asks more; the partition's version floor
+    and untagged flag answer first where they can."""
+
+    __slots__ = ("_cols", "_first", "_p", "_slots", "_ts")
+
+    def __init__(self, p: _Partition, ts: _TaskState, cols: IntArray, first: int | None) -> None:
+        count, self._slots = p.candidate_count(ts, cols)
+        super().__init__(
+            count if first is None else min(count, first), self._groups_of, self._mins_of
+        )
+        self._p, self._ts, self._cols, self._first = p, ts, cols, first
+
+    def _listed(self) -> IntArray:
+        if self._slots is None:
+            self._slots = self._p.candidate_slots(self._ts, self._cols)
+        return self._slots[: self.count]
+
+    def _groups_of(self) -> IntArray:
+        return self._p.group[self._listed()]
+
+    def _mins_of(self) -> IntArray:
+        self._p.rescan_version_floor()  # the floor was too old to answer: raise it for next time
+        return self._p.vmin[self._listed()]
+
+    def all_tagged(self) -> bool:
+        return not self._p.untagged or super().all_tagged()
+
+    def version_floor(self) -> int | None:
+        return self._p.version_floor()
 
 
 def check_get_args(

@@ -118,9 +118,11 @@ from asyncflow_core.rl import (
 )
 from asyncflow_core.sampling import SAMPLING_FIELDS, sampling_columns
 from asyncflow_core.scheduling import (
+    FillView,
     GroupSampler,
     RequestRouter,
     StalenessSampler,
+    cannot_fill_of,
     is_repeatable,
 )
 from asyncflow_core.staleness import AdmissionController
@@ -661,6 +663,11 @@ class _DropCounter:
     def repeatable(self) -> bool:
         """Counting happens only on drops, so it repeats as ``inner`` does."""
         return is_repeatable(self.inner)
+
+    def cannot_fill(self, view: FillView, request: SampleRequest) -> bool:
+        """``inner``'s promise of an empty answer: then nothing is dropped or counted."""
+        inner = cannot_fill_of(self.inner)
+        return inner is not None and inner(view, request)
 
     def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
         sel = self.inner.select(candidates, request)

@@ -86,10 +86,10 @@ class SequentialSampler:
             return Selection()
         return Selection(rows=_rows(candidates.rows[: request.batch_size]))
 
-    def cannot_fill(self, candidates: Candidates, request: SampleRequest) -> bool:
+    def cannot_fill(self, view: FillView, request: SampleRequest) -> bool:
         """Whether ``select`` gives an empty ``Selection()`` (and raises nothing) for these
         candidates in any order: too few for a full batch, not greedy, not final."""
-        return request.batch_size > len(candidates) and not (request.final or self.greedy)
+        return request.batch_size > view.count and not (request.final or self.greedy)
 
     def __repr__(self) -> str:
         return "SequentialSampler(greedy=True)" if self.greedy else "SequentialSampler()"
@@ -141,7 +141,7 @@ class GroupSampler:
     def __repr__(self) -> str:
         return f"GroupSampler(n={self.n}{', greedy=True' if self.greedy else ''})"
 
-    def cannot_fill(self, candidates: Candidates, request: SampleRequest) -> bool:
+    def cannot_fill(self, view: FillView, request: SampleRequest) -> bool:
         """Whether ``select`` gives an empty ``Selection()`` for these candidates in any order,
         if every one is tagged with a group (``select`` raises on an untagged one): fewer rows
         than ``batch_size // n`` whole chunks need, not greedy, not final."""
@@ -149,8 +149,8 @@ class GroupSampler:
         return (
             not (request.final or self.greedy)
             and request.batch_size >= n
-            and len(candidates) < (request.batch_size // n) * n
-            and bool((candidates.groups >= 0).all())
+            and view.count < (request.batch_size // n) * n
+            and view.all_tagged()
         )
 
     def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
@@ -170,7 +170,7 @@ class GroupSampler:
                 return few
         codes = candidates.groups
         untagged = np.flatnonzero(codes < 0)
-        if not untagged.size and self.cannot_fill(candidates, request):
+        if not untagged.size and self.cannot_fill(FillView.of(candidates), request):
             return Selection()  # fewer rows than a full batch of chunks: nothing to count
         if untagged.size:
             raise BadRequestError(
@@ -406,7 +406,43 @@ class RankAwareSampler:
 # --------------------------------------------------------------------------------------------
 # Staleness
 # --------------------------------------------------------------------------------------------
-CannotFill = Callable[[Candidates, SampleRequest], bool]
+class FillView:
+    """What a ``cannot_fill`` promise may read about a set of candidates: their ``count``, and
+    (computed only when asked, so a store can answer a waiting consumer without building its
+    ``Candidates``) whether every one has a group tag and the oldest versioned
+    ``min_version``."""
+
+    __slots__ = ("_groups", "_mins", "count")
+
+    def __init__(
+        self, count: int, groups: Callable[[], IntArray], min_versions: Callable[[], IntArray]
+    ) -> None:
+        self.count = count
+        self._groups = groups
+        self._mins = min_versions
+
+    @classmethod
+    def of(cls, candidates: Candidates) -> FillView:
+        return cls(len(candidates), lambda: candidates.groups, lambda: candidates.min_versions)
+
+    def all_tagged(self) -> bool:
+        return not self.count or bool((self._groups() >= 0).all())
+
+    def version_floor(self) -> int | None:
+        """A lower bound of every versioned candidate's ``min_version`` (None: no candidate
+        has one); here the oldest, a store may answer with a cheaper bound."""
+        return self.oldest_version()
+
+    def oldest_version(self) -> int | None:
+        """The oldest ``min_version`` among the versioned candidates; None if none has one."""
+        if not self.count:
+            return None
+        mins = self._mins()
+        versioned = mins[mins > NO_VERSION]
+        return int(versioned.min()) if versioned.size else None
+
+
+CannotFill = Callable[[FillView, SampleRequest], bool]
 
 
 def is_repeatable(sampler: object) -> bool:
@@ -440,11 +476,13 @@ def _promised(sampler: object, flag: str) -> bool:
     return known and getattr(sampler, flag, False) is True
 
 
-def _cannot_fill_of(sampler: Scheduler) -> CannotFill | None:
-    """``sampler.cannot_fill`` (a sampler's promise that ``select`` answers ``Selection()``,
-    raising nothing, for the given candidates in any order), if the class that defines its
-    ``select`` also defines it: a subclass that overrides ``select`` alone does not inherit
-    a promise made for another ``select``."""
+def cannot_fill_of(sampler: object) -> CannotFill | None:
+    """``sampler.cannot_fill(view, request)`` (a sampler's promise that ``select`` answers
+    ``Selection()``, raising nothing and changing no state, for any candidates that ``view``
+    describes, in any order), if the class that defines its ``select`` also defines it: a
+    subclass that overrides ``select`` alone does not inherit a promise made for another
+    ``select``. A store may then skip building the candidates and asking (the controller
+    does, for a consumer waiting on a batch it cannot fill yet)."""
     cls = type(sampler)
     owner = _CANNOT_FILL_OWNERS.get(cls)
     if owner is None:
@@ -509,14 +547,21 @@ class StalenessSampler:
             f"inner={self.inner!r}, whole_groups={self.whole_groups})"
         )
 
-    def _none_stale(self, candidates: Candidates, request: SampleRequest) -> bool:
-        """No candidate is stale: even the oldest version is within ``max_lag`` (a group's age
-        key is its oldest member's version, never older than the oldest of all)."""
-        if request.current_version is None:
-            return True
-        mins = candidates.min_versions
-        versioned = mins[mins > NO_VERSION]
-        return not versioned.size or request.current_version - int(versioned.min()) <= self.max_lag
+    def cannot_fill(self, view: FillView, request: SampleRequest) -> bool:
+        """No candidate is stale (even the oldest version is within ``max_lag``; a group's age
+        key is its oldest member's version, never older than the oldest of all), so nothing
+        is held or dropped, and ``inner`` promises it cannot fill a batch from these rows."""
+        inner = cannot_fill_of(self.inner)
+        if inner is None or not inner(view, request):
+            return False
+        now = request.current_version
+        if now is not None:
+            floor = view.version_floor()
+            if floor is not None and now - floor > self.max_lag:  # may be stale: look closer
+                oldest = view.oldest_version()
+                if oldest is not None and now - oldest > self.max_lag:
+                    return False
+        return True
 
     def _age_keys(self, candidates: Candidates) -> IntArray:
         mins = candidates.min_versions
@@ -535,12 +580,8 @@ class StalenessSampler:
         _check_batch_size("StalenessSampler", request)
         if len(candidates) == 0:
             return self.inner.select(candidates, request)
-        if self._none_stale(candidates, request):
-            # nothing to hold or drop: if inner cannot fill a batch from these rows in any
-            # order, skip ordering them (the same empty answer, without the sort)
-            cannot_fill = _cannot_fill_of(self.inner)
-            if cannot_fill is not None and cannot_fill(candidates, request):
-                return Selection()
+        if self.cannot_fill(FillView.of(candidates), request):
+            return Selection()  # nothing to hold or drop, and inner waits: skip the sort
         key = self._age_keys(candidates)
         if request.current_version is None:
             stale = np.zeros(key.shape[0], dtype=bool)
