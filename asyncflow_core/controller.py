@@ -442,6 +442,21 @@ class _Partition:
         for ts in self.tasks.values():
             ts.clean = False
 
+    def consume(self, ts: _TaskState, slots: IntArray) -> None:
+        """Mark the rows at ``slots`` consumed by ``ts``: only its own ``gcount`` changes (the
+        live grouped rows it had not consumed leave it), never another task's."""
+        if ts.gcount is not None and slots.size:
+            g = self.group[slots]
+            codes = g[self.alive[slots] & (g >= 0) & ~ts.consumed[slots]]
+            if codes.size:
+                gcount = ts.gcount
+                if codes.size <= _FEW:
+                    for code in codes.tolist():
+                        gcount[code] -= 1
+                else:
+                    np.subtract.at(gcount, codes, 1)
+        ts.consumed[slots] = True
+
     def count_slots(self, slots: IntArray, sign: int) -> None:
         """Add (``sign`` 1) or take away (-1) the rows at ``slots`` from every counting task's
         ``gcount``: around a change of their group, liveness or consumption."""
@@ -911,9 +926,7 @@ class Controller:
                 if dropped:
                     ts.clean = False
                     dslots = p.lookup(dropped)
-                    p.count_slots(dslots, -1)
-                    ts.consumed[dslots] = True
-                    p.count_slots(dslots, 1)
+                    p.consume(ts, dslots)
                     ts.n_dropped += len(dropped)
                     ts.n_consumed += len(dropped)
                     self._reclaim(p, dslots)
@@ -1015,9 +1028,7 @@ class Controller:
             ts.clean = False
             slots = p.lookup(lease.rows)
             ts.leased[slots] = False
-            p.count_slots(slots, -1)
-            ts.consumed[slots] = True
-            p.count_slots(slots, 1)
+            p.consume(ts, slots)
             ts.n_consumed += len(slots)
             self._end_lease(p, lease, "acked")
             self._reclaim(p, slots)
