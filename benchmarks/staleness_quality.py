@@ -19,12 +19,15 @@ so the machine's drift spreads over all of them. Per run: the final reward (mean
 seconds until the reward's 5-step moving mean first reaches ``--threshold``, and the measured
 staleness histogram (trained samples per version lag). Printed: the AReaL-like table (final
 reward per η and loss, mean [min-max] over seeds), the wall and time-to-threshold per row,
-the histograms; ``--plot PATH`` writes reward against wall time per configuration (mean over
-seeds; needs the ``plot`` extra).
+the mean measured lag (so losses can be compared at equal lag, not only equal η: the
+proximal forward pass slows the trainer, and with it the lag moves), the histograms;
+``--plot PATH`` writes reward against wall time per configuration (mean over seeds; needs the
+``plot`` extra).
 
-    python benchmarks/staleness_quality.py                 # the full grid (hours)
+    python benchmarks/staleness_quality.py                 # the full grid (about an hour)
     python benchmarks/staleness_quality.py --etas 0,4 --losses naive,decoupled --seeds 0,1
     python benchmarks/staleness_quality.py --quick         # 2 tiny runs: checks it works
+    python benchmarks/staleness_quality.py --load runs.json --plot grid.png  # re-render
 
 The last stdout line is one JSON object with every run and at least ``reward_eta0``,
 ``reward_eta4_naive``, ``reward_eta4_decoupled`` and ``speedup_eta4_vs_eta0`` (η = 0's RL
@@ -111,7 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--plot", type=Path, help="write reward vs wall time (PNG) here")
     parser.add_argument("--quick", action="store_true", help="η 0 and 4 naive, 1 seed, 4 steps")
+    parser.add_argument("--save", type=Path, help="write every run, curves included (JSON)")
+    parser.add_argument(
+        "--load", type=Path,
+        help="run nothing: print the table (and --plot) of a --save file, or of a saved "
+        "stdout whose last line is this script's JSON (no curves: the by-η figure only)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.load is not None:
+        return _replay(args.load, args.plot, args.threshold)
     if args.quick:
         args.etas, args.losses, args.partial, args.seeds, args.steps = "0,4", "naive", "off", "0", 4
     try:
@@ -160,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr, flush=True,
         )  # fmt: skip
     print(report(runs, configs, args.threshold))
+    if args.save is not None:
+        args.save.write_text(json.dumps({"task": task, "steps": args.steps, "runs": runs}))
     if args.plot is not None:
         plot(runs, configs, args.plot)
     figures = headline(runs)
@@ -175,6 +188,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _replay(path: Path, png: Path | None, threshold: float) -> int:
+    """``--load``: the table, the plot and the headline of runs saved earlier."""
+    try:
+        text = path.read_text().strip()
+        saved = json.loads(text.splitlines()[-1] if not text.startswith("{") else text)
+        runs: list[dict[str, Any]] = saved["runs"]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        print(f"staleness_quality.py: --load {path}: not a saved run file ({e})", file=sys.stderr)
+        return 2
+    configs = list(dict.fromkeys((r["eta"], r["loss"], r["partial"]) for r in runs))
+    print(report(runs, configs, threshold))
+    if png is not None:
+        plot(runs, configs, png)
+    print(json.dumps({"benchmark": "staleness_quality", **headline(runs), "loaded": str(path)}))
+    return 0
+
+
 def _of(runs: Sequence[dict[str, Any]], eta: int, loss: str, partial: str) -> list[dict[str, Any]]:
     return [r for r in runs if (r["eta"], r["loss"], r["partial"]) == (eta, loss, partial)]
 
@@ -186,7 +216,7 @@ def report(
     wall, time to the threshold, and the pooled staleness histogram."""
     lines = [
         f"{'η':>3} {'loss':<10} {'partial':<7} {'final reward':>22} {'greedy eval':>22} "
-        f"{'wall s':>7} {f'to {th} s':>9}  lags (trained samples per version lag)"
+        f"{'wall s':>7} {f'to {th} s':>9} {'lag':>4}  lags (trained samples per version lag)"
     ]
     for eta, loss, partial in configs:
         mine = _of(runs, eta, loss, partial)
@@ -204,10 +234,17 @@ def report(
             f"{eta:>3} {loss if eta else '(any)':<10} {partial:<7} "
             f"{span([r['reward_last'] for r in mine]):>22} "
             f"{span([r['eval_reward'] for r in mine]):>22} "
-            f"{statistics.fmean(r['wall_s'] for r in mine):>7.1f} {to:>9}  "
+            f"{statistics.fmean(r['wall_s'] for r in mine):>7.1f} {to:>9} "
+            f"{mean_lag(hist):>4.2f}  "
             + " ".join(f"{k}:{v}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
         )
     return "\n".join(lines)
+
+
+def mean_lag(hist: dict[str, int]) -> float:
+    """The mean version lag of the trained samples of a staleness histogram."""
+    n = sum(hist.values())
+    return sum(int(lag) * k for lag, k in hist.items()) / n if n else 0.0
 
 
 def headline(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
@@ -231,31 +268,87 @@ def headline(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 def plot(
     runs: Sequence[dict[str, Any]], configs: Sequence[tuple[int, str, str]], path: Path
 ) -> None:
-    """Reward (5-step moving mean) against the run's wall seconds, one line per configuration
-    (the mean over seeds, step by step)."""
+    """Two figures. ``path``: reward (5-step moving mean, the mean over seeds step by step)
+    against the run's wall seconds, one panel per η > 0 with a line per loss and partial
+    setting, and η = 0 in grey in every panel. ``<path stem>-by-eta.png``: the final reward
+    (mean over seeds, min-max bars) against η, a line per loss, partial rollout off and on
+    side by side. Runs loaded without curves (``--load`` of an older file) give the second
+    figure only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for eta, loss, partial in configs:
-        mine = _of(runs, eta, loss, partial)
-        if not mine:
-            continue
-        n = min(len(r["curve"]) for r in mine)
-        t = [statistics.fmean(r["curve"][i][0] for r in mine) for i in range(n)]
-        y = [statistics.fmean(r["curve"][i][1] for r in mine) for i in range(n)]
-        smooth = [statistics.fmean(y[max(0, i - 4) : i + 1]) for i in range(n)]
-        label = f"η={eta} {loss if eta else ''}{' partial' if partial == 'on' else ''}"
-        ax.plot(t, smooth, label=label.strip(), linestyle="--" if partial == "on" else "-")
-    ax.set_xlabel("wall seconds of the RL phase")
-    ax.set_ylabel("reward (5-step moving mean, mean over seeds)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
+    etas = sorted({e for e, _, _ in configs if e > 0})
+    colors = {"naive": "tab:red", "decoupled": "tab:blue", "tis": "tab:green"}
+    if etas and all("curve" in r for r in runs):
+        fig, axes = plt.subplots(
+            1, len(etas), figsize=(4.2 * len(etas), 4.2), sharey=True, squeeze=False
+        )
+        for ax, eta in zip(axes[0], etas, strict=True):
+            for e, loss, partial in configs:
+                if e not in (0, eta):
+                    continue
+                xy = _mean_curve(_of(runs, e, loss, partial))
+                if xy is None:
+                    continue
+                style = "--" if partial == "on" else "-"
+                if e == 0:
+                    label, color = f"η=0{' partial' if partial == 'on' else ''}", "grey"
+                else:
+                    label = f"{loss}{' partial' if partial == 'on' else ''}"
+                    color = colors.get(loss, "black")
+                ax.plot(*xy, style, color=color, label=label, linewidth=1.3)
+            ax.set_title(f"η = {eta}")
+            ax.set_xlabel("wall s of the RL phase")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("reward (5-step moving mean, mean over seeds)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+    partials = [p for p in ("off", "on") if any(c[2] == p for c in configs)]
+    fig, axes = plt.subplots(1, len(partials), figsize=(5.5 * len(partials), 4.2),
+                             sharey=True, squeeze=False)  # fmt: skip
+    for ax, partial in zip(axes[0], partials, strict=True):
+        for loss in dict.fromkeys(loss for _, loss, _ in configs):
+            xs, ys, lo, hi = [], [], [], []
+            for eta in sorted({e for e, _, _ in configs}):
+                mine = _of(runs, eta, loss, partial) or (
+                    _of(runs, 0, _first_loss(configs), partial) if eta == 0 else []
+                )
+                if not mine:
+                    continue
+                finals = [r["reward_last"] for r in mine]
+                xs.append(eta)
+                ys.append(statistics.fmean(finals))
+                lo.append(ys[-1] - min(finals))
+                hi.append(max(finals) - ys[-1])
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=loss,
+                            color=colors.get(loss, "black"))  # fmt: skip
+        ax.set_title(f"partial rollout {partial}")
+        ax.set_xlabel("η (rl.staleness)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("final reward (mean, min-max over seeds)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path.with_name(f"{path.stem}-by-eta.png"), dpi=100)
     plt.close(fig)
+
+
+def _first_loss(configs: Sequence[tuple[int, str, str]]) -> str:
+    return next((loss for e, loss, _ in configs if e == 0), "naive")
+
+
+def _mean_curve(mine: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]] | None:
+    """The seeds' curves averaged step by step, then a 5-step moving mean of the reward."""
+    if not mine:
+        return None
+    n = min(len(r["curve"]) for r in mine)
+    t = [statistics.fmean(r["curve"][i][0] for r in mine) for i in range(n)]
+    y = [statistics.fmean(r["curve"][i][1] for r in mine) for i in range(n)]
+    return t, [statistics.fmean(y[max(0, i - 4) : i + 1]) for i in range(n)]
 
 
 if __name__ == "__main__":

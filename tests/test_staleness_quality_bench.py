@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_quick_run_prints_the_table_and_the_json(tmp_path: Path) -> None:
-    png = tmp_path / "reward.png"
+    png, saved = tmp_path / "reward.png", tmp_path / "runs.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "staleness_quality.py"), "--quick",
-         "--plot", str(png)],
+         "--plot", str(png), "--save", str(saved)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,6 +38,35 @@ def test_quick_run_prints_the_table_and_the_json(tmp_path: Path) -> None:
         assert sum(r["staleness_hist"].values()) == r["samples"] == 4 * 16
         assert max(int(lag) for lag in r["staleness_hist"]) <= r["eta"]
     assert "final reward" in proc.stdout and png.stat().st_size > 0
+    assert (tmp_path / "reward-by-eta.png").stat().st_size > 0
+    # --load re-renders the table and both figures from the saved runs, running nothing
+    again = tmp_path / "again.png"
+    replay = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "staleness_quality.py"), "--load",
+         str(saved), "--plot", str(again)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    table = [
+        line
+        for line in proc.stdout.splitlines()
+        if ("final reward" in line or "naive" in line) and not line.startswith("{")
+    ]
+    assert table == [line for line in replay.stdout.splitlines() if line in table]
+    assert (
+        json.loads(replay.stdout.strip().splitlines()[-1])["reward_eta0"] == figures["reward_eta0"]
+    )
+    assert again.stat().st_size > 0 and (tmp_path / "again-by-eta.png").stat().st_size > 0
+
+
+def test_a_file_that_is_not_a_saved_run_is_refused_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "staleness_quality.py"), "--load", str(bad)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "notes.txt" in proc.stderr and "not a saved run" in proc.stderr
 
 
 def test_a_bad_grid_value_is_refused_naming_it() -> None:
