@@ -61,6 +61,11 @@ TRACK_MIN_SLOTS = 4096
 _NO_FLOOR = np.iinfo(np.int64).max
 
 
+def _tracks(ts: _TaskState, cols: IntArray) -> bool:
+    """``ts``'s incremental state is kept for requests of exactly ``cols``."""
+    return ts.cols is not None and len(ts.cols) == len(cols) and ts.cols == tuple(cols.tolist())
+
+
 def fmt_rows(rows: Iterable[int], limit: int = 8) -> str:
     """``rows`` for a message: the first ``limit`` of them and how many there are."""
     rows = list(rows)
@@ -384,7 +389,7 @@ class _Partition:
                 self.ready[:used, cols[0]] if cols.size == 1 else self.ready[:used][:, cols].all(1)
             )
             return np.flatnonzero(mask)
-        if ts.cols is None or len(ts.cols) != len(cols) or ts.cols != tuple(cols.tolist()):
+        if not _tracks(ts, cols):
             self.track(ts, cols)
         assert ts.cand is not None
         return np.flatnonzero(ts.cand[:used])
@@ -393,13 +398,7 @@ class _Partition:
         """How many candidates ``candidate_slots`` would give, and those slots where counting
         needed them: from the incremental state without listing them, when it is there."""
         used = self.used
-        if (
-            ts.cand is not None
-            and used >= TRACK_MIN_SLOTS // 4
-            and ts.cols is not None
-            and len(ts.cols) == len(cols)
-            and ts.cols == tuple(cols.tolist())
-        ):
+        if ts.cand is not None and used >= TRACK_MIN_SLOTS // 4 and _tracks(ts, cols):
             return int(np.count_nonzero(ts.cand[:used])), None
         slots = self.candidate_slots(ts, cols)
         return int(slots.size), slots
@@ -1250,14 +1249,14 @@ class _FillView(FillView):
     incremental state, listed only if the promise asks more; the partition's version floor
     and untagged flag answer first where they can."""
 
-    __slots__ = ("_cols", "_first", "_p", "_slots", "_ts")
+    __slots__ = ("_cols", "_p", "_slots", "_ts")
 
     def __init__(self, p: _Partition, ts: _TaskState, cols: IntArray, first: int | None) -> None:
         count, self._slots = p.candidate_count(ts, cols)
         super().__init__(
             count if first is None else min(count, first), self._groups_of, self._mins_of
         )
-        self._p, self._ts, self._cols, self._first = p, ts, cols, first
+        self._p, self._ts, self._cols = p, ts, cols
 
     def _listed(self) -> IntArray:
         if self._slots is None:
