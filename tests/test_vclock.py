@@ -4,6 +4,8 @@ threads take zero virtual time, and a deadlock is reported instead of hanging.""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 
 import pytest
@@ -54,6 +56,49 @@ def test_threads_take_zero_virtual_time() -> None:
     during, after = run_virtual(main())
     assert during == 0.0  # the clock waited for the thread instead of jumping to the timer
     assert after == pytest.approx(0.01)
+
+
+def test_a_foreign_threads_callback_wakes_a_waiting_loop() -> None:
+    """A thread the loop did not start (no ``run_in_executor``) hands a result back with
+    ``call_soon_threadsafe`` while nothing else is scheduled: the loop sleeps in its selector
+    on its own wake-up pipe, which the virtual selector no longer polls when it need not."""
+
+    async def main() -> tuple[str, float]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str] = loop.create_future()
+        started = threading.Event()
+
+        def work() -> None:
+            started.wait()
+            loop.call_soon_threadsafe(done.set_result, "from the thread")
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        loop.call_soon(started.set)  # the thread answers only once the loop waits on it
+        result = await done
+        thread.join()
+        return result, loop.time()
+
+    assert run_virtual(main()) == ("from the thread", 0.0)
+
+
+def test_a_socket_is_still_polled_while_timers_are_due() -> None:
+    """With a socket registered, bytes already sent are read before the clock jumps to a
+    far timer (a selector that skipped its polls would time out at virtual t = 1000)."""
+
+    async def main() -> tuple[bytes, float]:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        try:
+            reader, writer = await asyncio.open_connection(sock=a)
+            b.sendall(b"ping")
+            data = await asyncio.wait_for(reader.readexactly(4), timeout=1000.0)
+            writer.close()
+            return data, loop.time()
+        finally:
+            b.close()
+
+    assert run_virtual(main()) == (b"ping", 0.0)
 
 
 def test_store_waits_time_out_on_the_virtual_clock() -> None:
