@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import logging
 import multiprocessing
 import os
 import pickle
@@ -58,6 +59,7 @@ from asyncflow_core.protocols import (
 )
 
 DEFAULT_START_TIMEOUT_S = 300.0
+_log = logging.getLogger("asyncflow.process")
 _STOP = "__stop__"
 
 # child -> parent message kinds
@@ -292,13 +294,27 @@ class _ProcessEngine:
         pid: int | None = self._process.pid
         return pid
 
+    stop_timeout_s = 30.0
+    """How long ``close()`` waits for the child to finish its calls in flight and close its
+    engine; then the process is killed."""
+
     async def close(self) -> None:
-        """Close the child's engine and end its process (idempotent)."""
+        """Close the child's engine and end its process (idempotent). A child that does not
+        finish within ``stop_timeout_s`` (a call in flight that never ends, an engine whose
+        close hangs) is killed: close always ends the process."""
         if self._closed:
             return
         if self._dead is None:
-            with contextlib.suppress(EngineError):
-                await asyncio.wait_for(self._call(_STOP), timeout=30.0)
+            try:
+                await asyncio.wait_for(self._call(_STOP), timeout=self.stop_timeout_s)
+            except EngineError:
+                pass
+            except TimeoutError:
+                _log.warning(
+                    "%s: its process did not finish its calls and close its engine within "
+                    "%.0f s of close(); killing it (pid %s)",
+                    self.name, self.stop_timeout_s, self.pid,
+                )  # fmt: skip
         self._closed = True
         await asyncio.to_thread(self._process.join, 10.0)
         self._kill()

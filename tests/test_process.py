@@ -126,6 +126,34 @@ def test_a_dead_child_fails_calls_clearly() -> None:
     run(body())
 
 
+class _HangingClose(TorchTrainEngine):
+    """An engine whose close never returns."""
+
+    async def close(self) -> None:
+        await asyncio.Event().wait()
+
+
+def hanging_close_factory() -> TorchTrainEngine:
+    return _HangingClose(MODEL, seed=3, threads=1)
+
+
+def test_close_kills_a_child_that_does_not_finish(caplog: pytest.LogCaptureFixture) -> None:
+    """A child whose engine never closes is killed after ``stop_timeout_s``: close() returns,
+    no process is left, the engine is closed, and the warning names it."""
+
+    async def body() -> None:
+        engine = ProcessTrainEngine(hanging_close_factory, name="stuck")
+        engine.stop_timeout_s = 0.5
+        process = engine._process
+        with caplog.at_level("WARNING", logger="asyncflow.process"):
+            await engine.close()
+        assert not process.is_alive()
+        assert "closed" in repr(engine)
+        assert "stuck: its process did not finish" in caplog.text
+
+    run(body())
+
+
 def test_close_is_idempotent_and_leaves_no_process() -> None:
     async def body() -> None:
         engine = ProcessTrainEngine(make)
