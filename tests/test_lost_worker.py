@@ -219,8 +219,11 @@ def test_a_restarted_rollout_engine_rejoins_with_the_trainer_s_weights(engines: 
     groups = [g for s in result.steps for g in s.groups]
     assert len(groups) == len(set(groups)) and result.samples == 10 * 8
     assert max(s.max_staleness for s in result.steps) <= 1
-    # the fresh engine got the trainer's weights before it was routed to, then every sync
-    assert victim.loads and victim.weight_version >= 9
+    # the fresh engine got the trainer's weights before it was routed to, then every sync:
+    # the last step (9 -> 10) trained samples at most η = 1 version old, so the rollout side
+    # reached version 8; whether the staged 9 lands before the run ends is timing (as for the
+    # survivor in the test above)
+    assert victim.loads == sorted(victim.loads) and victim.weight_version >= 8
     assert victim.after_restart > 0
 
 
