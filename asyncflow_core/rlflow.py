@@ -1,5 +1,6 @@
-"""The RL step as a pipeline: prompt feeder -> rollout (n per prompt) -> reward -> optional
-reference log-probs -> group advantage -> actor update, composed with the public
+"""The RL step as a pipeline: prompt feeder -> rollout (n per prompt) -> reward and group
+advantage (one task over whole groups; the advantage has a task of its own when the agent loop
+wrote the rewards) -> optional reference log-probs -> actor update, composed with the public
 ``Pipeline``/``Task``/``Source`` API over one store partition, on any ``InferenceEngine`` s and
 ``TrainEngine``.
 
@@ -546,6 +547,21 @@ _NUMPY_LISTABLE = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, 
                              torch.bool, torch.float64, torch.float32})  # fmt: skip
 
 
+def _advantages(tags: Sequence[Tags], rewards: Any) -> torch.Tensor:
+    """Group advantages over the rows whose reward did not fail; a failed row (NaN reward)
+    gets advantage 0, so it trains nothing and its group is scored without it."""
+    groups = [t.group if t.group is not None else i for i, t in enumerate(tags)]
+    values = torch.as_tensor(rewards, dtype=torch.float32)
+    ok = torch.isfinite(values)
+    if bool(ok.all()):
+        return group_advantages(values, groups)
+    advantage = torch.zeros_like(values)
+    if bool(ok.any()):
+        kept = [g for g, good in zip(groups, ok.tolist(), strict=True) if good]
+        advantage[ok] = group_advantages(values[ok], kept)
+    return advantage
+
+
 def _distinct_versions(versions: Sequence[Version]) -> tuple[Version, ...]:
     """The distinct weight versions of a generation's tokens, ascending. Most generations
     ran under one version: one C-level count answers those without building a set."""
@@ -889,20 +905,23 @@ class RLJob:
             update_consumes += [LOSS_MASK, "agent"]
         tasks = [rollout]
         if self.reward_fn is not None:
-            reward_fn = self._reward if cfg.reward_in_thread else self._reward_on_loop
+            # the reward task scores whole groups, so it writes their advantages too: one
+            # store round trip (lease, read, write, ack) per group fewer than a task of its own
+            score = self._score if cfg.reward_in_thread else self._score_on_loop
             tasks.append(
                 Task(
-                    "reward", reward_fn, consumes=("prompt", "response"),
-                    produces=("reward",), batch_size=per_call, sampler=whole_groups,
+                    "reward", score, consumes=("prompt", "response"),
+                    produces=("reward", "advantage"), batch_size=per_call, sampler=whole_groups,
                     layout="list", resource="reward",
                 )
             )  # fmt: skip
-        tasks.append(
-            Task(
-                "advantage", self._advantage, consumes=("reward",), produces=("advantage",),
-                batch_size=per_call, sampler=whole_groups, resource="reward",
-            )
-        )  # fmt: skip
+        else:  # the agent loop wrote the rewards
+            tasks.append(
+                Task(
+                    "advantage", self._advantage, consumes=("reward",), produces=("advantage",),
+                    batch_size=per_call, sampler=whole_groups, resource="reward",
+                )
+            )  # fmt: skip
         if cfg.reference_logprobs:
             tasks.insert(
                 len(tasks) - 1,
@@ -1134,9 +1153,14 @@ class RLJob:
         update (more than η versions behind the trainer)."""
         return self.engines.trainer.weight_version - version > self.config.staleness
 
-    async def _reward_on_loop(self, batch: Batch) -> dict[str, list[float]]:
-        """``_reward`` on the event loop (``RLConfig.reward_in_thread=False``)."""
-        return self._reward(batch)
+    async def _score_on_loop(self, batch: Batch) -> dict[str, Any]:
+        """``_score`` on the event loop (``RLConfig.reward_in_thread=False``)."""
+        return self._score(batch)
+
+    def _score(self, batch: Batch) -> dict[str, Any]:
+        """The reward task: rewards of whole groups, and their group advantages."""
+        rewards = self._reward(batch)["reward"]
+        return {"reward": rewards, "advantage": _advantages(batch.tags, rewards)}
 
     def _reward(self, batch: Batch) -> dict[str, list[float]]:
         assert self.reward_fn is not None  # the task exists only with one
@@ -1164,18 +1188,8 @@ class RLJob:
         return {"ref_logprobs": rows}
 
     async def _advantage(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Group advantages over the rows whose reward did not fail; a failed row (NaN
-        reward) gets advantage 0, so it trains nothing and its group is scored without it."""
-        groups = [t.group if t.group is not None else i for i, t in enumerate(batch.tags)]
-        rewards = torch.as_tensor(batch["reward"], dtype=torch.float32)
-        ok = torch.isfinite(rewards)
-        if bool(ok.all()):
-            return {"advantage": group_advantages(rewards, groups)}
-        advantage = torch.zeros_like(rewards)
-        if bool(ok.any()):
-            kept = [g for g, good in zip(groups, ok.tolist(), strict=True) if good]
-            advantage[ok] = group_advantages(rewards[ok], kept)
-        return {"advantage": advantage}
+        """The advantage task, when the agent loop wrote the rewards (see ``_advantages``)."""
+        return {"advantage": _advantages(batch.tags, batch["reward"])}
 
     async def _update(self, batch: Batch) -> None:
         async with self._lock:
