@@ -3,7 +3,7 @@
 Import what you need from here; submodules are implementation detail unless documented.
 """
 
-from asyncflow_core.errors import PlatformUnavailableError as _PlatformUnavailable
+from asyncflow_core.contracts.errors import PlatformUnavailableError as _PlatformUnavailable
 
 try:
     import torch as _torch  # noqa: F401  # before anything else, to explain the failure below
@@ -17,17 +17,7 @@ except RuntimeError as _exc:  # torch loads installed device extensions (torch_n
         "), or, to run without NPUs, uninstall torch-npu or set TORCH_DEVICE_BACKEND_AUTOLOAD=0"
     ) from _exc
 
-from asyncflow_core.agent import (
-    AgentLoop,
-    GenerationClient,
-    Trajectory,
-    TrajectoryLimitReached,
-    TrajectoryLimits,
-    Turn,
-)
-from asyncflow_core.checkpoint import Checkpoints
-from asyncflow_core.controller import Controller
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     AsyncFlowError,
     BadRequestError,
     CapacityError,
@@ -61,16 +51,7 @@ from asyncflow_core.errors import (
     UnsupportedEngineError,
     WeightSyncError,
 )
-from asyncflow_core.platform import (
-    MemoryStats,
-    Platform,
-    current_platform,
-    register_platform,
-    select_platform,
-    set_platform,
-    use_platform,
-)
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     DEFAULT_GET_TIMEOUT_S,
     DEFAULT_LEASE_S,
     NO_VERSION,
@@ -101,7 +82,8 @@ from asyncflow_core.protocols import (
     WeightBucket,
     WeightSync,
 )
-from asyncflow_core.scheduling import (
+from asyncflow_core.data.controller import Controller
+from asyncflow_core.data.scheduling import (
     GroupSampler,
     RankAwareSampler,
     RequestRouter,
@@ -110,15 +92,34 @@ from asyncflow_core.scheduling import (
     TokenBalancedSampler,
     karmarkar_karp,
 )
-from asyncflow_core.staleness import AdmissionController, AdmissionStats
-from asyncflow_core.store import (
+from asyncflow_core.data.store import (
     InProcessDataStore,
     StorageUnit,
     folds_ack,
     get_meta_after_ack,
 )
-from asyncflow_core.trace import Span, Tracer
-from asyncflow_core.weightsync import (
+from asyncflow_core.flow.agent import (
+    AgentLoop,
+    GenerationClient,
+    Trajectory,
+    TrajectoryLimitReached,
+    TrajectoryLimits,
+    Turn,
+)
+from asyncflow_core.flow.staleness import AdmissionController, AdmissionStats
+from asyncflow_core.flow.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
+from asyncflow_core.infra.checkpoint import Checkpoints
+from asyncflow_core.infra.platform import (
+    MemoryStats,
+    Platform,
+    current_platform,
+    register_platform,
+    select_platform,
+    set_platform,
+    use_platform,
+)
+from asyncflow_core.observability.trace import Span, Tracer
+from asyncflow_core.sync.weightsync import (
     BlockingUpdate,
     BroadcastGroup,
     DiskWeightSync,
@@ -135,7 +136,6 @@ from asyncflow_core.weightsync import (
     bucketize,
     read_weights,
 )
-from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,6 @@
 """The ``asyncflow`` command line: ``run`` (the main job), ``selfcheck`` (a streaming store run),
-``trace summarize FILE`` (the summary of a Chrome-trace file written by ``asyncflow_core.trace``),
+``trace summarize FILE`` (the summary of a Chrome-trace file written by
+``asyncflow_core.observability.trace``),
 ``simulate --preset NAME`` (a simulated cluster run of the RL pipeline, colocated vs async),
 ``platforms`` (the platforms known here, which can run, and why not).
 """
@@ -17,10 +18,10 @@ from collections.abc import Sequence
 import torch
 
 from asyncflow_core import __version__
-from asyncflow_core.errors import MissingExtraError
-from asyncflow_core.protocols import Capacity, Tags
-from asyncflow_core.scheduling import GroupSampler, TokenBalancedSampler
-from asyncflow_core.store import InProcessDataStore
+from asyncflow_core.contracts.errors import MissingExtraError
+from asyncflow_core.contracts.protocols import Capacity, Tags
+from asyncflow_core.data.scheduling import GroupSampler, TokenBalancedSampler
+from asyncflow_core.data.store import InProcessDataStore
 
 
 async def _selfcheck(prompts: int, group: int, batch: int, seed: int) -> dict[str, float]:
@@ -120,7 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    trace = sub.add_parser("trace", help="read traces written by asyncflow_core.trace")
+    trace = sub.add_parser(
+        "trace", help="read traces written by asyncflow_core.observability.trace"
+    )
     trace_sub = trace.add_subparsers(dest="trace_command", metavar="COMMAND", required=True)
     summarize = trace_sub.add_parser(
         "summarize", help="print the summary of a Chrome-trace JSON file (.json or .json.gz)"
@@ -181,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _platforms(as_json: bool) -> int:
     """``asyncflow platforms``: one line per platform, the one ``auto`` picks marked."""
-    from asyncflow_core.platform import platforms, select_platform
+    from asyncflow_core.infra.platform import platforms, select_platform
 
     rows = platforms()
     auto = select_platform("auto").name
@@ -201,7 +204,7 @@ def _platforms(as_json: bool) -> int:
 
 def _trace_summarize(path: str, as_json: bool, throughput_task: str | None, png: str | None) -> int:
     """``asyncflow trace summarize``: exit 2 with a message naming the file if it is unusable."""
-    from asyncflow_core.trace import TraceFormatError, format_summary, load
+    from asyncflow_core.observability.trace import TraceFormatError, format_summary, load
 
     try:
         tracer = load(path)

@@ -21,7 +21,7 @@ from typing import Any
 
 from asyncflow_reference.job import RunConfig, run
 
-from asyncflow_core.config import load_config
+from asyncflow_core.flow.config import load_config
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ task, colocated-sync vs asynchronous, in one run.
   thread each), η = 1, staged weight sync; the same samples per step and the same steps. Run
   with the trainer as a thread of this process (it then shares the interpreter lock with
   rollout and the store: ``train.process=false``, the one-process mode) and in a child
-  process of its own (``asyncflow_core.process.ProcessTrainEngine``; what ``train.process =
+  process of its own (``asyncflow_core.engines.process.ProcessTrainEngine``; what ``train.process =
   "auto"``, the main job's default, does for this trainer): the headline ``speedup`` is the
   latter's, i.e. the default ``asyncflow run``'s.
 * **η = 4**: a much staler pipeline (trainer in its own process) trained with naive PPO (the
@@ -44,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "reference")]
 
 from asyncflow_reference.job import RunConfig, RunSummary, run  # noqa: E402
 
-from asyncflow_core.config import apply_override, load_config, to_toml  # noqa: E402
+from asyncflow_core.flow.config import apply_override, load_config, to_toml  # noqa: E402
 
 TARGET_SPEEDUP = 1.3
 TARGET_REWARD_GAP = 0.05

@@ -6,7 +6,7 @@ this order:
 
 1. **get_meta** — latency p50/p99 of ``get_meta(batch_size=32)`` with 10,000 ready rows, each
    call followed by a nack (timed: the awaited get_meta alone), with the default sampler,
-   ``GroupSampler(n=8)`` and ``TokenBalancedSampler`` (when ``asyncflow_core.scheduling``
+   ``GroupSampler(n=8)`` and ``TokenBalancedSampler`` (when ``asyncflow_core.data.scheduling``
    provides them). It runs first, on a fresh heap: its cost depends on the allocator's state,
    which the other sections change.
 2. **bulk** — put + get of ~1 GiB of ragged float32 rows (two fields, long-tailed lengths of
@@ -58,9 +58,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from asyncflow_core.protocols import Tags
-from asyncflow_core.scheduling import GroupSampler, TokenBalancedSampler
-from asyncflow_core.store import InProcessDataStore
+from asyncflow_core.contracts.protocols import Tags
+from asyncflow_core.data.scheduling import GroupSampler, TokenBalancedSampler
+from asyncflow_core.data.store import InProcessDataStore
 
 T = TypeVar("T")
 SEED = 1234

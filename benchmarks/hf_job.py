@@ -18,7 +18,7 @@ from pathlib import Path
 
 from asyncflow_reference.job import RunConfig, run
 
-from asyncflow_core.config import load_config
+from asyncflow_core.flow.config import load_config
 
 
 def main() -> None:

@@ -51,7 +51,7 @@ from asyncflow_reference.simulate import (  # noqa: E402
     with_steps,
 )
 
-from asyncflow_core.errors import ConfigError  # noqa: E402
+from asyncflow_core.contracts.errors import ConfigError  # noqa: E402
 
 PAPER = {"average_speedup": 1.59, "peak_speedup": 2.03, "devices": "32-1024"}
 TARGET_SPEEDUP = 1.59

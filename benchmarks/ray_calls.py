@@ -47,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "reference")]
 
-from asyncflow_core.protocols import (  # noqa: E402
+from asyncflow_core.contracts.protocols import (  # noqa: E402
     Batch,
     GenerationRequest,
     GenerationResult,

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncflow_core.checkpoint import Checkpoints
-from asyncflow_core.rlflow import JobState
+from asyncflow_core.flow.rlflow import JobState
+from asyncflow_core.infra.checkpoint import Checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -82,7 +82,7 @@ import torch
 from asyncflow_ray.runtime import RayRuntime, import_ray
 from asyncflow_ray.store import ROWS_PER_BLOCK, RayDataStore
 
-from asyncflow_core.protocols import Batch, BatchMeta
+from asyncflow_core.contracts.protocols import Batch, BatchMeta
 
 T = TypeVar("T")
 SEED = 1234

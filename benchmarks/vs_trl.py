@@ -706,10 +706,10 @@ def run_asyncflow(sizes: Sizes, out: Path, repeat: int, mode: str) -> RunResult:
     import transformers
     from asyncflow_hf import HFInferenceEngine, HFTrainEngine, math_reward, render_prompt
 
-    from asyncflow_core.protocols import SamplingParams
-    from asyncflow_core.rl import PPOClipLoss
-    from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob
-    from asyncflow_core.trace import Tracer
+    from asyncflow_core.contracts.protocols import SamplingParams
+    from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+    from asyncflow_core.observability.trace import Tracer
+    from asyncflow_core.training.rl import PPOClipLoss
 
     model_dir = out / "model"
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))

@@ -284,7 +284,7 @@ class ReverseSizes:
     def run_config(self) -> Any:
         from asyncflow_reference.job import RunConfig
 
-        from asyncflow_core.config import load_config
+        from asyncflow_core.flow.config import load_config
 
         cfg = load_config(RunConfig, None, self.sets())
         cfg.validate()

@@ -59,10 +59,10 @@ import torch.distributed as dist
 from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_reference.worker import InferenceWorker, Mode, SyncReport, WorkerSpec
 
-from asyncflow_core.platform import gloo_listens_on, rendezvous_store
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import WeightBucket
-from asyncflow_core.weightsync import (
+from asyncflow_core.contracts.protocols import WeightBucket
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.infra.platform import gloo_listens_on, rendezvous_store
+from asyncflow_core.sync.weightsync import (
     DistributedWeightReceiver,
     DistributedWeightSync,
     WeightSyncGroup,
@@ -128,7 +128,7 @@ def _plan(rounds: int) -> list[str]:
 
 def _join_world(port: int, rank: int) -> None:
     """The 2-process gloo world, its store on HOST only (torch's tcp:// store would listen on
-    every interface; asyncflow_core.platform.rendezvous_store)."""
+    every interface; asyncflow_core.infra.platform.rendezvous_store)."""
     store = rendezvous_store(HOST, port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     with gloo_listens_on(HOST):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

@@ -28,10 +28,10 @@ from asyncflow_reference.agentic import chat_format
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.agent import GenerationClient, Trajectory, TrajectoryLimitReached
-from asyncflow_core.protocols import Batch, SamplingParams
-from asyncflow_core.rl import LOSS_MASK, PPOClipLoss, policy_gradient_loss
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, StepRecord
+from asyncflow_core.contracts.protocols import Batch, SamplingParams
+from asyncflow_core.flow.agent import GenerationClient, Trajectory, TrajectoryLimitReached
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, StepRecord
+from asyncflow_core.training.rl import LOSS_MASK, PPOClipLoss, policy_gradient_loss
 
 CHAT = chat_format()  # the minimal chat template over the reference tokenizer
 

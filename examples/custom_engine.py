@@ -45,9 +45,9 @@ from asyncflow_core import (
     WeightBucket,
     bucketize,
 )
-from asyncflow_core.protocols import FinishReason, LossFn
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, StepRecord
-from asyncflow_core.sampling import filter_logits, row_sampling, sampled_logprobs
+from asyncflow_core.contracts.protocols import FinishReason, LossFn
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, StepRecord
+from asyncflow_core.training.sampling import filter_logits, row_sampling, sampled_logprobs
 
 VOCAB = 16
 STOP = 0  # the task's end-of-sequence token
@@ -86,7 +86,7 @@ class BigramInferenceEngine:
     weights (as ``BigramTrainEngine(seed=...)``) and the generator of unseeded requests.
 
     Log-probs are those of the distribution each token is drawn from: ``logits / T``, then
-    top-k, then top-p, renormalised (``asyncflow_core.sampling.filter_logits``; greedy: the
+    top-k, then top-p, renormalised (``asyncflow_core.training.sampling.filter_logits``; greedy: the
     unscaled, unfiltered log-prob), which is what ``BigramTrainEngine.compute_logprobs``
     computes from the rows' sampling fields. A seeded request draws token i from
     ``rng(seed, i)``: the same whatever runs beside it, and a resumed request continues

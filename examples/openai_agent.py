@@ -29,10 +29,10 @@ from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 from asyncflow_serve import ChatEndpoint, EndpointLoop, Session
 
-from asyncflow_core.agent import TrajectoryLimits
-from asyncflow_core.protocols import Batch, SamplingParams
-from asyncflow_core.rl import LOSS_MASK, policy_gradient_loss
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, StepRecord
+from asyncflow_core.contracts.protocols import Batch, SamplingParams
+from asyncflow_core.flow.agent import TrajectoryLimits
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, StepRecord
+from asyncflow_core.training.rl import LOSS_MASK, policy_gradient_loss
 
 TOOLS: list[Any] = [
     {

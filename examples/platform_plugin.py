@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from asyncflow_core.platform import CpuPlatform, platforms, register_platform, use_platform
-from asyncflow_core.process import free_port
-from asyncflow_core.weightsync import (
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.infra.platform import CpuPlatform, platforms, register_platform, use_platform
+from asyncflow_core.sync.weightsync import (
     DistributedWeightReceiver,
     DistributedWeightSync,
     WeightSyncGroup,

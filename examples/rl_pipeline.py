@@ -19,10 +19,10 @@ from asyncflow_reference.presets import get_preset
 from asyncflow_reference.sim import SimInferenceEngine, SimTrainEngine, SimWeightTransport
 
 from asyncflow_core import SamplingParams
-from asyncflow_core.errors import MissingExtraError
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult
-from asyncflow_core.trace import Tracer, format_summary
-from asyncflow_core.vclock import run_virtual
+from asyncflow_core.contracts.errors import MissingExtraError
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, RLResult
+from asyncflow_core.flow.vclock import run_virtual
+from asyncflow_core.observability.trace import Tracer, format_summary
 
 # a small workload: Qwen2.5-7B costs, responses capped at 2k tokens, 8 devices
 cost = dataclasses.replace(get_preset("qwen2.5-7b-grpo").cost, response_max_tokens=2048)

@@ -9,8 +9,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Literal
 
-from asyncflow_core.errors import EngineError
-from asyncflow_core.protocols import Version
+from asyncflow_core.contracts.errors import EngineError
+from asyncflow_core.contracts.protocols import Version
 
 
 class RequestGate:

@@ -87,8 +87,8 @@ from aiohttp import web
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
-from asyncflow_core.errors import AsyncFlowError
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.contracts.errors import AsyncFlowError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 
 SGLANG_VERSION = "0.5.23"
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)

@@ -79,9 +79,9 @@ import torch
 from aiohttp import web
 from asyncflow_reference.engines import TorchInferenceEngine
 
-from asyncflow_core.errors import AsyncFlowError
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
-from asyncflow_core.weightsync import WeightSyncGroup
+from asyncflow_core.contracts.errors import AsyncFlowError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.sync.weightsync import WeightSyncGroup
 
 PREFIX = "generate-tokens-"
 SAMPLING_KEYS = frozenset(

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from asyncflow_conformance import FakeClock
 
-from asyncflow_core.errors import LeaseExpiredError, TaskFailedError
-from asyncflow_core.protocols import Batch, BatchMeta
-from asyncflow_core.store import InProcessDataStore, folds_ack, get_meta_after_ack
-from asyncflow_core.workflow import Pipeline, Source, Task, TaskOutput
+from asyncflow_core.contracts.errors import LeaseExpiredError, TaskFailedError
+from asyncflow_core.contracts.protocols import Batch, BatchMeta
+from asyncflow_core.data.store import InProcessDataStore, folds_ack, get_meta_after_ack
+from asyncflow_core.flow.workflow import Pipeline, Source, Task, TaskOutput
 
 
 class OldStore:

@@ -1,4 +1,4 @@
-"""``asyncflow_core.agent``: trajectories, the generation client and a loop, on the reference
+"""``asyncflow_core.flow.agent``: trajectories, the generation client and a loop, on the reference
 engine (real tokens, log-probs and versions)."""
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ import pytest
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.agent import (
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, SamplingParams
+from asyncflow_core.data.scheduling import RequestRouter
+from asyncflow_core.flow.agent import (
     NO_VERSION,
     AgentLoop,
     GenerationClient,
@@ -20,9 +23,6 @@ from asyncflow_core.agent import (
     TrajectoryLimits,
     Turn,
 )
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, SamplingParams
-from asyncflow_core.scheduling import RequestRouter
 
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=256)
 TOOL_ANSWER = (9, 9, 3)

@@ -41,7 +41,8 @@ from asyncflow_reference.agentic import PhoneBook, PieceTokenizer, chat_format
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
-from asyncflow_core.agent import (
+from asyncflow_core.contracts.protocols import Batch
+from asyncflow_core.flow.agent import (
     NO_VERSION,
     AgentLoop,
     GenerationClient,
@@ -50,9 +51,8 @@ from asyncflow_core.agent import (
     TrajectoryLimits,
     Turn,
 )
-from asyncflow_core.protocols import Batch
-from asyncflow_core.rl import LOSS_MASK, policy_gradient_loss
-from asyncflow_core.tools import ToolResult, ToolRunner
+from asyncflow_core.flow.tools import ToolResult, ToolRunner
+from asyncflow_core.training.rl import LOSS_MASK, policy_gradient_loss
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")

@@ -22,7 +22,10 @@ from asyncflow_reference.agentic import LookupTask, PhoneBook, chat_format
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.agent import (
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.contracts.protocols import SamplingParams
+from asyncflow_core.data.scheduling import RequestRouter
+from asyncflow_core.flow.agent import (
     EnvironmentLoop,
     GenerationClient,
     ToolAgentLoop,
@@ -30,14 +33,11 @@ from asyncflow_core.agent import (
     TrajectoryLimitReached,
     TrajectoryLimits,
 )
-from asyncflow_core.chat import MinimalChatFormat
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.protocols import SamplingParams
-from asyncflow_core.rl import LOSS_MASK, policy_gradient_loss
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob
-from asyncflow_core.scheduling import RequestRouter
-from asyncflow_core.tools import ToolRunner, tool_schema
-from asyncflow_core.trace import Tracer
+from asyncflow_core.flow.chat import MinimalChatFormat
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+from asyncflow_core.flow.tools import ToolRunner, tool_schema
+from asyncflow_core.observability.trace import Tracer
+from asyncflow_core.training.rl import LOSS_MASK, policy_gradient_loss
 
 CHAT = chat_format()
 TOK = CHAT.tokenizer
@@ -399,7 +399,7 @@ def test_agent_job_inputs_are_checked() -> None:
             await engine.close()
             await trainer.close()
 
-    from asyncflow_core.errors import TaskFailedError
+    from asyncflow_core.contracts.errors import TaskFailedError
 
     with pytest.raises(TaskFailedError, match="without a reward"):
         asyncio.run(main(NoReward(), iter([{"q": "x"}] * 8)))

@@ -26,9 +26,9 @@ from asyncflow_ascend import NPUPlatform
 from asyncflow_conformance import InferenceEngineConformance, TrainEngineConformance
 from asyncflow_reference.model import ModelConfig
 
-import asyncflow_core.platform as plat
-from asyncflow_core.errors import ConfigError, PlatformUnavailableError
-from asyncflow_core.platform import register_platform
+import asyncflow_core.infra.platform as plat
+from asyncflow_core.contracts.errors import ConfigError, PlatformUnavailableError
+from asyncflow_core.infra.platform import register_platform
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
@@ -158,7 +158,7 @@ class TestLiveDeepSpeedOnNPU(TrainEngineConformance):
 RECEIVER = textwrap.dedent(
     """
     import asyncio, sys, torch
-    from asyncflow_core.weightsync import DistributedWeightReceiver, WeightSyncGroup
+    from asyncflow_core.sync.weightsync import DistributedWeightReceiver, WeightSyncGroup
 
     class Target:
         async def load_weights(self, weights, version):
@@ -179,8 +179,8 @@ RECEIVER = textwrap.dedent(
 def test_live_hccl_weight_sync_between_two_npus(tmp_path: Path) -> None:
     """The trainer on NPU 0 broadcasts buckets over an hccl ``WeightSyncGroup`` to a receiver
     process on NPU 1; the receiver's tensors equal the sender's byte for byte."""
-    from asyncflow_core.process import free_port
-    from asyncflow_core.weightsync import DistributedWeightSync, WeightSyncGroup, bucketize
+    from asyncflow_core.engines.process import free_port
+    from asyncflow_core.sync.weightsync import DistributedWeightSync, WeightSyncGroup, bucketize
 
     npu = NPUPlatform()
     if npu.device_count() < 2:

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from asyncflow_core.protocols import BatchMeta, FieldSchema
-from asyncflow_core.store import _JAGGED, Rows, assemble_batch
+from asyncflow_core.contracts.protocols import BatchMeta, FieldSchema
+from asyncflow_core.data.store import _JAGGED, Rows, assemble_batch
 
 pytest.importorskip("ray", reason="asyncflow_ray needs the [ray] extra")
 

@@ -148,7 +148,7 @@ def test_digits_tokenizer_round_trips_the_task_prompts(name: str) -> None:
 def test_reverse_sizes_override_only_what_they_name() -> None:
     from asyncflow_reference.job import RunConfig
 
-    from asyncflow_core.errors import ConfigError
+    from asyncflow_core.contracts.errors import ConfigError
 
     v = _reverse_module()
     assert v.ReverseSizes().sets() == []

@@ -9,8 +9,8 @@ from typing import Literal
 
 import pytest
 
-from asyncflow_core.config import apply_override, keys, load_config, merge, to_dict, to_toml
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.flow.config import apply_override, keys, load_config, merge, to_dict, to_toml
 
 
 @dataclass(frozen=True)

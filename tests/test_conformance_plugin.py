@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 # in-process store only so that this test needs no second implementation. It takes no clock
 # and offers no direct read, so the suite runs its real-time lease tests and skips the rest.
 BACKEND = '''
-from asyncflow_core.store import InProcessDataStore
+from asyncflow_core.data.store import InProcessDataStore
 
 
 class WrappedStore:

@@ -26,9 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflow_core import controller as controller_module
-from asyncflow_core.controller import TRACK_MIN_SLOTS, Controller
-from asyncflow_core.errors import AsyncFlowError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import AsyncFlowError
+from asyncflow_core.contracts.protocols import (
     BatchMeta,
     Candidates,
     Capacity,
@@ -38,7 +37,8 @@ from asyncflow_core.protocols import (
     Selection,
     Tags,
 )
-from asyncflow_core.scheduling import (
+from asyncflow_core.data.controller import TRACK_MIN_SLOTS, Controller
+from asyncflow_core.data.scheduling import (
     FillView,
     GroupSampler,
     SequentialSampler,

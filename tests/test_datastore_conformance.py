@@ -8,8 +8,8 @@ from typing import ClassVar
 import pytest
 from asyncflow_conformance import DataStoreConformance, FakeClock, StoreFactory
 
-from asyncflow_core.protocols import CellValue, DataStore
-from asyncflow_core.store import InProcessDataStore
+from asyncflow_core.contracts.protocols import CellValue, DataStore
+from asyncflow_core.data.store import InProcessDataStore
 
 
 class _InProcess(DataStoreConformance):

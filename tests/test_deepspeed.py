@@ -35,16 +35,16 @@ from asyncflow_conformance.pair import PAIR_SETTINGS
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     CheckpointError,
     CheckpointRefusedError,
     ConfigError,
     EngineError,
     MissingExtraError,
 )
-from asyncflow_core.lmtrain import CHECKPOINT_KEY_ENV, sign_manifest
-from asyncflow_core.protocols import Batch, TrainEngine, TrainMetrics
-from asyncflow_core.rl import policy_gradient_loss
+from asyncflow_core.contracts.protocols import Batch, TrainEngine, TrainMetrics
+from asyncflow_core.engines.lmtrain import CHECKPOINT_KEY_ENV, sign_manifest
+from asyncflow_core.training.rl import policy_gradient_loss
 
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 
@@ -656,9 +656,9 @@ def test_rank_0_broadcasts_to_an_inference_worker_in_another_process() -> None:
     exported bytes exactly and generates with the new version afterwards."""
     from asyncflow_reference.worker import InferenceWorker, WorkerSpec
 
-    from asyncflow_core.process import free_port
-    from asyncflow_core.protocols import GenerationRequest, SamplingParams
-    from asyncflow_core.weightsync import DistributedWeightSync, WeightSyncGroup
+    from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
+    from asyncflow_core.engines.process import free_port
+    from asyncflow_core.sync.weightsync import DistributedWeightSync, WeightSyncGroup
 
     port = free_port()
     worker = InferenceWorker(WorkerSpec(CONFIG, "127.0.0.1", port, 1, 2, seed=1, mode="staged"))

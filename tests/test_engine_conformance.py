@@ -36,9 +36,8 @@ from asyncflow_reference.sim import (
 )
 from fake_engine_gate import RequestGate
 
-from asyncflow_core.errors import EngineError
-from asyncflow_core.process import ProcessInferenceEngine, ProcessTrainEngine
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import EngineError
+from asyncflow_core.contracts.protocols import (
     Batch,
     FinishReason,
     GenerationRequest,
@@ -50,8 +49,9 @@ from asyncflow_core.protocols import (
     WeightBucket,
     WeightSync,
 )
-from asyncflow_core.sampling import filter_logits, row_sampling, sampled_logprobs
-from asyncflow_core.weightsync import InProcessWeightSync, bucketize
+from asyncflow_core.engines.process import ProcessInferenceEngine, ProcessTrainEngine
+from asyncflow_core.sync.weightsync import InProcessWeightSync, bucketize
+from asyncflow_core.training.sampling import filter_logits, row_sampling, sampled_logprobs
 
 # A two-layer Qwen2-shaped model: small exported tensors (the simulator exports meta tensors
 # of these shapes), responses of 64..1024 tokens so long requests are still running when a
@@ -145,7 +145,7 @@ def _logits(weights: Mapping[str, torch.Tensor], prev: torch.Tensor) -> torch.Te
 class TinyInferenceEngine(RequestGate):
     """Samples one token per ``token_s`` real seconds (0: instant, a bare yield to the event
     loop per token) from the bigram policy under the request's temperature, top-k and top-p
-    (``asyncflow_core.sampling``; greedy at temperature 0), and reports that distribution's
+    (``asyncflow_core.training.sampling``; greedy at temperature 0), and reports that distribution's
     log-probs. A seeded request draws token i with a generator seeded by (seed, i), so it does
     not depend on its batch or on an abort/resume. Pause (keep/abort), sleep, load_weights
     (names and shapes checked), abort, progress (``wait_for_tokens``); malformed requests
@@ -408,7 +408,7 @@ class TestTorchTrainEngine(TrainEngineConformance):
 
 
 class TestProcessTrainEngine(TrainEngineConformance):
-    """The reference trainer hosted in a child process (asyncflow_core.process)."""
+    """The reference trainer hosted in a child process (asyncflow_core.engines.process)."""
 
     vocab_size = TORCH_MODEL.vocab_size
     required_fields = ("prompt", "response", "advantage")
@@ -424,7 +424,8 @@ class TestProcessTrainEngine(TrainEngineConformance):
 
 
 class TestProcessInferenceEngine(InferenceEngineConformance):
-    """The reference rollout engine hosted in a child process (asyncflow_core.process): every
+    """The reference rollout engine hosted in a child process (asyncflow_core.engines.process):
+    every
     law through the pipe, the engine's own progress evidence not forwarded (the laws pace
     themselves)."""
 

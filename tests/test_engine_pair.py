@@ -18,7 +18,7 @@ from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 from test_engine_conformance import VOCAB, TinyInferenceEngine, TinyTrainEngine, tiny_weights
 
-from asyncflow_core.process import ProcessTrainEngine
+from asyncflow_core.engines.process import ProcessTrainEngine
 
 # Peaky enough (init_std 0.5) that temperature and the filters change the log-probs a lot:
 # a distribution close to uniform would hide a semantics bug below the tolerance.

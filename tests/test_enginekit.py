@@ -1,10 +1,12 @@
-"""``asyncflow_core.enginekit``: the pieces every engine adapter maps the protocol with."""
+"""``asyncflow_core.engines.enginekit``: the pieces every engine adapter maps the protocol with."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncflow_core.enginekit import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.engines.enginekit import (
     assemble,
     check_request,
     check_version,
@@ -14,8 +16,6 @@ from asyncflow_core.enginekit import (
     parse_version,
     versions_from_spans,
 )
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
 
 
 def test_release_numbers_and_the_tested_range() -> None:

@@ -5,7 +5,7 @@ Each example copies a genuine checkpoint and spoils it: a file cut short, bytes 
 file deleted or added, tensors of other shapes, dtypes or values (NaN), an optimizer state
 that does not fit, a manifest with another format tag, version, model or layout (for
 DeepSpeed, edited as is, or re-signed with this user's key as if our own writer had written
-it). Loading must either succeed or raise ``CheckpointError`` (``asyncflow_core.errors``;
+it). Loading must either succeed or raise ``CheckpointError`` (``asyncflow_core.contracts.errors``;
 ``CheckpointRefusedError`` for DeepSpeed's unsigned changes), and a refused load leaves the
 engine's weights and version as they were.
 """
@@ -29,8 +29,8 @@ from asyncflow_reference.model import ModelConfig
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.errors import CheckpointError
-from asyncflow_core.lmtrain import (
+from asyncflow_core.contracts.errors import CheckpointError
+from asyncflow_core.engines.lmtrain import (
     CHECKPOINT_KEY_ENV,
     CHECKPOINT_META,
     CHECKPOINT_OPTIMIZER,
@@ -38,7 +38,7 @@ from asyncflow_core.lmtrain import (
     checkpoint_key,
     sign_manifest,
 )
-from asyncflow_core.rl import policy_gradient_loss
+from asyncflow_core.training.rl import policy_gradient_loss
 
 CONFIG = ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_seq_len=8)
 FUZZ = settings(

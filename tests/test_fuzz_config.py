@@ -18,8 +18,8 @@ from asyncflow_reference.job import RunConfig
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.config import apply_override, keys, load_config, to_toml
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.flow.config import apply_override, keys, load_config, to_toml
 
 FUZZ = settings(
     max_examples=200,

@@ -5,7 +5,7 @@ The replay servers (``replay_vllm_server.py``: vLLM 0.33 and 0.26 shapes;
 genuine answer of that route cut short, or with a value swapped for another type, a key
 dropped or added; JSON of any shape; non-JSON text; nesting deeper than a parser recurses;
 HTTP errors. The adapter's call must return or raise ``EngineError``
-(``asyncflow_core.errors``); and whatever it did, the engine keeps its weight version, its
+(``asyncflow_core.contracts.errors``); and whatever it did, the engine keeps its weight version, its
 paused and asleep state, and serves the next clean request. Each engine lives for the whole
 test on one event loop (examples are cheap).
 """
@@ -25,8 +25,8 @@ from asyncflow_reference.model import ModelConfig
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.errors import EngineError
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.contracts.errors import EngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 
 pytest.importorskip("aiohttp", reason="the [vllm-client] / [sglang-client] extra is missing")
 

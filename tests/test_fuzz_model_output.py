@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.chat import MinimalChatFormat, hermes_block, message_tool_calls
-from asyncflow_core.errors import BadRequestError
-from asyncflow_core.tools import (
+from asyncflow_core.contracts.errors import BadRequestError
+from asyncflow_core.flow.chat import MinimalChatFormat, hermes_block, message_tool_calls
+from asyncflow_core.flow.tools import (
     MAX_JSON_DEPTH,
     Calculator,
     ToolCall,

@@ -3,7 +3,8 @@
 Every example builds a fresh store holding a few rows (one leased), makes one call whose
 arguments are drawn from bad partitions, fields, rows, tags, tensors of odd dtypes and shapes,
 NaN, huge and negative numbers and wrong types, and checks the contract: the call either
-succeeds or raises a ``DataStoreError`` (``asyncflow_core.errors``), and a call that raised
+succeeds or raises a ``DataStoreError`` (``asyncflow_core.contracts.errors``), and a call that
+raised
 left the store as it was (every storage unit's cells, object for object, and every partition's
 counters). No call may wait: timeouts are drawn from values that never block.
 """
@@ -21,9 +22,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.errors import DataStoreError
-from asyncflow_core.protocols import BatchMeta, Capacity, Tags
-from asyncflow_core.store import InProcessDataStore
+from asyncflow_core.contracts.errors import DataStoreError
+from asyncflow_core.contracts.protocols import BatchMeta, Capacity, Tags
+from asyncflow_core.data.store import InProcessDataStore
 
 FUZZ = settings(
     max_examples=150,

@@ -30,9 +30,9 @@ import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.errors import WeightSyncError
-from asyncflow_core.protocols import WeightBucket
-from asyncflow_core.weightsync import (
+from asyncflow_core.contracts.errors import WeightSyncError
+from asyncflow_core.contracts.protocols import WeightBucket
+from asyncflow_core.sync.weightsync import (
     _HEADER_SLOT,
     DiskWeightSync,
     DistributedWeightReceiver,
@@ -653,7 +653,7 @@ def test_the_reference_engine_refuses_a_damaged_sync_and_keeps_its_weights() -> 
     from asyncflow_reference.engines import TorchInferenceEngine
     from asyncflow_reference.model import ModelConfig
 
-    from asyncflow_core.errors import AsyncFlowError
+    from asyncflow_core.contracts.errors import AsyncFlowError
 
     engine = TorchInferenceEngine(ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=2,
                                               max_seq_len=8))  # fmt: skip

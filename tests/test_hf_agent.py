@@ -30,9 +30,9 @@ from asyncflow_hf.assets import build_tokenizer  # noqa: E402
 from asyncflow_hf.models import load_causal_lm, tiny_config  # noqa: E402
 from asyncflow_reference.agentic import PhoneBook  # noqa: E402
 
-from asyncflow_core.agent import ToolAgentLoop, Trajectory, TrajectoryLimits  # noqa: E402
-from asyncflow_core.protocols import GenerationRequest  # noqa: E402
-from asyncflow_core.tools import ToolRunner  # noqa: E402
+from asyncflow_core.contracts.protocols import GenerationRequest  # noqa: E402
+from asyncflow_core.flow.agent import ToolAgentLoop, Trajectory, TrajectoryLimits  # noqa: E402
+from asyncflow_core.flow.tools import ToolRunner  # noqa: E402
 
 TOKENIZER = build_tokenizer()
 CHAT = HFChatFormat(TOKENIZER)

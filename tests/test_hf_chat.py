@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers", reason="the [hf] extra is not
 from asyncflow_hf import HFChatFormat  # noqa: E402
 from asyncflow_hf.assets import build_tokenizer  # noqa: E402
 
-from asyncflow_core.chat import ChatFormat  # noqa: E402
-from asyncflow_core.errors import BadRequestError, ConfigError  # noqa: E402
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError  # noqa: E402
+from asyncflow_core.flow.chat import ChatFormat  # noqa: E402
 
 # A ChatML template with tools in the manner of Qwen2.5-Instruct's: a system turn (the default
 # one when the conversation has none) listing the tool schemas as JSON in <tools></tools>,

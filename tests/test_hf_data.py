@@ -34,7 +34,7 @@ from asyncflow_hf.assets import (  # noqa: E402
 from asyncflow_hf.data import Prompt, load_prompts, render_prompt  # noqa: E402
 from asyncflow_hf.models import load_causal_lm  # noqa: E402
 
-from asyncflow_core.errors import ConfigError  # noqa: E402
+from asyncflow_core.contracts.errors import ConfigError  # noqa: E402
 
 TRICKY = [
     "Tom has 123 apples.\n#### 15",

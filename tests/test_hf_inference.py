@@ -17,9 +17,9 @@ from asyncflow_conformance import InferenceEngineConformance
 from asyncflow_hf.inference import HFInferenceEngine
 from asyncflow_hf.models import load_causal_lm, tiny_config
 
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.lmtrain import unique_named_tensors
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.engines.lmtrain import unique_named_tensors
 
 VOCAB = 64
 _MODELS: dict[str, Any] = {}

@@ -18,8 +18,8 @@ from asyncflow_hf.models import load_causal_lm
 from asyncflow_reference.job import RunConfig, run
 
 from asyncflow_core.cli import main as cli_main
-from asyncflow_core.config import load_config
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.flow.config import load_config
 
 SMALL = [
     "rl.steps=2", "rl.prompts_per_step=2", "rl.n=4", "eval_prompts=8", "task.warmup_steps=2",

@@ -18,9 +18,9 @@ from asyncflow_hf.inference import HFInferenceEngine
 from asyncflow_hf.models import load_causal_lm, tiny_config
 from asyncflow_hf.train import HFTrainEngine
 
-from asyncflow_core.lmtrain import unique_named_tensors
-from asyncflow_core.rlflow import RLEngines
-from asyncflow_core.weightsync import InProcessWeightSync
+from asyncflow_core.engines.lmtrain import unique_named_tensors
+from asyncflow_core.flow.rlflow import RLEngines
+from asyncflow_core.sync.weightsync import InProcessWeightSync
 
 VOCAB = 64
 _MODELS: dict[str, Any] = {}

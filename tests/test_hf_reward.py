@@ -29,7 +29,7 @@ from asyncflow_hf.reward import (
     reference_answer,
 )
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 
 ROWS = [{"answer": str(i)} for i in range(4)]
 RIGHT = ["0", "1", "2", "3"]

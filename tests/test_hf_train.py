@@ -32,10 +32,10 @@ import torch
 from asyncflow_conformance import TrainEngineConformance
 from asyncflow_conformance.engines import padded_batch
 
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.protocols import Batch, SamplingParams, TrainEngine
-from asyncflow_core.rl import policy_gradient_loss
-from asyncflow_core.sampling import sampling_columns
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.contracts.protocols import Batch, SamplingParams, TrainEngine
+from asyncflow_core.training.rl import policy_gradient_loss
+from asyncflow_core.training.sampling import sampling_columns
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 

@@ -16,11 +16,11 @@ import pytest
 from asyncflow_reference.job import RLSection, RunConfig, StepProgress, TaskSection, run
 
 from asyncflow_core.cli import main as cli_main
-from asyncflow_core.config import apply_override, load_config
-from asyncflow_core.errors import ConfigError, PlatformError, PlatformUnavailableError
-from asyncflow_core.platform import CpuPlatform, register_platform
-from asyncflow_core.protocols import TrainMetrics
-from asyncflow_core.rlflow import StepRecord
+from asyncflow_core.contracts.errors import ConfigError, PlatformError, PlatformUnavailableError
+from asyncflow_core.contracts.protocols import TrainMetrics
+from asyncflow_core.flow.config import apply_override, load_config
+from asyncflow_core.flow.rlflow import StepRecord
+from asyncflow_core.infra.platform import CpuPlatform, register_platform
 
 QUICK = [
     "rl.steps=4", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=2", "eval_prompts=8",
@@ -202,7 +202,7 @@ def test_a_named_accelerator_needs_a_trainer_that_uses_it() -> None:
     class Lab(CpuPlatform):  # an "accelerator" that runs anywhere
         name = "lab-accel"
 
-    import asyncflow_core.platform as plat
+    import asyncflow_core.infra.platform as plat
 
     with plat.preserved_registry():
         register_platform(Lab)

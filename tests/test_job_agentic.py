@@ -12,8 +12,8 @@ import pytest
 from asyncflow_reference.job import RunConfig
 
 from asyncflow_core.cli import main as cli_main
-from asyncflow_core.config import load_config
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.flow.config import load_config
 
 QUICK = [
     "task=clock", "rl.steps=3", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=2",

@@ -1,4 +1,5 @@
-"""The ``loss_mask`` field of multi-turn rows (``asyncflow_core.rl.LOSS_MASK``): every loss and
+"""The ``loss_mask`` field of multi-turn rows (``asyncflow_core.training.rl.LOSS_MASK``): every
+loss and
 every trainer counts exactly the masked-in (policy-generated) response tokens.
 
 The oracles do not restate the implementation: a masked loss must equal the same loss on a
@@ -16,9 +17,9 @@ import torch
 from asyncflow_reference.engines import TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.errors import BadRequestError, ConfigError, EngineError
-from asyncflow_core.protocols import Batch, LossFn
-from asyncflow_core.rl import (
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError, EngineError
+from asyncflow_core.contracts.protocols import Batch, LossFn
+from asyncflow_core.training.rl import (
     LOSS_MASK,
     DecoupledPPOLoss,
     PPOClipLoss,

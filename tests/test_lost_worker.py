@@ -19,10 +19,10 @@ import pytest
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
-from asyncflow_core.errors import EngineLostError, TaskFailedError
-from asyncflow_core.process import ProcessInferenceEngine
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult, StepRecord
+from asyncflow_core.contracts.errors import EngineLostError, TaskFailedError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.engines.process import ProcessInferenceEngine
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, RLResult, StepRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab_size=12, d_model=16, n_layers=1, n_heads=2, max_seq_len=24)

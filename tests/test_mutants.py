@@ -30,9 +30,9 @@ from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 from torch import Tensor
 
-from asyncflow_core.lmtrain import TokenRows
-from asyncflow_core.protocols import Batch, GenerationRequest, GenerationResult, LossFn
-from asyncflow_core.sampling import SAMPLING_FIELDS, filter_logits
+from asyncflow_core.contracts.protocols import Batch, GenerationRequest, GenerationResult, LossFn
+from asyncflow_core.engines.lmtrain import TokenRows
+from asyncflow_core.training.sampling import SAMPLING_FIELDS, filter_logits
 
 MODEL = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=2, max_seq_len=96, init_std=0.5)
 TIED = dataclasses.replace(MODEL, n_layers=1, tie_embeddings=True)

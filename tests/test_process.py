@@ -1,4 +1,5 @@
-"""ProcessTrainEngine (asyncflow_core.process): the same results as the engine in this process,
+"""ProcessTrainEngine (asyncflow_core.engines.process): the same results as the engine in this
+process,
 clear errors that lose nothing, and no child process left behind. The protocol laws run in
 tests/test_engine_conformance.py (TestProcessTrainEngine)."""
 
@@ -17,10 +18,10 @@ from asyncflow_conformance.engines import padded_batch
 from asyncflow_reference.engines import TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.errors import ConfigError, EngineError, EngineLostError
-from asyncflow_core.process import ProcessTrainEngine
-from asyncflow_core.protocols import Batch
-from asyncflow_core.rl import PPOClipLoss, policy_gradient_loss
+from asyncflow_core.contracts.errors import ConfigError, EngineError, EngineLostError
+from asyncflow_core.contracts.protocols import Batch
+from asyncflow_core.engines.process import ProcessTrainEngine
+from asyncflow_core.training.rl import PPOClipLoss, policy_gradient_loss
 
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
 make = functools.partial(TorchTrainEngine, MODEL, micro_batch_size=2, seed=3, threads=1)

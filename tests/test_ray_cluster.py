@@ -48,14 +48,14 @@ class Reader:
         return str(ray.get_runtime_context().get_node_id())
 
     async def read(self, store: RayDataStore, rows: tuple[int, ...]) -> list[list[float]]:
-        from asyncflow_core.protocols import BatchMeta
+        from asyncflow_core.contracts.protocols import BatchMeta
 
         batch = await store.get_data(BatchMeta("p", "t", rows, ("x",)), layout="list")
         return [t.tolist() for t in batch["x"]]
 
     async def sums(self, store: RayDataStore, rows: tuple[int, ...]) -> list[float]:
         """The sum of each row of ``big`` (shares of a MiB or more travel by reference)."""
-        from asyncflow_core.protocols import BatchMeta
+        from asyncflow_core.contracts.protocols import BatchMeta
 
         batch = await store.get_data(BatchMeta("big", "t", rows, ("x",)), layout="padded")
         return [float(s) for s in batch["x"].double().sum(dim=1)]
@@ -96,7 +96,7 @@ def test_units_spread_over_nodes_and_reads_cross_them(two_nodes: Any) -> None:
 
 
 def test_placing_units_on_named_nodes_and_unknown_ones(two_nodes: Any) -> None:
-    from asyncflow_core.errors import ConfigError
+    from asyncflow_core.contracts.errors import ConfigError
 
     head = next(n.node_id for n in two_nodes.nodes() if n.is_head)
     store = RayDataStore.create(3, nodes=[head])

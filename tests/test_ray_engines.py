@@ -30,8 +30,8 @@ from asyncflow_ray.runtime import import_ray
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.contracts.protocols import (
     GenerationRequest,
     GenerationResult,
     InferenceEngine,
@@ -42,8 +42,8 @@ from asyncflow_core.protocols import (
     SupportsSleep,
     TrainEngine,
 )
-from asyncflow_core.rl import policy_gradient_loss
-from asyncflow_core.weightsync import InProcessWeightSync
+from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.training.rl import policy_gradient_loss
 
 TORCH_MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
 ROLLOUT = functools.partial(TorchInferenceEngine, TORCH_MODEL, max_batch=8, seed=0, threads=1)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from asyncflow_reference.job import RunConfig
 
-from asyncflow_core.checkpoint import Checkpoints
 from asyncflow_core.cli import main as cli_main
-from asyncflow_core.config import apply_override
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.rlflow import JobState
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.flow.config import apply_override
+from asyncflow_core.flow.rlflow import JobState
+from asyncflow_core.infra.checkpoint import Checkpoints
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
 

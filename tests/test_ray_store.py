@@ -14,8 +14,8 @@ import pytest
 import torch
 from asyncflow_conformance import DataStoreConformance, StoreFactory
 
-from asyncflow_core.errors import AsyncFlowError, UnknownPartitionError, UnknownRowError
-from asyncflow_core.protocols import BatchMeta, CellValue, DataStore
+from asyncflow_core.contracts.errors import AsyncFlowError, UnknownPartitionError, UnknownRowError
+from asyncflow_core.contracts.protocols import BatchMeta, CellValue, DataStore
 
 ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (ray 2.60)")
 
@@ -106,7 +106,7 @@ def test_a_put_copies_so_the_caller_may_reuse_its_buffer(shared_store: RayDataSt
 def test_a_dead_storage_unit_is_named_with_its_rows_and_the_rest_survive(
     ray_runtime: Any,
 ) -> None:
-    from asyncflow_core.errors import StorageUnitLostError
+    from asyncflow_core.contracts.errors import StorageUnitLostError
 
     store = RayDataStore.create(2)
     try:
@@ -220,7 +220,7 @@ def test_the_store_works_from_inside_actors_and_by_name(ray_runtime: Any) -> Non
         assert sorted(got) == [0, 1, 2, 3, 4]
     finally:
         store.shutdown()
-    from asyncflow_core.errors import ConfigError
+    from asyncflow_core.contracts.errors import ConfigError
 
     with pytest.raises(ConfigError, match="no RayDataStore named 'nope'"):
         RayDataStore.connect("nope")
@@ -376,7 +376,7 @@ def test_a_lease_s_own_check_does_not_outlive_its_partition_or_its_ack(
 
 
 def test_rows_per_block_routes_rows_and_travels_with_the_store(ray_runtime: Any) -> None:
-    from asyncflow_core.errors import BadRequestError
+    from asyncflow_core.contracts.errors import BadRequestError
 
     for bad in (0, -1, 2.0, True):
         with pytest.raises(BadRequestError, match="rows_per_block"):
@@ -406,7 +406,7 @@ class _CallerSampler:
     lease_selected)."""
 
     def select(self, candidates: Any, request: Any) -> Any:
-        from asyncflow_core.scheduling import SequentialSampler
+        from asyncflow_core.data.scheduling import SequentialSampler
 
         return SequentialSampler().select(candidates, request)
 
@@ -414,7 +414,7 @@ class _CallerSampler:
 def test_a_caller_run_sampler_folds_the_ack_into_its_first_request(
     shared_store: RayDataStore,
 ) -> None:
-    from asyncflow_core.errors import LeaseError, UnknownFieldError
+    from asyncflow_core.contracts.errors import LeaseError, UnknownFieldError
 
     _reset(shared_store)
     store = shared_store

@@ -21,8 +21,8 @@ from asyncflow_ray.weightsync import RayDirectWeightSync  # noqa: E402
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine  # noqa: E402
 from asyncflow_reference.model import ModelConfig  # noqa: E402
 
-from asyncflow_core.protocols import GenerationRequest, SamplingParams  # noqa: E402
-from asyncflow_core.rl import policy_gradient_loss  # noqa: E402
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams  # noqa: E402
+from asyncflow_core.training.rl import policy_gradient_loss  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=64)
 TRAINER = functools.partial(TorchTrainEngine, MODEL, seed=1, threads=1)

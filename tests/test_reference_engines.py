@@ -32,8 +32,8 @@ from asyncflow_reference.engines import (
 )
 from asyncflow_reference.model import KVCache, ModelConfig, TransformerLM
 
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -45,9 +45,9 @@ from asyncflow_core.protocols import (
     Tags,
     TrainEngine,
 )
-from asyncflow_core.rl import group_advantages, policy_gradient_loss
-from asyncflow_core.sampling import sampling_columns
-from asyncflow_core.store import InProcessDataStore
+from asyncflow_core.data.store import InProcessDataStore
+from asyncflow_core.training.rl import group_advantages, policy_gradient_loss
+from asyncflow_core.training.sampling import sampling_columns
 
 T = TypeVar("T")
 CFG = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, max_seq_len=40, init_std=0.3)

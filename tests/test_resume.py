@@ -23,10 +23,10 @@ from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
 from asyncflow_core import trace as tracing
-from asyncflow_core.checkpoint import Checkpoints, _parse
-from asyncflow_core.errors import CheckpointError, ConfigError
-from asyncflow_core.protocols import SamplingParams
-from asyncflow_core.rlflow import JobState, RLConfig, RLEngines, RLJob
+from asyncflow_core.contracts.errors import CheckpointError, ConfigError
+from asyncflow_core.contracts.protocols import SamplingParams
+from asyncflow_core.flow.rlflow import JobState, RLConfig, RLEngines, RLJob
+from asyncflow_core.infra.checkpoint import Checkpoints, _parse
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [

@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.protocols import Batch, LossFn
-from asyncflow_core.rl import (
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.contracts.protocols import Batch, LossFn
+from asyncflow_core.training.rl import (
     DecoupledPPOLoss,
     PPOClipLoss,
     aggregate_loss,

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import pytest
 import torch
 
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -25,10 +25,10 @@ from asyncflow_core.protocols import (
     TrainMetrics,
     WeightBucket,
 )
-from asyncflow_core.rl import DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult
-from asyncflow_core.trace import Tracer
-from asyncflow_core.vclock import run_virtual
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, RLResult
+from asyncflow_core.flow.vclock import run_virtual
+from asyncflow_core.observability.trace import Tracer
+from asyncflow_core.training.rl import DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
 
 
 class ToyEngine:
@@ -298,8 +298,8 @@ def test_proximal_logprobs_reach_the_update_only_when_asked() -> None:
 def test_each_row_carries_its_sampling_settings_to_the_trainer() -> None:
     """The update's batch holds every row's temperature/top_k/top_p ([B] tensors): the trainer
     scores the tokens under the distribution they were sampled from."""
-    from asyncflow_core.protocols import SamplingParams
-    from asyncflow_core.sampling import row_sampling
+    from asyncflow_core.contracts.protocols import SamplingParams
+    from asyncflow_core.training.sampling import row_sampling
 
     sampling = SamplingParams(max_tokens=8, temperature=0.7, top_k=5, top_p=0.9)
     _, trainer, _ = run_job(sampling=sampling)
@@ -359,7 +359,7 @@ def test_colocated_job_hands_the_engines_back_awake() -> None:
 
 
 def test_a_sampling_seed_gives_each_request_its_own_seed() -> None:
-    from asyncflow_core.protocols import SamplingParams
+    from asyncflow_core.contracts.protocols import SamplingParams
 
     seeds: list[int | None] = []
 

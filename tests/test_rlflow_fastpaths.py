@@ -16,11 +16,11 @@ from asyncflow_reference.presets import get_preset
 from asyncflow_reference.sim import SimInferenceEngine, SimTrainEngine
 from asyncflow_reference.simulate import simulate, with_steps
 
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, _column, _tokens
-from asyncflow_core.store import InProcessDataStore
-from asyncflow_core.vclock import run_virtual
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.data.store import InProcessDataStore
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, _column, _tokens
+from asyncflow_core.flow.vclock import run_virtual
 
 
 def test_column_equals_torch_tensor_for_ints_floats_and_empty() -> None:

@@ -14,8 +14,8 @@ import torch
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -26,11 +26,11 @@ from asyncflow_core.protocols import (
     TrainMetrics,
     WeightBucket,
 )
-from asyncflow_core.rl import policy_gradient_loss
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult
-from asyncflow_core.staleness import AdmissionController
-from asyncflow_core.trace import Span, Tracer
-from asyncflow_core.vclock import run_virtual
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, RLResult
+from asyncflow_core.flow.staleness import AdmissionController
+from asyncflow_core.flow.vclock import run_virtual
+from asyncflow_core.observability.trace import Span, Tracer
+from asyncflow_core.training.rl import policy_gradient_loss
 
 DEADLINE_S = 20.0
 """Virtual seconds a toy job may take: a job that drops every sample never ends, and must fail

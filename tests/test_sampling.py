@@ -1,4 +1,4 @@
-"""The protocol's log-prob semantics in code (asyncflow_core.sampling), checked against an
+"""The protocol's log-prob semantics in code (asyncflow_core.training.sampling), checked against an
 oracle we did not write: transformers' own logits warpers (temperature, top-k, top-p, applied
 in that order by ``GenerationConfig``), on random logits."""
 
@@ -12,9 +12,9 @@ import torch
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig
 
-from asyncflow_core.errors import EngineError
-from asyncflow_core.protocols import Batch, GenerationRequest, SamplingParams
-from asyncflow_core.sampling import (
+from asyncflow_core.contracts.errors import EngineError
+from asyncflow_core.contracts.protocols import Batch, GenerationRequest, SamplingParams
+from asyncflow_core.training.sampling import (
     SAMPLING_FIELDS,
     filter_logits,
     row_sampling,

@@ -1,4 +1,4 @@
-"""Every sampler in asyncflow_core.scheduling against the Scheduler conformance laws."""
+"""Every sampler in asyncflow_core.data.scheduling against the Scheduler conformance laws."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from asyncflow_conformance.scheduler import SchedulerConformance, SchedulerFactory
 from hypothesis import Phase, settings
 
-from asyncflow_core.protocols import Candidates, SampleRequest, Selection
-from asyncflow_core.scheduling import (
+from asyncflow_core.contracts.protocols import Candidates, SampleRequest, Selection
+from asyncflow_core.data.scheduling import (
     GroupSampler,
     RankAwareSampler,
     SequentialSampler,

@@ -1,4 +1,4 @@
-"""Tests of asyncflow_core.scheduling: samplers, Karmarkar-Karp and the request router."""
+"""Tests of asyncflow_core.data.scheduling: samplers, Karmarkar-Karp and the request router."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflow_core import scheduling
-from asyncflow_core.errors import BadRequestError, EngineError, SamplerError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import BadRequestError, EngineError, SamplerError
+from asyncflow_core.contracts.protocols import (
     Candidates,
     SampleRequest,
     Scheduler,
     Selection,
     SupportsRankReplay,
 )
-from asyncflow_core.scheduling import (
+from asyncflow_core.data.scheduling import (
     GroupSampler,
     RankAwareSampler,
     RequestRouter,

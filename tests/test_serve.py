@@ -31,15 +31,15 @@ from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine  
 from asyncflow_reference.model import ModelConfig  # noqa: E402
 from asyncflow_serve import ChatEndpoint, EndpointLoop, Session, SessionRecord  # noqa: E402
 
-from asyncflow_core.agent import GenerationClient, Trajectory, TrajectoryLimits  # noqa: E402
-from asyncflow_core.errors import BadRequestError, EngineError  # noqa: E402
-from asyncflow_core.protocols import (  # noqa: E402
+from asyncflow_core.contracts.errors import BadRequestError, EngineError  # noqa: E402
+from asyncflow_core.contracts.protocols import (  # noqa: E402
     GenerationRequest,
     GenerationResult,
     SamplingParams,
 )
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob  # noqa: E402
-from asyncflow_core.scheduling import RequestRouter  # noqa: E402
+from asyncflow_core.data.scheduling import RequestRouter  # noqa: E402
+from asyncflow_core.flow.agent import GenerationClient, Trajectory, TrajectoryLimits  # noqa: E402
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob  # noqa: E402
 
 CHAT = chat_format()
 TOK = PieceTokenizer()  # the same pieces as CHAT's tokenizer
@@ -812,7 +812,7 @@ def _remember_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_endpoint_settings_are_named_without_echoing_the_token() -> None:
-    from asyncflow_core.errors import ConfigError
+    from asyncflow_core.contracts.errors import ConfigError
 
     secret = "short-secret"
     with pytest.raises(ConfigError, match="at least 16") as info:

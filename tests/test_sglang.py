@@ -49,15 +49,14 @@ from replay_sglang_server import (
     sglang_logprob_meta,
 )
 
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     ConfigError,
     EngineError,
     EngineUnavailableError,
     MissingExtraError,
     WeightSyncError,
 )
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     GenerationRequest,
     InferenceEngine,
     SamplingParams,
@@ -66,8 +65,9 @@ from asyncflow_core.protocols import (
     SupportsSleep,
     WeightBucket,
 )
-from asyncflow_core.sampling import sampled_logprobs, sampling_columns
-from asyncflow_core.weightsync import GroupReceiver
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.sync.weightsync import GroupReceiver
+from asyncflow_core.training.sampling import sampled_logprobs, sampling_columns
 
 HERE = Path(__file__).resolve().parent
 
@@ -407,7 +407,7 @@ def logits_after(model: TransformerLM, prompt: Any, tokens: Any) -> torch.Tensor
 
 
 def protocol_logprobs(model: TransformerLM, r: GenerationRequest, tokens: Any) -> list[float]:
-    """The protocol's log-probs of ``tokens`` (asyncflow_core.sampling), from the model."""
+    """The protocol's log-probs of ``tokens`` (asyncflow_core.training.sampling), from the model."""
     p = r.params
     lp, off = sampled_logprobs(
         logits_after(model, r.prompt_tokens, tokens),

@@ -31,8 +31,8 @@ from asyncflow_reference.sim import (
     SimWeightTransport,
 )
 
-from asyncflow_core.errors import ConfigError, EngineError, WeightSyncError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError, WeightSyncError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -45,8 +45,8 @@ from asyncflow_core.protocols import (
     WeightBucket,
     WeightSync,
 )
-from asyncflow_core.vclock import run_virtual
-from asyncflow_core.weightsync import HostBuffer, StagedUpdate
+from asyncflow_core.flow.vclock import run_virtual
+from asyncflow_core.sync.weightsync import HostBuffer, StagedUpdate
 
 T = TypeVar("T")
 COST = CostModel()

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

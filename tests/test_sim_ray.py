@@ -17,7 +17,7 @@ from asyncflow_reference.presets import get_preset
 from asyncflow_reference.sim import RAY_COSTS_FILE, RayCosts
 from asyncflow_reference.simulate import simulate, with_steps
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 
 
 def _preset(devices: int = 32, steps: int = 4):  # type: ignore[no-untyped-def]

@@ -24,15 +24,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncflow_core.platform import (
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.infra.platform import (
     gloo_listens_on,
     interface_of,
     is_loopback,
     listen_address,
     rendezvous_store,
 )
-from asyncflow_core.process import free_port
-from asyncflow_core.weightsync import WeightSyncGroup
+from asyncflow_core.sync.weightsync import WeightSyncGroup
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/net/tcp").exists(), reason="the probe reads Linux's /proc"
@@ -197,7 +197,7 @@ def test_a_rank_process_keeps_gloo_and_nccl_on_a_loopback_masters_interface(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What an SPMD rank sets before its factory runs; a value the user set stands."""
-    from asyncflow_core.process import RankContext, _build_rank
+    from asyncflow_core.engines.process import RankContext, _build_rank
 
     def environment(context: RankContext) -> dict[str, str]:
         return {k: os.environ[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
@@ -321,7 +321,7 @@ def test_a_two_rank_deepspeed_step_listens_on_loopback() -> None:
     from asyncflow_deepspeed import launch
     from asyncflow_reference.model import ModelConfig
 
-    from asyncflow_core.rl import policy_gradient_loss
+    from asyncflow_core.training.rl import policy_gradient_loss
 
     config = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=16)
     batch = padded_batch(

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.errors import BadRequestError, StoreTimeoutError
-from asyncflow_core.staleness import AdmissionController
+from asyncflow_core.contracts.errors import BadRequestError, StoreTimeoutError
+from asyncflow_core.flow.staleness import AdmissionController
 
 
 def test_the_bound_is_exact() -> None:

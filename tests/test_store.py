@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     CapacityError,
     LeaseError,
     StorageUnitError,
@@ -21,14 +21,14 @@ from asyncflow_core.errors import (
     UnknownPartitionError,
     UnknownRowError,
 )
-from asyncflow_core.protocols import Batch, Capacity, CellValue, Tags
-from asyncflow_core.scheduling import (
+from asyncflow_core.contracts.protocols import Batch, Capacity, CellValue, Tags
+from asyncflow_core.data.scheduling import (
     GroupSampler,
     RankAwareSampler,
     StalenessSampler,
     TokenBalancedSampler,
 )
-from asyncflow_core.store import InProcessDataStore, StorageUnit
+from asyncflow_core.data.store import InProcessDataStore, StorageUnit
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -296,9 +296,9 @@ def test_tags_merge_on_later_puts() -> None:
 def test_pending_put_survives_window_compaction() -> None:
     """A put that is between begin and commit while another put compacts the slots still
     marks its own rows ready (regression: pending puts used to hold stale slots)."""
-    from asyncflow_core.controller import Controller
-    from asyncflow_core.protocols import FieldSchema
-    from asyncflow_core.scheduling import SequentialSampler
+    from asyncflow_core.contracts.protocols import FieldSchema
+    from asyncflow_core.data.controller import Controller
+    from asyncflow_core.data.scheduling import SequentialSampler
 
     ctrl = Controller()
     ctrl.create_partition("p", ["x"], tasks=["t"])
@@ -344,7 +344,7 @@ class _PickleProxy:
 
 
 def test_controller_and_units_work_across_a_pickle_boundary() -> None:
-    from asyncflow_core.controller import Controller
+    from asyncflow_core.data.controller import Controller
 
     async def go() -> None:
         store = InProcessDataStore(

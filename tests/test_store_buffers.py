@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncflow_core.errors import BadRequestError
-from asyncflow_core.protocols import Batch, BatchMeta
-from asyncflow_core.store import BATCH_POOL, BufferPool, InProcessDataStore
+from asyncflow_core.contracts.errors import BadRequestError
+from asyncflow_core.contracts.protocols import Batch, BatchMeta
+from asyncflow_core.data.store import BATCH_POOL, BufferPool, InProcessDataStore
 
 
 def run(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:

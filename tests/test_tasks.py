@@ -7,7 +7,7 @@ import random
 import pytest
 from asyncflow_reference.tasks import BOS, EOS, EQ, PLUS, VOCAB_SIZE, DigitTask
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 
 
 def test_answers_by_hand() -> None:

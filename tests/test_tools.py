@@ -1,4 +1,5 @@
-"""``asyncflow_core.tools``: parsing tool calls, running them with limits, and failures fed back
+"""``asyncflow_core.flow.tools``: parsing tool calls, running them with limits, and failures fed
+back
 to the model rather than raised."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.tools import (
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.flow.tools import (
     Calculator,
     Environment,
     Tool,

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from asyncflow_core.errors import MissingExtraError
-from asyncflow_core.protocols import Batch, Tags
-from asyncflow_core.trace import (
+from asyncflow_core.contracts.errors import MissingExtraError
+from asyncflow_core.contracts.protocols import Batch, Tags
+from asyncflow_core.flow.workflow import Pipeline, Source, Task, TaskOutput
+from asyncflow_core.observability.trace import (
     Span,
     TraceFormatError,
     Tracer,
@@ -28,7 +29,6 @@ from asyncflow_core.trace import (
     load,
     union_length,
 )
-from asyncflow_core.workflow import Pipeline, Source, Task, TaskOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 

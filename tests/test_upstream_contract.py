@@ -1074,9 +1074,9 @@ async def vllm_session(version: str) -> list[Record]:
     from asyncflow_vllm.http import VLLMHTTPEngine
     from replay_vllm_server import ReplayVLLMServer
 
-    from asyncflow_core.process import free_port
-    from asyncflow_core.protocols import GenerationRequest, SamplingParams, WeightBucket
-    from asyncflow_core.weightsync import EngineGroupWeightSync, WeightSyncGroup
+    from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams, WeightBucket
+    from asyncflow_core.engines.process import free_port
+    from asyncflow_core.sync.weightsync import EngineGroupWeightSync, WeightSyncGroup
 
     config = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
     server = ReplayVLLMServer(
@@ -1127,7 +1127,7 @@ async def sglang_session() -> list[Record]:
     from asyncflow_sglang.http import SGLangHTTPEngine
     from replay_sglang_server import ReplayServer
 
-    from asyncflow_core.protocols import GenerationRequest, SamplingParams
+    from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 
     server = ReplayServer(seed=0)
     engine = SGLangHTTPEngine(await server.start())

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from asyncflow_core.store import InProcessDataStore
-from asyncflow_core.vclock import SimulationDeadlockError, is_virtual, run_virtual
+from asyncflow_core.data.store import InProcessDataStore
+from asyncflow_core.flow.vclock import SimulationDeadlockError, is_virtual, run_virtual
 
 
 def test_a_day_of_sleeps_takes_no_real_time_and_timers_fire_in_order() -> None:
@@ -105,7 +105,7 @@ def test_store_waits_time_out_on_the_virtual_clock() -> None:
     async def main() -> float:
         store = InProcessDataStore()
         await store.create_partition("p", ["x"], tasks=["t"])
-        from asyncflow_core.errors import StoreTimeoutError
+        from asyncflow_core.contracts.errors import StoreTimeoutError
 
         with pytest.raises(StoreTimeoutError):
             await store.get_meta("p", "t", ["x"], 1, timeout=120.0)

@@ -54,17 +54,17 @@ from replay_vllm_server import (
     receive_packed,
 )
 
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     ConfigError,
     EngineError,
     MissingExtraError,
     PlatformUnavailableError,
     WeightSyncError,
 )
-from asyncflow_core.platform import get_platform
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import GenerationRequest, SamplingParams, WeightBucket
-from asyncflow_core.weightsync import EngineGroupWeightSync, WeightSyncGroup
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams, WeightBucket
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.infra.platform import get_platform
+from asyncflow_core.sync.weightsync import EngineGroupWeightSync, WeightSyncGroup
 
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
 

@@ -28,10 +28,10 @@ from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_vllm.http import DEV_MODE_HINT, SCALE_OUT_HINT, VLLMHTTPEngine
 from replay_vllm_server import FirstTokenFreeze, ReplayVLLMServer
 
-from asyncflow_core.errors import ConfigError, EngineError, EngineUnavailableError
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import GenerationRequest, SamplingParams, WeightBucket
-from asyncflow_core.weightsync import EngineGroupWeightSync, GroupWire, WeightSyncGroup
+from asyncflow_core.contracts.errors import ConfigError, EngineError, EngineUnavailableError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams, WeightBucket
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.sync.weightsync import EngineGroupWeightSync, GroupWire, WeightSyncGroup
 
 T = TypeVar("T")
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
@@ -917,7 +917,7 @@ def test_vllm_and_sglang_adapters_refuse_inflight_weight_sync() -> None:
     from asyncflow_sglang import SGLangEngine, SGLangHTTPEngine
     from asyncflow_vllm import VLLMEngine
 
-    from asyncflow_core.protocols import inflight_load_refusal
+    from asyncflow_core.contracts.protocols import inflight_load_refusal
 
     for cls, words in (
         (VLLMEngine, "initialize_layerwise_reload"),

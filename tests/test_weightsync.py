@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from asyncflow_core import weightsync
-from asyncflow_core.errors import WeightSyncError
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import SupportsLoadWeights, WeightBucket, WeightSync
-from asyncflow_core.weightsync import (
+from asyncflow_core.contracts.errors import WeightSyncError
+from asyncflow_core.contracts.protocols import SupportsLoadWeights, WeightBucket, WeightSync
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.sync.weightsync import (
     BlockingUpdate,
     BroadcastGroup,
     DiskWeightSync,
@@ -175,7 +175,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from asyncflow_core.weightsync import (
+    from asyncflow_core.sync.weightsync import (
         DistributedWeightReceiver, DistributedWeightSync, bucketize, default_backend,
     )
 

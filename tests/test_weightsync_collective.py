@@ -26,10 +26,10 @@ from asyncflow_reference.model import ModelConfig
 from asyncflow_reference.worker import InferenceWorker, WorkerSpec
 from safetensors.torch import load_file
 
-from asyncflow_core.errors import WeightSyncError
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import GenerationRequest, SamplingParams
-from asyncflow_core.weightsync import (
+from asyncflow_core.contracts.errors import WeightSyncError
+from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.sync.weightsync import (
     DistributedWeightReceiver,
     DistributedWeightSync,
     WeightSyncGroup,
@@ -52,8 +52,8 @@ TRAINER = textwrap.dedent(
     import torch.distributed as dist
     from safetensors.torch import save_file
     from asyncflow_conformance.engines import padded_batch
-    from asyncflow_core.rl import policy_gradient_loss
-    from asyncflow_core.weightsync import DistributedWeightSync, WeightSyncGroup
+    from asyncflow_core.training.rl import policy_gradient_loss
+    from asyncflow_core.sync.weightsync import DistributedWeightSync, WeightSyncGroup
     from asyncflow_reference.engines import TorchTrainEngine
     from asyncflow_reference.model import ModelConfig
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import WeightBucket
-from asyncflow_core.weightsync import (
+from asyncflow_core.contracts.protocols import WeightBucket
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.sync.weightsync import (
     _HEADER_SLOT,
     DistributedWeightReceiver,
     DistributedWeightSync,

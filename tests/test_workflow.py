@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from asyncflow_core.errors import PipelineError, TaskFailedError
-from asyncflow_core.protocols import Batch, Capacity, Tags
-from asyncflow_core.scheduling import GroupSampler
-from asyncflow_core.store import InProcessDataStore
-from asyncflow_core.workflow import Pipeline, Source, Task, TaskOutput
+from asyncflow_core.contracts.errors import PipelineError, TaskFailedError
+from asyncflow_core.contracts.protocols import Batch, Capacity, Tags
+from asyncflow_core.data.scheduling import GroupSampler
+from asyncflow_core.data.store import InProcessDataStore
+from asyncflow_core.flow.workflow import Pipeline, Source, Task, TaskOutput
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -279,7 +279,7 @@ def test_ctrl_c_stops_a_running_pipeline() -> None:
     script = textwrap.dedent(
         """
         import itertools, signal, sys, time, torch
-        from asyncflow_core.workflow import Pipeline, Source, Task
+        from asyncflow_core.flow.workflow import Pipeline, Source, Task
 
         # as a terminal starts it: a test run launched in the background (`make test &`)
         # hands its children SIGINT ignored, and Python then leaves it ignored
@@ -379,8 +379,8 @@ def test_stop_ends_the_run_early_and_cancels_every_worker() -> None:
 
 
 def test_current_version_reaches_the_sampler_and_staleness_reaches_the_trace() -> None:
-    from asyncflow_core.scheduling import StalenessSampler
-    from asyncflow_core.trace import Tracer
+    from asyncflow_core.data.scheduling import StalenessSampler
+    from asyncflow_core.observability.trace import Tracer
 
     def batches() -> Iterator[TaskOutput]:
         for v in range(4):  # rows produced by weight versions 0..3
@@ -412,7 +412,7 @@ def test_current_version_reaches_the_sampler_and_staleness_reaches_the_trace() -
 
 
 def test_a_pipeline_runs_on_the_virtual_clock_in_simulated_seconds() -> None:
-    from asyncflow_core.vclock import run_virtual
+    from asyncflow_core.flow.vclock import run_virtual
 
     async def slow(batch: Batch) -> dict[str, Any]:
         await asyncio.sleep(3600.0)  # an hour per batch, simulated

@@ -40,8 +40,8 @@ from asyncflow_reference.sim import (
 )
 from fake_engine_gate import RequestGate
 
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -55,7 +55,7 @@ from asyncflow_core.protocols import (
     Version,
     WeightBucket,
 )
-from asyncflow_core.rlflow import RLEngines, RLJob
+from asyncflow_core.flow.rlflow import RLEngines, RLJob
 
 PRESET = get_preset("qwen2.5-7b-grpo")
 # Short responses (median 16 tokens, a few capped at max_tokens=32) keep every job to a few

@@ -1,7 +1,7 @@
 """``NPUPlatform``: Ascend NPUs through ``torch_npu``, with hccl collectives.
 
 Registered as platform ``npu`` through this project's ``asyncflow.platforms`` entry point (see
-``asyncflow_core.platform``), so ``select_platform("npu")``, ``ASYNCFLOW_PLATFORM=npu`` or the
+``asyncflow_core.infra.platform``), so ``select_platform("npu")``, ``ASYNCFLOW_PLATFORM=npu`` or the
 main job's ``platform = "npu"`` choose it without importing this module by hand.
 ``torch_npu`` is imported only when the platform is probed or loaded, never at import.
 
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from asyncflow_ascend.compat import INSTALL, check_release, explain_load_failure
-from asyncflow_core.platform import Platform, import_accelerator_library
+from asyncflow_core.infra.platform import Platform, import_accelerator_library
 
 
 class NPUPlatform(Platform):

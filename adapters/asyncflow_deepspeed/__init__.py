@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from asyncflow_core.process import DEFAULT_START_TIMEOUT_S, RankContext, SPMDTrainEngine
+from asyncflow_core.engines.process import DEFAULT_START_TIMEOUT_S, RankContext, SPMDTrainEngine
 from asyncflow_deepspeed.compat import TESTED, check_version, require_deepspeed
 from asyncflow_deepspeed.engine import CHECKPOINT_META, CHECKPOINT_TAG, DeepSpeedTrainEngine
 
@@ -35,7 +35,8 @@ def launch(
     **kwargs: Any,
 ) -> SPMDTrainEngine:
     """``world_size`` rank processes, each a ``DeepSpeedTrainEngine(model, **kwargs)``, driven
-    as one ``TrainEngine`` from this process (``asyncflow_core.process.SPMDTrainEngine``: the
+    as one ``TrainEngine`` from this process (``asyncflow_core.engines.process.SPMDTrainEngine``:
+    the
     batch is split over the ranks, rank 0 exports the weights). ``threads``: torch threads per
     rank. ``model`` and ``kwargs`` must pickle. Checks that DeepSpeed is installed first."""
     require_deepspeed()

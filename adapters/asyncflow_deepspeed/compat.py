@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from asyncflow_core.errors import ConfigError, MissingExtraError
+from asyncflow_core.contracts.errors import ConfigError, MissingExtraError
 
 TESTED = ("0.19.8", "0.20")
 """The adapter is tested on DeepSpeed versions in ``[TESTED[0], TESTED[1])`` (the extra's pin)."""

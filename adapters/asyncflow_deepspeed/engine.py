@@ -3,7 +3,7 @@
 One instance is one *rank* of a data-parallel DeepSpeed job (SPMD): with ``world_size=1`` it
 is a complete trainer in this process; with more ranks each process builds one and every
 rank makes the same calls with its own share of the batch (``SPMDTrainEngine`` in
-``asyncflow_core.process`` does that for you: ``launch()`` in this package).
+``asyncflow_core.engines.process`` does that for you: ``launch()`` in this package).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from urllib.parse import urlsplit
 import torch
 from torch import Tensor
 
-from asyncflow_core.errors import CheckpointError, ConfigError, EngineError, PeerRankError
-from asyncflow_core.lmtrain import (
+from asyncflow_core.contracts.errors import CheckpointError, ConfigError, EngineError, PeerRankError
+from asyncflow_core.contracts.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
+from asyncflow_core.engines.lmtrain import (
     MetricMeans,
     ThreadedTrainer,
     TokenRows,
@@ -41,17 +42,16 @@ from asyncflow_core.lmtrain import (
     unique_named_tensors,
     worker_thread,
 )
-from asyncflow_core.platform import (
+from asyncflow_core.engines.process import free_port
+from asyncflow_core.infra.platform import (
     Platform,
     current_platform,
     gloo_listens_on,
     rendezvous_store,
     select_platform,
 )
-from asyncflow_core.process import free_port
-from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
-from asyncflow_core.sampling import OFF_SUPPORT_METRIC
-from asyncflow_core.weightsync import bucketize
+from asyncflow_core.sync.weightsync import bucketize
+from asyncflow_core.training.sampling import OFF_SUPPORT_METRIC
 from asyncflow_deepspeed.compat import require_deepspeed
 
 _T = TypeVar("_T")
@@ -100,7 +100,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
       engine of this process (DeepSpeed caches groups derived from it, so it is never torn
       down). ``backend`` defaults to the platform's (gloo on CPU, nccl on CUDA, hccl on
       NPU). ``LOCAL_RANK`` is set if missing (DeepSpeed reads it).
-    * ``platform`` (``asyncflow_core.platform``; a name or a ``Platform``; None: the
+    * ``platform`` (``asyncflow_core.infra.platform``; a name or a ``Platform``; None: the
       process's current one): DeepSpeed runs on its accelerator. DeepSpeed picks its
       accelerator once per process, at its first import, from ``DS_ACCELERATOR`` or by
       probing; the engine sets ``DS_ACCELERATOR`` to the platform's (``cpu``, ``cuda``,
@@ -111,7 +111,8 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
     **Batches and steps** follow ``asyncflow_reference.engines.TorchTrainEngine``: fields
     ``prompt`` and ``response`` in any store layout; ``compute_logprobs`` returns ``[B, R]``
     fp32 log-probs of the response tokens under each row's sampling distribution (its
-    ``temperature``/``top_k``/``top_p`` fields, ``asyncflow_core.sampling``; the constructor's
+    ``temperature``/``top_k``/``top_p`` fields, ``asyncflow_core.training.sampling``; the
+    constructor's
     ``temperature`` for a batch without them), the quantity the loss gets too;
     ``extra["logprobs_off_support"]`` counts the tokens found off their support.
     ``train_step(batch, loss_fn)`` splits this rank's rows into micro-batches of
@@ -136,7 +137,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
     **Weights**: ``export_weights(bucket_bytes)`` yields every parameter and persistent
     buffer under the module's ``state_dict`` names, full size, in the training dtype,
-    bucketed as ``asyncflow_core.weightsync.bucketize`` does, *from rank 0 only*; the other
+    bucketed as ``asyncflow_core.sync.weightsync.bucketize`` does, *from rank 0 only*; the other
     ranks take part (under ZeRO-3 each bucket's parameters are gathered with
     ``deepspeed.zero.GatheredParameters``, so memory holds one bucket at a time) and yield
     nothing. **Checkpoints** are DeepSpeed's own (``save_checkpoint`` / ``load_checkpoint``,

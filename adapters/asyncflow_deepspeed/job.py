@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncflow_core import registry
-from asyncflow_core.protocols import TrainEngine
+from asyncflow_core.contracts.protocols import TrainEngine
 
 
 def job_trainer(model: Any, *, cfg: Any, threads: int, platform: str) -> TrainEngine:

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from asyncflow_core.enginekit import is_int, require_module
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.engines.enginekit import is_int, require_module
 from asyncflow_hf.compat import INSTALL, require_transformers
 from asyncflow_hf.models import load_causal_lm, tiny_config
 

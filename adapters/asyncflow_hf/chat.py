@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from asyncflow_core.chat import AssistantMessage, Message, check_messages, split_tool_blocks
-from asyncflow_core.enginekit import is_int
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.tools import load_json
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.engines.enginekit import is_int
+from asyncflow_core.flow.chat import AssistantMessage, Message, check_messages, split_tool_blocks
+from asyncflow_core.flow.tools import load_json
 
 __all__ = ["END_OF_TURN_TOKENS", "REFERENCE_CONVERSATION", "HFChatFormat"]
 
@@ -27,7 +27,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class HFChatFormat:
-    """A ``ChatFormat`` (``asyncflow_core.chat``) over a Hugging Face ``tokenizer`` and its chat
+    """A ``ChatFormat`` (``asyncflow_core.flow.chat``) over a Hugging Face ``tokenizer`` and its
+    chat
     template: ``prompt`` is ``apply_chat_template`` itself, ``followup`` renders only what comes
     after a finished assistant turn, ``parse`` reads Hermes ``<tool_call>`` blocks.
 
@@ -61,7 +62,7 @@ class HFChatFormat:
             raise ConfigError(
                 f"HFChatFormat: the tokenizer ({name}) has no chat template; load one from a "
                 f"model folder that has it (chat_template.jinja), set tokenizer.chat_template, "
-                f"or use asyncflow_core.chat.MinimalChatFormat"
+                f"or use asyncflow_core.flow.chat.MinimalChatFormat"
             )
         self.tokenizer = tokenizer
         self._stop = _stop_tokens(tokenizer, stop_token_ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from asyncflow_core.enginekit import check_version, require_module
+from asyncflow_core.engines.enginekit import check_version, require_module
 
 TESTED = ("5.24.0", "5.25")
 """The adapter follows transformers' API in ``[TESTED[0], TESTED[1])`` (the extra's pin)."""

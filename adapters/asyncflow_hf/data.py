@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncflow_core.enginekit import is_int, require_module
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.engines.enginekit import is_int, require_module
 from asyncflow_hf.compat import INSTALL
 
 __all__ = ["FORMATS", "Message", "Prompt", "load_prompts", "render_prompt"]

@@ -16,7 +16,8 @@ itself is never patched):
   this protocol) becomes 1 there (``max(top_k, min_tokens_to_keep)``), i.e. greedy. So the
   adapter installs its own per-request sampler as the manager's only logits processor (a
   ``ContinuousBatchingLogitsProcessor``, the manager's own extension type): for each row it
-  applies ``asyncflow_core.sampling.filter_logits`` with the request's knobs, draws from the
+  applies ``asyncflow_core.training.sampling.filter_logits`` with the request's knobs, draws from
+  the
   request's own generator (``SamplingParams.seed``) or the engine's, records the token, its
   log-prob under that distribution (greedy: temperature 1, unfiltered) and the weight
   version, and hands the manager a distribution with all its mass on that token, which the
@@ -53,7 +54,9 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from asyncflow_core.enginekit import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.engines.enginekit import (
     PauseGate,
     abort_ids,
     assemble,
@@ -61,10 +64,8 @@ from asyncflow_core.enginekit import (
     continuation,
     is_int,
 )
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.lmtrain import unique_named_tensors
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_core.sampling import filter_logits
+from asyncflow_core.engines.lmtrain import unique_named_tensors
+from asyncflow_core.training.sampling import filter_logits
 from asyncflow_hf.compat import require_transformers
 from asyncflow_hf.models import Dtype, load_causal_lm
 

@@ -1,6 +1,6 @@
 """The ``hf`` workload of the main job (``asyncflow run --set model.path=DIR`` or
 ``--set model.name=tiny-qwen2``) and its engines, registered through entry points
-(``asyncflow_core.registry``): a Hugging Face causal LM trained with RL on prompts from a
+(``asyncflow_core.engines.registry``): a Hugging Face causal LM trained with RL on prompts from a
 local dataset file, scored by a reward function.
 
 * **Model**: ``model.path`` (a local model folder: ``from_pretrained``, safetensors only,
@@ -39,16 +39,16 @@ from typing import Any
 import torch
 
 from asyncflow_core import registry
-from asyncflow_core.errors import AsyncFlowError, ConfigError
-from asyncflow_core.lmtrain import unique_named_tensors
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import AsyncFlowError, ConfigError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     InferenceEngine,
     SamplingParams,
     TrainEngine,
 )
-from asyncflow_core.rl import policy_gradient_loss
+from asyncflow_core.engines.lmtrain import unique_named_tensors
+from asyncflow_core.training.rl import policy_gradient_loss
 from asyncflow_hf.compat import require_transformers
 from asyncflow_hf.inference import HFInferenceEngine
 from asyncflow_hf.models import TINY, check_model_folder, load_causal_lm, tiny_config
@@ -413,7 +413,7 @@ def hf_trainer(model: Any, *, cfg: Any, threads: int, platform: str) -> TrainEng
     child process of its own)."""
     import functools
 
-    from asyncflow_core.process import ProcessTrainEngine
+    from asyncflow_core.engines.process import ProcessTrainEngine
 
     _require_hf_model(model, "train.engine")
     make = functools.partial(

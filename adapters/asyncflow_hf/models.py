@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 from asyncflow_hf.compat import require_transformers
 
 Dtype = Literal["fp32", "bf16"]

@@ -43,8 +43,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncflow_core.enginekit import is_int
-from asyncflow_core.errors import AsyncFlowError, ConfigError
+from asyncflow_core.contracts.errors import AsyncFlowError, ConfigError
+from asyncflow_core.engines.enginekit import is_int
 
 __all__ = [
     "RewardError",

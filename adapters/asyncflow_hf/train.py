@@ -1,5 +1,6 @@
 """``HFTrainEngine``: a ``TrainEngine`` for any Hugging Face ``AutoModelForCausalLM``, the
-single-process AdamW loop of ``asyncflow_core.lmtrain.AdamWTrainer`` over a transformers model.
+single-process AdamW loop of ``asyncflow_core.engines.lmtrain.AdamWTrainer`` over a transformers
+model.
 
 The loop (micro-batches weighted by response tokens, clipping, the checks that leave the
 engine unchanged on a bad step, the checkpoint files) is the reference trainer's; this module
@@ -18,8 +19,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.lmtrain import AdamWTrainer, TokenRows
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.engines.lmtrain import AdamWTrainer, TokenRows
 from asyncflow_hf.compat import require_transformers
 from asyncflow_hf.models import load_causal_lm
 
@@ -67,7 +68,8 @@ class HFTrainEngine(AdamWTrainer):
       ``ConfigError`` naming it.
 
     **Batches and log-probs** as ``TorchTrainEngine``'s: ``prompt`` and ``response`` token
-    fields in any store layout, each row's sampling fields (``asyncflow_core.sampling``); ids
+    fields in any store layout, each row's sampling fields
+    (``asyncflow_core.training.sampling``); ids
     must lie in ``[0, config.vocab_size)`` and prompt + response within
     ``config.max_position_embeddings``. The rows are packed right-padded with an attention
     mask and position ids ``0, 1, ...`` per row, so a row's log-probs do not depend on the

@@ -101,16 +101,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NoReturn, Self, TypeVa
 import numpy as np
 import torch
 
-from asyncflow_core.checkpoint import failpoint
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     AsyncFlowError,
     ConfigError,
     EngineError,
     EngineLostError,
     EngineUnavailableError,
 )
-from asyncflow_core.platform import Platform, get_platform
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -124,6 +122,8 @@ from asyncflow_core.protocols import (
     Version,
     WeightBucket,
 )
+from asyncflow_core.infra.checkpoint import failpoint
+from asyncflow_core.infra.platform import Platform, get_platform
 from asyncflow_ray.runtime import (
     alive_nodes,
     bytes_tensor,

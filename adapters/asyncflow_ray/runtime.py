@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncflow_core.errors import ConfigError, MissingExtraError
-from asyncflow_core.platform import Platform, get_platform
+from asyncflow_core.contracts.errors import ConfigError, MissingExtraError
+from asyncflow_core.infra.platform import Platform, get_platform
 
 INSTALL = "pip install 'asyncflow[ray]'"
 TESTED = "2.60"

@@ -79,15 +79,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from asyncflow_core.controller import (
-    Controller,
-    PutTicket,
-    check_get_args,
-    fmt_rows,
-    members_of,
-    validate_selection,
-)
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     AsyncFlowError,
     BadRequestError,
     ConfigError,
@@ -98,7 +90,7 @@ from asyncflow_core.errors import (
     StoreTimeoutError,
     UnknownRowError,
 )
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     DEFAULT_GET_TIMEOUT_S,
     DEFAULT_LEASE_S,
     Batch,
@@ -116,8 +108,16 @@ from asyncflow_core.protocols import (
     Tags,
     Version,
 )
-from asyncflow_core.scheduling import SequentialSampler
-from asyncflow_core.store import (
+from asyncflow_core.data.controller import (
+    Controller,
+    PutTicket,
+    check_get_args,
+    fmt_rows,
+    members_of,
+    validate_selection,
+)
+from asyncflow_core.data.scheduling import SequentialSampler
+from asyncflow_core.data.store import (
     ControlPlane,
     Rows,
     StorageUnit,

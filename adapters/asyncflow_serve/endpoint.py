@@ -81,7 +81,7 @@ explicitly, and a non-loopback one is logged as a warning). Every route needs th
 with ``hmac.compare_digest``: 401 otherwise. The token is never logged, echoed in an error or
 shown in a ``repr``. An unknown session key is 404, a body above ``max_body_bytes`` 413,
 invalid JSON 400, and so is a body, or a tool call's arguments string, nesting arrays and
-objects deeper than ``asyncflow_core.tools.MAX_JSON_DEPTH`` (100) levels. Every error is in
+objects deeper than ``asyncflow_core.flow.tools.MAX_JSON_DEPTH`` (100) levels. Every error is in
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with
 ``x-should-retry: false``, so the ``openai`` client raises its own exception class at once
 instead of retrying (it would retry a 409 or a 5xx otherwise).
@@ -104,16 +104,16 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from asyncflow_core.agent import (
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError, MissingExtraError
+from asyncflow_core.contracts.protocols import GenerationResult, SamplingParams
+from asyncflow_core.flow.agent import (
     GenerationClient,
     SampleReward,
     Trajectory,
     TrajectoryLimitReached,
 )
-from asyncflow_core.chat import AssistantMessage, ChatFormat, message_tool_calls
-from asyncflow_core.errors import BadRequestError, ConfigError, MissingExtraError
-from asyncflow_core.protocols import GenerationResult, SamplingParams
-from asyncflow_core.tools import load_json
+from asyncflow_core.flow.chat import AssistantMessage, ChatFormat, message_tool_calls
+from asyncflow_core.flow.tools import load_json
 
 try:
     from aiohttp import web

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from asyncflow_core.enginekit import check_version, require_module
+from asyncflow_core.engines.enginekit import check_version, require_module
 
 TESTED = ("0.5.23", "0.6")
 """The adapter follows SGLang's API in ``[TESTED[0], TESTED[1])`` (the extras' pin)."""

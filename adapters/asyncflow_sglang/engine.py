@@ -32,7 +32,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from asyncflow_core.enginekit import (
+from asyncflow_core.contracts.errors import AsyncFlowError, EngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.engines.enginekit import (
     PauseGate,
     assemble,
     check_request,
@@ -41,9 +43,7 @@ from asyncflow_core.enginekit import (
     parse_version,
     require_module,
 )
-from asyncflow_core.errors import AsyncFlowError, EngineError
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_core.weightsync import GroupWire
+from asyncflow_core.sync.weightsync import GroupWire
 
 from .compat import (
     INSTALL,

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from asyncflow_core.errors import WeightSyncError
-from asyncflow_core.platform import gloo_listens_on, platform_for_backend, rendezvous_store
-from asyncflow_core.weightsync import (
+from asyncflow_core.contracts.errors import WeightSyncError
+from asyncflow_core.infra.platform import gloo_listens_on, platform_for_backend, rendezvous_store
+from asyncflow_core.sync.weightsync import (
     EngineGroupWeightSync,
     GroupReceiver,
     default_backend,

@@ -43,7 +43,8 @@ adapter                        SGLang route and body
 ``model_info()``               ``GET /model_info``
 =============================  ==============================================================
 
-**Log-probs.** ``GenerationResult.logprobs`` are the protocol's (``asyncflow_core.sampling``):
+**Log-probs.** ``GenerationResult.logprobs`` are the protocol's
+(``asyncflow_core.training.sampling``):
 each token's log-probability under the distribution it was sampled from, after temperature,
 top-k and top-p, renormalised (greedy: temperature 1, unfiltered). SGLang reports two
 quantities, and ``wants_sampling_mask`` picks one per request:
@@ -96,7 +97,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from asyncflow_core.enginekit import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError, UnsupportedEngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.engines.enginekit import (
     PauseGate,
     abort_ids,
     assemble,
@@ -108,10 +111,8 @@ from asyncflow_core.enginekit import (
     parse_version,
     versions_from_spans,
 )
-from asyncflow_core.errors import ConfigError, EngineError, UnsupportedEngineError
-from asyncflow_core.httpclient import JsonClient
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_core.weightsync import GroupWire
+from asyncflow_core.infra.httpclient import JsonClient
+from asyncflow_core.sync.weightsync import GroupWire
 
 from .compat import (
     GREEDY_BELOW,
@@ -253,7 +254,7 @@ def wants_sampling_mask(
             "nucleus of the full temperature-scaled distribution (sglang/srt/layers/"
             'sampler.py, Sampler._sample_from_probs, filter_apply_order="joint"), where '
             "AsyncFlow's semantics apply top-p to the distribution renormalised after top-k "
-            "(asyncflow_core.sampling); SGLang samples from another distribution, and "
+            "(asyncflow_core.training.sampling); SGLang samples from another distribution, and "
             "neither its tokens' log-probs nor any conversion of them are those the trainer "
             "recomputes; use one filter (top_k alone) with SGLang, or an engine with these "
             "semantics (vLLM, the reference engine)"
@@ -743,7 +744,7 @@ class SGLangHTTPEngine:
             raise EngineError(
                 f"{self.who}: load_weights cannot send {len(weights)} tensors to an SGLang "
                 "server over HTTP; send them with asyncflow_sglang.SGLangWeightSync (or "
-                "asyncflow_core.weightsync.EngineGroupWeightSync with make_group="
+                "asyncflow_core.sync.weightsync.EngineGroupWeightSync with make_group="
                 "asyncflow_sglang.sglang_group), or save them and call "
                 "update_weights_from_disk(path, version)"
             )

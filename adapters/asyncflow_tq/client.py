@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from asyncflow_core.errors import BadRequestError, SchemaError, UnknownRowError
-from asyncflow_core.protocols import BatchMeta as StoreMeta
-from asyncflow_core.protocols import Candidates, DataStore, SampleRequest, Selection
+from asyncflow_core.contracts.errors import BadRequestError, SchemaError, UnknownRowError
+from asyncflow_core.contracts.protocols import BatchMeta as StoreMeta
+from asyncflow_core.contracts.protocols import Candidates, DataStore, SampleRequest, Selection
 from asyncflow_tq.metadata import BatchMeta, Schema, field_schema_of
 from asyncflow_tq.sampler import SequentialSampler
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncflow_core.protocols import DataStore
+from asyncflow_core.contracts.protocols import DataStore
 from asyncflow_tq.client import (
     BadArgumentError,
     TransferQueueClient,

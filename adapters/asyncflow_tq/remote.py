@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncflow_core.protocols import DataStore
+from asyncflow_core.contracts.protocols import DataStore
 from asyncflow_tq.client import _Core
 
 __all__ = ["ACTOR_NAME", "NAMESPACE", "find_controller", "start_controller", "stop_controller"]

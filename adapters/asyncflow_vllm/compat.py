@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from types import ModuleType
 
-from asyncflow_core.enginekit import is_int, parse_release, require_module
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.engines.enginekit import is_int, parse_release, require_module
 
 TESTED = ("0.33.0", "0.34")
 """The adapter follows vLLM's API in ``[TESTED[0], TESTED[1])`` (the extras' pin)."""

@@ -49,7 +49,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from asyncflow_core.enginekit import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.engines.enginekit import (
     PauseGate,
     abort_ids,
     assemble,
@@ -61,10 +63,8 @@ from asyncflow_core.enginekit import (
     parse_version,
     versions_from_spans,
 )
-from asyncflow_core.errors import ConfigError, EngineError
-from asyncflow_core.platform import Platform, current_platform, select_platform
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_core.weightsync import GroupWire
+from asyncflow_core.infra.platform import Platform, current_platform, select_platform
+from asyncflow_core.sync.weightsync import GroupWire
 from asyncflow_vllm.compat import (
     NO_INFLIGHT_LOAD,
     PACKED_BUFFER_BYTES,
@@ -119,7 +119,8 @@ class VLLMEngine:
     ``VLLMEngine(async_llm)``. Log-probs must be the sampling distribution's, so the engine
     must run with ``logprobs_mode="processed_logprobs"`` (after temperature, top-k, top-p:
     ``vllm/v1/sample/ops/topk_topp_sampler.py``, ``TopKTopPSampler.forward_native``; the
-    semantics of ``asyncflow_core.sampling``); a wrapped engine with another mode is refused
+    semantics of ``asyncflow_core.training.sampling``); a wrapped engine with another mode is
+    refused
     unless ``allow_raw_logprobs=True``, and then every request its raw log-probs cannot
     describe (a temperature other than 0 or 1, top-k, top-p) is refused with ``EngineError``:
     raw log-probs equal the sampling distribution's only at temperature 1 without filters (and

@@ -87,7 +87,9 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from asyncflow_core.enginekit import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError, UnsupportedEngineError
+from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.engines.enginekit import (
     PauseGate,
     abort_ids,
     assemble,
@@ -99,10 +101,8 @@ from asyncflow_core.enginekit import (
     parse_version,
     versions_from_spans,
 )
-from asyncflow_core.errors import ConfigError, EngineError, UnsupportedEngineError
-from asyncflow_core.httpclient import JsonClient
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, Version
-from asyncflow_core.weightsync import GroupWire
+from asyncflow_core.infra.httpclient import JsonClient
+from asyncflow_core.sync.weightsync import GroupWire
 from asyncflow_vllm.compat import (
     INSTALL_CLIENT,
     NO_INFLIGHT_LOAD,
@@ -514,7 +514,7 @@ class VLLMHTTPEngine:
             raise EngineError(
                 f"{self.name}: load_weights got {len(weights)} tensors, but tensors cannot "
                 "travel through vLLM's HTTP routes; sync them with "
-                "asyncflow_core.weightsync.EngineGroupWeightSync(engines=[...], "
+                "asyncflow_core.sync.weightsync.EngineGroupWeightSync(engines=[...], "
                 "master_address=..., master_port=...) (this engine receives over vLLM's NCCL "
                 "weight-transfer group), or call load_weights((), version) to set the version "
                 "only"

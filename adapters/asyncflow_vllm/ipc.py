@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from asyncflow_core.errors import WeightSyncError
-from asyncflow_core.protocols import Version, WeightBucket
-from asyncflow_core.weightsync import _Phases
+from asyncflow_core.contracts.errors import WeightSyncError
+from asyncflow_core.contracts.protocols import Version, WeightBucket
+from asyncflow_core.sync.weightsync import _Phases
 from asyncflow_vllm.compat import INSTALL_ASCEND
 from asyncflow_vllm.engine import VLLMEngine
 

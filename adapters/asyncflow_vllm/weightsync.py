@@ -5,7 +5,7 @@ communicator; the trainer is rank 0, engine ``i`` starts at rank 1 + the ranks b
 Each bucket is broadcast tensor by tensor (vLLM's unpacked wire) while the engines'
 ``update_weights`` receive the names, dtypes and shapes.
 
-Which group depends on the platform (``asyncflow_core.platform``):
+Which group depends on the platform (``asyncflow_core.infra.platform``):
 
 - **cuda**: ``VLLMNcclGroup``, vLLM's ``nccl_common.trainer_init`` (a ``PyNcclCommunicator``;
   ``vllm/distributed/weight_transfer/nccl_common.py``), engines started with
@@ -36,9 +36,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from asyncflow_core.errors import ConfigError, WeightSyncError
-from asyncflow_core.platform import Platform, current_platform, get_platform, select_platform
-from asyncflow_core.weightsync import EngineGroupWeightSync, GroupFactory, GroupReceiver
+from asyncflow_core.contracts.errors import ConfigError, WeightSyncError
+from asyncflow_core.infra.platform import Platform, current_platform, get_platform, select_platform
+from asyncflow_core.sync.weightsync import EngineGroupWeightSync, GroupFactory, GroupReceiver
 from asyncflow_vllm.compat import INSTALL_ASCEND, require_vllm
 
 WEIGHT_TRANSFER_BACKENDS: dict[str, tuple[str, str | None]] = {

@@ -10,7 +10,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from asyncflow_core.vclock import VirtualClockLoop
+from asyncflow_core.flow.vclock import VirtualClockLoop
 
 CANCEL_GRACE_S = 10.0
 """Real seconds a cancelled run gets to stop before it counts as stuck."""

@@ -1,5 +1,5 @@
 """Laws of agent loops (``AgentLoopConformance``): a multi-turn rollout (an
-``asyncflow_core.agent.AgentLoop``: ``ToolAgentLoop``, ``EnvironmentLoop``, an
+``asyncflow_core.flow.agent.AgentLoop``: ``ToolAgentLoop``, ``EnvironmentLoop``, an
 ``asyncflow_serve.EndpointLoop`` around an agent program, your own) must hand the trainer
 exactly what the policy generated, under the log-probs and versions the engine reported, and
 must neither lose nor duplicate a sample when a tool fails.
@@ -113,15 +113,8 @@ from asyncflow_conformance.workflow import (
     RecordingInferenceEngine,
     RecordingTrainEngine,
 )
-from asyncflow_core.agent import (
-    NO_VERSION,
-    AgentLoop,
-    GenerationClient,
-    Trajectory,
-    TrajectoryLimits,
-)
-from asyncflow_core.errors import AsyncFlowError, BadRequestError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import AsyncFlowError, BadRequestError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -134,12 +127,19 @@ from asyncflow_core.protocols import (
     Version,
     WeightSync,
 )
-from asyncflow_core.rl import LOSS_MASK, PROX_LOGPROBS, REF_LOGPROBS, policy_gradient_loss
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob
-from asyncflow_core.sampling import SAMPLING_FIELDS, sampling_columns
-from asyncflow_core.scheduling import RequestRouter
-from asyncflow_core.store import InProcessDataStore
-from asyncflow_core.weightsync import InProcessWeightSync
+from asyncflow_core.data.scheduling import RequestRouter
+from asyncflow_core.data.store import InProcessDataStore
+from asyncflow_core.flow.agent import (
+    NO_VERSION,
+    AgentLoop,
+    GenerationClient,
+    Trajectory,
+    TrajectoryLimits,
+)
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.training.rl import LOSS_MASK, PROX_LOGPROBS, REF_LOGPROBS, policy_gradient_loss
+from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 
 __all__ = [
     "POLICIES",
@@ -1078,7 +1078,7 @@ class AgentLoopConformance(_Suite):
                         f"log-prob of response token {j} (in a {role} turn, not generated) "
                         f"is {float(grad[i, j]):.3g} ({len(hit)} such "
                         "tokens): tool output is trained on. The loss must count only the "
-                        "loss_mask == 1 tokens (asyncflow_core.rl.response_mask)"
+                        "loss_mask == 1 tokens (asyncflow_core.training.rl.response_mask)"
                     )
             moved = point.detach().clone()
             for i, cols in enumerate(outside):

@@ -1,6 +1,7 @@
 """Laws of the engine protocols (``InferenceEngine``, ``TrainEngine``, ``WeightSync`` and the
 optional ``SupportsPause`` / ``SupportsSleep`` / ``SupportsLoadWeights`` abilities), as pytest
-classes to subclass. The protocols' docstrings (``asyncflow_core.protocols``) are the contract.
+classes to subclass. The protocols' docstrings (``asyncflow_core.contracts.protocols``) are the
+contract.
 
 Usage::
 
@@ -66,8 +67,8 @@ import pytest
 import torch
 
 from asyncflow_conformance._guard import run_on_fresh_loop
-from asyncflow_core.errors import AsyncFlowError, WeightSyncError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import AsyncFlowError, WeightSyncError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -84,9 +85,9 @@ from asyncflow_core.protocols import (
     WeightBucket,
     WeightSync,
 )
-from asyncflow_core.rl import policy_gradient_loss
-from asyncflow_core.sampling import sampling_columns
-from asyncflow_core.vclock import SimulationDeadlockError
+from asyncflow_core.flow.vclock import SimulationDeadlockError
+from asyncflow_core.training.rl import policy_gradient_loss
+from asyncflow_core.training.sampling import sampling_columns
 
 __all__ = [
     "BAD_REQUESTS",
@@ -301,7 +302,7 @@ class _Suite:
         except Exception as exc:
             raise AssertionError(
                 f"{what} raised {type(exc).__name__}: {exc}; a rejected call must raise an "
-                "asyncflow_core.errors.AsyncFlowError subclass (e.g. EngineError)"
+                "asyncflow_core.contracts.errors.AsyncFlowError subclass (e.g. EngineError)"
             ) from exc
         raise AssertionError(f"{what} was accepted; it must raise an AsyncFlowError subclass")
 
@@ -1362,7 +1363,7 @@ class InferenceEngineConformance(_Suite):
                     f"tokens {sorted(probs)}): top-k keeps one token, whose renormalised "
                     "probability is 1 (1/2 for a tie). The engine ignores top_k, or reports "
                     "log-probs from before the filters; report those of the distribution "
-                    "sampled from (asyncflow_core.sampling), or refuse top_k"
+                    "sampled from (asyncflow_core.training.sampling), or refuse top_k"
                 )
             counts = Counter(r.tokens[0] for r in results)
             for token, p in probs.items():
@@ -1371,7 +1372,7 @@ class InferenceEngineConformance(_Suite):
                     f"[{name}] token {token} was sampled {counts[token]} times in {n} draws, "
                     f"but its reported probability is {p:.4f} (two-sided binomial p-value "
                     f"{tail:.2e}); the log-probs do not describe the sampling distribution "
-                    "(after temperature, top-k and top-p: asyncflow_core.sampling)"
+                    "(after temperature, top-k and top-p: asyncflow_core.training.sampling)"
                 )
 
         self._law(f"test_logprobs_match_the_sampling_distribution[{name}]", body)
@@ -1461,7 +1462,7 @@ class TrainEngineConformance(_Suite):
         )
 
     def make_loss_fn(self) -> LossFn:
-        """The loss of the laws (default ``asyncflow_core.rl.policy_gradient_loss``)."""
+        """The loss of the laws (default ``asyncflow_core.training.rl.policy_gradient_loss``)."""
         return policy_gradient_loss
 
     def expected_parameters(self, engine: Any) -> Mapping[str, Sequence[int]] | None:
@@ -1705,7 +1706,7 @@ class TrainEngineConformance(_Suite):
 
     def test_compute_logprobs_applies_the_sampling_fields(self) -> None:
         """``compute_logprobs`` applies each row's ``temperature``/``top_k``/``top_p`` fields
-        (``asyncflow_core.sampling``): the same batch at temperature 0.5 gives other
+        (``asyncflow_core.training.sampling``): the same batch at temperature 0.5 gives other
         log-probs than at 1, and with ``top_k=2`` every log-prob is at least its unfiltered
         one (renormalising over a smaller support raises a kept token's probability) and some
         are larger."""
@@ -1732,14 +1733,14 @@ class TrainEngineConformance(_Suite):
             assert float((cold - base).abs().max()) > self.logprob_atol, (
                 "compute_logprobs gave the same log-probs with every row's temperature field "
                 "at 0.5 as at 1: it ignores the batch's sampling fields; apply each row's "
-                "temperature, top_k and top_p (asyncflow_core.sampling.row_sampling, or "
+                "temperature, top_k and top_p (asyncflow_core.training.sampling.row_sampling, or "
                 "lmtrain.token_rows)"
             )
             lower = float((base - top2).max())
             assert lower <= self.logprob_atol, (
                 f"with top_k=2 some log-prob is {lower:.3g} below its unfiltered value; top-k "
                 "renormalises over fewer tokens, so a token's log-prob can only rise (a token "
-                "off the support gets the floor of asyncflow_core.sampling)"
+                "off the support gets the floor of asyncflow_core.training.sampling)"
             )
             assert float((top2 - base).max()) > self.logprob_atol, (
                 "compute_logprobs gave the same log-probs with every row's top_k field at 2 as "

@@ -1,7 +1,7 @@
 """Laws between an inference engine and a trainer (``EnginePairConformance``): after a weight
 sync, the trainer's log-probs of the tokens the engine sampled equal the log-probs the engine
 reported, under the sampling settings a job uses (temperature, top-k, top-p; see
-``asyncflow_core.sampling``), on prompts of different lengths, on resumed requests, and in
+``asyncflow_core.training.sampling``), on prompts of different lengths, on resumed requests, and in
 the loss of a train step.
 
 This is the agreement off-policy RL rests on: PPO's ratio, decoupled PPO's behaviour
@@ -47,7 +47,7 @@ from asyncflow_conformance.engines import (
     _with_sampling,
     check_generation_result,
 )
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -58,10 +58,10 @@ from asyncflow_core.protocols import (
     Version,
     WeightSync,
 )
-from asyncflow_core.rl import policy_gradient_loss, response_mask
-from asyncflow_core.sampling import SAMPLING_FIELDS, sampling_columns
-from asyncflow_core.store import InProcessDataStore
-from asyncflow_core.weightsync import InProcessWeightSync
+from asyncflow_core.data.store import InProcessDataStore
+from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.training.rl import policy_gradient_loss, response_mask
+from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 
 __all__ = [
     "PAIR_SETTINGS",
@@ -425,8 +425,8 @@ class EnginePairConformance(_Suite):
                     f"{agreement.describe()} (tolerance: mean {self.logprob_atol}, max "
                     f"{self.logprob_max_atol}). The protocol's log-prob is that of the "
                     "distribution sampled from, after temperature, top-k and top-p "
-                    "(asyncflow_core.sampling); token i of a response is scored by the logits "
-                    f"after prompt + response[:i]. {hints}"
+                    "(asyncflow_core.training.sampling); token i of a response is scored by "
+                    f"the logits after prompt + response[:i]. {hints}"
                 )
 
         self._law(f"test_logprobs_agree_after_a_sync[{name}]", body)

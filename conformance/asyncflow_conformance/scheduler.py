@@ -12,7 +12,7 @@ Usage::
             return lambda: MySampler(...)
 
 Each test draws random ``Candidates`` and ``SampleRequest`` values with hypothesis and checks
-one law of the ``Scheduler`` protocol (asyncflow_core.protocols): the answer is a
+one law of the ``Scheduler`` protocol (asyncflow_core.contracts.protocols): the answer is a
 ``Selection``; its rows are a duplicate-free subset of the candidates, at most ``batch_size``;
 ``dropped`` is a duplicate-free subset disjoint from the rows; ``held`` counts only rows
 neither delivered nor dropped; ``micro_batches``, if any, partition the rows exactly; equal
@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core.protocols import Candidates, SampleRequest, Scheduler, Selection
+from asyncflow_core.contracts.protocols import Candidates, SampleRequest, Scheduler, Selection
 
 __all__ = ["SchedulerConformance", "SchedulerFactory", "candidates_strategy", "requests_strategy"]
 

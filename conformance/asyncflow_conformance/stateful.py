@@ -36,14 +36,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from asyncflow_conformance.datastore import (
+from asyncflow_conformance.storekit import (
     FakeClock,
     StoreFactory,
     cell_key,
     snapshot,
     unpack,
 )
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     AsyncFlowError,
     BadRequestError,
     CapacityError,
@@ -59,7 +59,7 @@ from asyncflow_core.errors import (
     UnknownRowError,
     UnknownTaskError,
 )
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     BatchMeta,
     Candidates,
     Capacity,
@@ -71,7 +71,7 @@ from asyncflow_core.protocols import (
     Selection,
     Tags,
 )
-from asyncflow_core.scheduling import SequentialSampler
+from asyncflow_core.data.scheduling import SequentialSampler
 
 __all__ = ["FIELDS", "PARTITION", "TASKS", "DataStoreStateMachine", "make_datastore_state_machine"]
 

@@ -1,10 +1,11 @@
-"""Laws of the RL workflow (``asyncflow_core.rlflow``) on a backend's engines, as a pytest class
+"""Laws of the RL workflow (``asyncflow_core.flow.rlflow``) on a backend's engines, as a pytest
+class
 to subclass.
 
 Usage::
 
     from asyncflow_conformance import WorkflowConformance
-    from asyncflow_core.rlflow import RLEngines
+    from asyncflow_core.flow.rlflow import RLEngines
 
     class TestMyEngines(WorkflowConformance):
         virtual_clock = True  # engines that sleep on the loop's clock: run on virtual time
@@ -59,8 +60,8 @@ import torch
 
 from asyncflow_conformance._guard import CANCEL_GRACE_S, run_on_fresh_loop
 from asyncflow_conformance.engines import check_resumed_prefix
-from asyncflow_core.errors import TaskFailedError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import TaskFailedError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -78,7 +79,7 @@ from asyncflow_core.protocols import (
     WeightSync,
     inflight_load_refusal,
 )
-from asyncflow_core.rlflow import Mode, RLConfig, RLEngines, RLJob, RLResult, SyncStrategy
+from asyncflow_core.flow.rlflow import Mode, RLConfig, RLEngines, RLJob, RLResult, SyncStrategy
 
 __all__ = [
     "DEFAULT_CASES",

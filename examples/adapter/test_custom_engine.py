@@ -24,7 +24,7 @@ from asyncflow_conformance import (
 from custom_engine import VOCAB, BigramInferenceEngine, BigramLM, BigramTrainEngine
 
 from asyncflow_core import InProcessWeightSync
-from asyncflow_core.rlflow import RLEngines
+from asyncflow_core.flow.rlflow import RLEngines
 
 
 class TestBigramInferenceEngine(InferenceEngineConformance):

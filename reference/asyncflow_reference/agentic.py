@@ -1,5 +1,5 @@
 """The built-in agentic tasks and the small text tokenizer the reference models chat with
-(``PieceTokenizer``, over the minimal chat template of ``asyncflow_core.chat``).
+(``PieceTokenizer``, over the minimal chat template of ``asyncflow_core.flow.chat``).
 
 **``clock``** (``ClockTask``; ``asyncflow run --set task=clock``, the one that learns in
 minutes). A model cannot know what time it is: every sample has its own random time, which
@@ -57,17 +57,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from asyncflow_core.agent import (
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.contracts.protocols import InferenceEngine, SamplingParams
+from asyncflow_core.data.scheduling import RequestRouter
+from asyncflow_core.flow.agent import (
     GenerationClient,
     ToolAgentLoop,
     Trajectory,
     TrajectoryLimits,
 )
-from asyncflow_core.chat import AssistantMessage, MinimalChatFormat
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.protocols import InferenceEngine, SamplingParams
-from asyncflow_core.scheduling import RequestRouter
-from asyncflow_core.tools import Tool, ToolRunner, tool_schema
+from asyncflow_core.flow.chat import AssistantMessage, MinimalChatFormat
+from asyncflow_core.flow.tools import Tool, ToolRunner, tool_schema
 
 NAMES: tuple[str, ...] = ("Ann", "Ben", "Cal", "Dan", "Eve", "Fay", "Gus", "Hal")
 TOOL = "lookup"

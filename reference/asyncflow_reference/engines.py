@@ -7,7 +7,7 @@ under the model's ``state_dict`` names, so ``TorchTrainEngine.export_weights`` b
 ``TorchInferenceEngine.load_weights`` directly.
 
 Log-probs (both engines agree to ~1e-6 in fp32 for the same weights, tokens and settings):
-the protocol's semantics (``asyncflow_core.sampling``): ``logprobs[i]`` is the log-prob of
+the protocol's semantics (``asyncflow_core.training.sampling``): ``logprobs[i]`` is the log-prob of
 ``tokens[i]`` under the distribution it was sampled from — the model's next-token logits
 given the prompt and ``tokens[:i]``, divided by the request's temperature (1 when greedy),
 cut by top-k and then top-p, renormalised. ``TorchTrainEngine.compute_logprobs`` computes
@@ -51,19 +51,8 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor
 
-from asyncflow_core.enginekit import check_request
-from asyncflow_core.errors import AsyncFlowError, ConfigError, EngineError
-from asyncflow_core.lmtrain import (
-    CHECKPOINT_META,
-    CHECKPOINT_OPTIMIZER,
-    CHECKPOINT_WEIGHTS,
-    AdamWTrainer,
-    TokenRows,
-    worker_thread,
-)
-from asyncflow_core.lmtrain import check_seed as _check_seed
-from asyncflow_core.lmtrain import is_int as _is_int
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import AsyncFlowError, ConfigError, EngineError
+from asyncflow_core.contracts.protocols import (
     Batch,
     FinishReason,
     GenerationRequest,
@@ -71,7 +60,18 @@ from asyncflow_core.protocols import (
     SamplingParams,
     Version,
 )
-from asyncflow_core.sampling import filter_logits
+from asyncflow_core.engines.enginekit import check_request
+from asyncflow_core.engines.lmtrain import (
+    CHECKPOINT_META,
+    CHECKPOINT_OPTIMIZER,
+    CHECKPOINT_WEIGHTS,
+    AdamWTrainer,
+    TokenRows,
+    worker_thread,
+)
+from asyncflow_core.engines.lmtrain import check_seed as _check_seed
+from asyncflow_core.engines.lmtrain import is_int as _is_int
+from asyncflow_core.training.sampling import filter_logits
 from asyncflow_reference.model import KVCache, ModelConfig, TransformerLM
 
 _T = TypeVar("_T")
@@ -146,7 +146,8 @@ class TorchInferenceEngine:
     driven by one asyncio task per engine, so the event loop stays responsive.
 
     **Sampling** (per ``SamplingParams``): temperature, then top-k (``0`` = off) and top-p
-    (``1`` = off) filters (``asyncflow_core.sampling.filter_logits``), then one uniform draw
+    (``1`` = off) filters (``asyncflow_core.training.sampling.filter_logits``), then one uniform
+    draw
     inverted through the filtered distribution; ``temperature == 0`` is greedy (argmax). A
     request with ``seed`` draws from its own ``torch.Generator`` seeded with it, so same seed +
     same prompt + same weights gives the same tokens whatever else is batched alongside (a
@@ -880,7 +881,7 @@ class TorchInferenceEngine:
 # Train engine
 # --------------------------------------------------------------------------------------------
 class TorchTrainEngine(AdamWTrainer):
-    """Trains a ``TransformerLM`` with AdamW (``asyncflow_core.lmtrain.AdamWTrainer``).
+    """Trains a ``TransformerLM`` with AdamW (``asyncflow_core.engines.lmtrain.AdamWTrainer``).
 
     ``TorchTrainEngine(model_or_config, *, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
     max_grad_norm=1.0, micro_batch_size=32, seed=0, lr_warmup_steps=0, temperature=1.0,
@@ -896,7 +897,8 @@ class TorchTrainEngine(AdamWTrainer):
     width, or its longest row in the other layouts): position ``j`` of row ``i`` is the
     log-prob of ``response[i, j]`` given ``prompt[i]`` and ``response[i, :j]`` under row
     ``i``'s sampling distribution (its ``temperature``/``top_k``/``top_p`` fields, see
-    ``asyncflow_core.sampling``; the constructor's ``temperature`` and no filters for a batch
+    ``asyncflow_core.training.sampling``; the constructor's ``temperature`` and no filters for
+    a batch
     without them), 0 beyond the row's length; the loss gets the same quantity, with
     gradients. Every prompt needs at least one token and prompt + response at most
     ``max_seq_len``.
@@ -1007,7 +1009,7 @@ async def benchmark(
 ) -> dict[str, float]:
     """Best-of-``rounds`` generation throughput (temperature 1) and ``train_step`` time (one
     micro-batch of all rows, ``policy_gradient_loss``) for ``config``."""
-    from asyncflow_core.rl import policy_gradient_loss
+    from asyncflow_core.training.rl import policy_gradient_loss
 
     engine = TorchInferenceEngine(config, max_batch=max_batch, threads=threads, name="bench")
     trainer = TorchTrainEngine(config, micro_batch_size=requests, threads=threads)

@@ -23,14 +23,15 @@ and on SIGTERM (then it exits with status 0 and says how to resume); each
 checkpoint is written atomically and the newest ``checkpoint.keep`` are kept.
 ``asyncflow run --resume RUN_DIR`` continues from the newest complete checkpoint, with the
 run's own ``config.toml``; only ``RESUME_KEYS`` may change with ``--set`` (e.g. ``rl.steps``
-to train longer). What a resumed run guarantees (``asyncflow_core.rlflow.RLJob.resume``):
+to train longer). What a resumed run guarantees (``asyncflow_core.flow.rlflow.RLJob.resume``):
 every optimizer step is applied once (the trainer continues from the checkpoint's version;
 steps taken after it died with the run), groups trained or dropped as stale before the
 checkpoint are never fed again, groups in flight at the checkpoint are regenerated first, then
 the prompt stream continues where it was; ``metrics.jsonl`` and the trace continue.
 
 The configuration is ``RunConfig``: typed sections overridable from a TOML file and
-``--set section.key=value`` (``asyncflow_core.config``); ``asyncflow run --keys`` lists every key.
+``--set section.key=value`` (``asyncflow_core.flow.config``); ``asyncflow run --keys`` lists every
+key.
 
 How the run starts: a *format warm-up* (a few seconds of supervised steps on prompts answered
 with random digits, ``DigitTask.format_examples``) teaches the answer's shape but not the
@@ -61,13 +62,8 @@ import torch
 
 from asyncflow_core import registry
 from asyncflow_core import trace as tracing
-from asyncflow_core.agent import ToolAgentLoop, TrajectoryLimits
-from asyncflow_core.checkpoint import Checkpoints
-from asyncflow_core.config import keys, load_config, to_toml
-from asyncflow_core.errors import CheckpointError, ConfigError, TaskFailedError
-from asyncflow_core.platform import Platform, get_platform, select_platform
-from asyncflow_core.process import ProcessInferenceEngine, ProcessTrainEngine
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import CheckpointError, ConfigError, TaskFailedError
+from asyncflow_core.contracts.protocols import (
     Batch,
     DataStore,
     GenerationRequest,
@@ -76,8 +72,10 @@ from asyncflow_core.protocols import (
     SamplingParams,
     TrainEngine,
 )
-from asyncflow_core.rl import LOSS_MASK, DecoupledPPOLoss, PPOClipLoss, policy_gradient_loss
-from asyncflow_core.rlflow import (
+from asyncflow_core.engines.process import ProcessInferenceEngine, ProcessTrainEngine
+from asyncflow_core.flow.agent import ToolAgentLoop, TrajectoryLimits
+from asyncflow_core.flow.config import keys, load_config, to_toml
+from asyncflow_core.flow.rlflow import (
     JobState,
     MakeStaged,
     RLConfig,
@@ -86,9 +84,17 @@ from asyncflow_core.rlflow import (
     RLResult,
     StepRecord,
 )
-from asyncflow_core.tools import ToolRunner
-from asyncflow_core.trace import Tracer
-from asyncflow_core.workflow import PipelineResult
+from asyncflow_core.flow.tools import ToolRunner
+from asyncflow_core.flow.workflow import PipelineResult
+from asyncflow_core.infra.checkpoint import Checkpoints
+from asyncflow_core.infra.platform import Platform, get_platform, select_platform
+from asyncflow_core.observability.trace import Tracer
+from asyncflow_core.training.rl import (
+    LOSS_MASK,
+    DecoupledPPOLoss,
+    PPOClipLoss,
+    policy_gradient_loss,
+)
 from asyncflow_reference import agentic
 from asyncflow_reference.agentic import TASKS as AGENT_TASKS
 from asyncflow_reference.agentic import LookupTask, chat_format
@@ -176,7 +182,7 @@ class RolloutSection:
     """Rollout engines and sampling."""
 
     engine: str = "auto"
-    """The rollout engine (``asyncflow_core.registry``): ``torch`` (the reference engine),
+    """The rollout engine (``asyncflow_core.engines.registry``): ``torch`` (the reference engine),
     ``hf`` (transformers' continuous batching) or a plugin's; ``auto``: the workload's."""
     engines: int = 1
     process: bool = False
@@ -212,7 +218,7 @@ class TrainSection:
     clip: float = 0.2
     kl_coef: float = 0.0
     process: bool | Literal["auto"] = "auto"
-    """Run the trainer in a child process of its own (``asyncflow_core.process``): it then
+    """Run the trainer in a child process of its own (``asyncflow_core.engines.process``): it then
     does not share the interpreter lock with rollout and the store, which is what limits the
     async run's throughput on CPU. ``auto`` (the default): a child process for the reference
     ``torch`` trainer on the local runtime, this process for the others (``hf``,
@@ -220,7 +226,7 @@ class TrainSection:
     whole job in one process, where ``breakpoint()`` works anywhere (``RunConfig
     .train_process()`` resolves it)."""
     engine: str = "auto"
-    """The trainer (``asyncflow_core.registry``): ``torch`` (the reference trainer,
+    """The trainer (``asyncflow_core.engines.registry``): ``torch`` (the reference trainer,
     ``TorchTrainEngine``), ``hf`` (``HFTrainEngine``, for an HF model), ``deepspeed`` (the
     DeepSpeed adapter, needs the ``[deepspeed]`` extra; trains either model) with
     ``zero_stage``, ``dtype`` and ``ranks`` below, or a plugin's; ``auto``: the workload's."""
@@ -250,7 +256,7 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class RLSection:
-    """The RL loop (``asyncflow_core.rlflow.RLConfig``)."""
+    """The RL loop (``asyncflow_core.flow.rlflow.RLConfig``)."""
 
     mode: Literal["async", "colocated"] = "async"
     steps: int = 120
@@ -406,7 +412,7 @@ class RunConfig:
 
     seed: int = 0
     workload: str = "auto"
-    """What is trained (``asyncflow_core.registry``): ``digits`` (the reference model on a
+    """What is trained (``asyncflow_core.engines.registry``): ``digits`` (the reference model on a
     built-in digit task), ``hf`` (a Hugging Face model on a dataset with a reward) or a
     plugin's; ``auto``: ``hf`` when ``model.path`` or ``model.name`` is set, else
     ``digits``."""
@@ -418,7 +424,7 @@ class RunConfig:
     non-number fails its row (logged; the row trains nothing) and the run goes on."""
     threads: int = 0
     platform: str = "auto"
-    """Where the trainer computes (``asyncflow_core.platform``): ``auto`` (the best platform
+    """Where the trainer computes (``asyncflow_core.infra.platform``): ``auto`` (the best platform
     that runs here, ``cpu`` without an accelerator), ``cpu``, ``cuda``, ``npu`` (Ascend, the
     ``[ascend]`` extra) or a plugin's name. A named platform that cannot run here is refused
     before anything starts. It applies to ``train.engine = "deepspeed"`` (DeepSpeed's
@@ -1096,7 +1102,7 @@ def make_workload(cfg: RunConfig, out_dir: Path | None = None) -> registry.Workl
     if not isinstance(workload, registry.Workload):
         raise ConfigError(
             f"workload {cfg.workload_name()!r}: its factory returned {type(workload).__name__}, "
-            "which lacks the Workload methods (asyncflow_core.registry.Workload)"
+            "which lacks the Workload methods (asyncflow_core.engines.registry.Workload)"
         )
     return workload
 

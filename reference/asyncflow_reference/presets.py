@@ -15,7 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 from asyncflow_reference.sim import CostModel, qwen2_param_count
 
 

@@ -1,5 +1,5 @@
 """Simulated engines with a cost model: an inference engine, a trainer and a weight transport
-that take *virtual* time (``asyncflow_core.vclock``) instead of doing work, so the real store,
+that take *virtual* time (``asyncflow_core.flow.vclock``) instead of doing work, so the real store,
 schedulers and workflow can replay a 32 -> 1024-device cluster on a laptop.
 
 Nothing here computes a model. ``CostModel`` turns every step into seconds from a handful of
@@ -34,8 +34,8 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from asyncflow_core.errors import ConfigError, EngineError, WeightSyncError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError, WeightSyncError
+from asyncflow_core.contracts.protocols import (
     Batch,
     FinishReason,
     GenerationRequest,
@@ -46,7 +46,7 @@ from asyncflow_core.protocols import (
     Version,
     WeightBucket,
 )
-from asyncflow_core.weightsync import bucketize
+from asyncflow_core.sync.weightsync import bucketize
 
 # --------------------------------------------------------------------------------------------
 # Cost model
@@ -919,7 +919,7 @@ def _pool_tensors(length: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _SimResult(GenerationResult):
     """A ``GenerationResult`` that can also give its tokens and log-probs as 1-D tensors
     (``token_view``, ``logprob_view``: slices ``span`` of the pool tensors, taken when asked
-    for; read by ``asyncflow_core.rlflow``, which copies them instead of converting every
+    for; read by ``asyncflow_core.flow.rlflow``, which copies them instead of converting every
     value, a per-token cost the simulator would otherwise pay per sample)."""
 
     pools: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -28,12 +28,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.protocols import SamplingParams, SupportsLoadWeights, WeightSync
-from asyncflow_core.rlflow import RLConfig, RLEngines, RLJob, RLResult, SyncStrategy
-from asyncflow_core.trace import Tracer
-from asyncflow_core.vclock import run_virtual
-from asyncflow_core.weightsync import InProcessWeightSync
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.protocols import SamplingParams, SupportsLoadWeights, WeightSync
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, RLResult, SyncStrategy
+from asyncflow_core.flow.vclock import run_virtual
+from asyncflow_core.observability.trace import Tracer
+from asyncflow_core.sync.weightsync import InProcessWeightSync
 from asyncflow_reference.presets import SimPreset
 from asyncflow_reference.sim import (
     RayCosts,

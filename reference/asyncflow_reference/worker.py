@@ -42,9 +42,14 @@ from typing import Any, Literal
 
 import torch
 
-from asyncflow_core.errors import EngineError
-from asyncflow_core.protocols import GenerationRequest, GenerationResult, SamplingParams, Version
-from asyncflow_core.weightsync import DistributedWeightReceiver, StagedUpdate, WeightSyncGroup
+from asyncflow_core.contracts.errors import EngineError
+from asyncflow_core.contracts.protocols import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    Version,
+)
+from asyncflow_core.sync.weightsync import DistributedWeightReceiver, StagedUpdate, WeightSyncGroup
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig
 

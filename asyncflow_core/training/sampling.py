@@ -2,7 +2,8 @@
 shared by engines that sample from it and trainers that recompute it, and the per-row
 sampling fields that carry a request's settings from rollout to the trainer.
 
-**The semantics** (the protocol's; ``asyncflow_core.protocols``): the log-prob of a sampled
+**The semantics** (the protocol's; ``asyncflow_core.contracts.protocols``): the log-prob of a
+sampled
 token is its log-probability under the distribution it was actually sampled from —
 
 1. the model's next-token logits divided by the temperature ``T``; greedy (``T = 0``) reports
@@ -44,8 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asyncflow_core.errors import EngineError
-from asyncflow_core.protocols import Batch, SamplingParams
+from asyncflow_core.contracts.errors import EngineError
+from asyncflow_core.contracts.protocols import Batch, SamplingParams
 
 TEMPERATURE = "temperature"
 TOP_K = "top_k"

@@ -10,7 +10,7 @@ holds everything or does not exist, so a crash while writing (a SIGKILL, a full 
 temporary folders of a crashed write are removed by the next ``write`` (and ignored by
 ``latest``). What goes into a checkpoint is the writer's: ``RLJob.checkpoint`` writes the
 trainer's own files (``TrainEngine.save_checkpoint``) under ``trainer/`` and the job's state
-in ``job.json`` (``asyncflow_core.rlflow``).
+in ``job.json`` (``asyncflow_core.flow.rlflow``).
 
 **Failpoints** (``failpoint(name)``): a point in the code where, when the environment variable
 ``ASYNCFLOW_FAILPOINTS`` names it (``name=K``, comma-separated for several), the process kills
@@ -37,7 +37,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 
 FAILPOINTS_ENV = "ASYNCFLOW_FAILPOINTS"
 FAILPOINTS_ONCE_ENV = "ASYNCFLOW_FAILPOINTS_ONCE"

@@ -60,7 +60,7 @@ Conventions
   here). ``batch.lengths["response"]`` marks the real tokens (every column counts without it);
   padded positions are replaced by 0 before any arithmetic, so their values (even NaN/inf) never
   reach the loss, its gradient or the metrics.
-* **Multi-turn rows** (``asyncflow_core.agent``): the response holds every token after the
+* **Multi-turn rows** (``asyncflow_core.flow.agent``): the response holds every token after the
   first prompt, tool and user tokens included, and the ``loss_mask`` field (``LOSS_MASK``: one
   0/1 per response token, 1 exactly on the tokens the policy generated) marks the ones that
   train. Every loss here counts only those: ``response_mask`` is the real tokens *and* the
@@ -86,8 +86,8 @@ from typing import Any, Literal
 
 import torch
 
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.protocols import Batch
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.contracts.protocols import Batch
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 KLEstimator = Literal["k1", "k2", "k3"]

@@ -47,8 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from asyncflow_core.errors import BadRequestError, ConfigError
-from asyncflow_core.tools import ToolCall, ToolResult, load_json, parse_tool_calls
+from asyncflow_core.contracts.errors import BadRequestError, ConfigError
+from asyncflow_core.flow.tools import ToolCall, ToolResult, load_json, parse_tool_calls
 
 Message = Mapping[str, Any]
 """An OpenAI-style chat message: ``{"role": ..., "content": ...}``; an assistant message may

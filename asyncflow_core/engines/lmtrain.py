@@ -9,7 +9,7 @@ micro-batches the same way.
   position whose logits predict each response token; ``TokenRows.logprobs(logits)`` turns the
   logits taken at those positions into per-token log-probs ``[B, R]`` under each row's
   sampling distribution (its ``temperature``/``top_k``/``top_p`` fields:
-  ``asyncflow_core.sampling``), and counts the tokens it found off that distribution's
+  ``asyncflow_core.training.sampling``), and counts the tokens it found off that distribution's
   support.
 * ``check_loss`` validates what a ``LossFn`` returned; ``MetricMeans`` averages its metrics
   over micro-batches with the weights the gradients used.
@@ -50,17 +50,17 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     AsyncFlowError,
     CheckpointError,
     CheckpointRefusedError,
     ConfigError,
     EngineError,
 )
-from asyncflow_core.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
-from asyncflow_core.rl import LOSS_MASK
-from asyncflow_core.sampling import OFF_SUPPORT_METRIC, row_sampling, sampled_logprobs
-from asyncflow_core.weightsync import bucketize
+from asyncflow_core.contracts.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
+from asyncflow_core.sync.weightsync import bucketize
+from asyncflow_core.training.rl import LOSS_MASK
+from asyncflow_core.training.sampling import OFF_SUPPORT_METRIC, row_sampling, sampled_logprobs
 
 _T = TypeVar("_T")
 
@@ -193,8 +193,8 @@ def unique_named_tensors(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
 @dataclass(frozen=True, slots=True)
 class TokenRows:
     """A batch's prompt and response tokens, right-padded, with their lengths, each row's
-    sampling settings (``asyncflow_core.sampling``) and, for multi-turn rows, the loss mask
-    (``asyncflow_core.rl.LOSS_MASK``: True on the response tokens the policy generated;
+    sampling settings (``asyncflow_core.training.sampling``) and, for multi-turn rows, the loss mask
+    (``asyncflow_core.training.rl.LOSS_MASK``: True on the response tokens the policy generated;
     None: every real response token trains)."""
 
     prompt: Tensor  # [B, P] long
@@ -258,7 +258,8 @@ class TokenRows:
     def logprobs(self, logits: Tensor) -> tuple[Tensor, int]:
         """``([B, R] fp32 log-probs, off-support count)`` of the response tokens, from
         ``logits [B, R, V]`` taken at ``inputs()``'s source positions: each token's log-prob
-        under its row's sampling distribution (``asyncflow_core.sampling.sampled_logprobs``:
+        under its row's sampling distribution
+        (``asyncflow_core.training.sampling.sampled_logprobs``:
         temperature, top-k, top-p, renormalised; a token off the support gets the documented
         floor and is counted), 0 beyond the row's length."""
         device = logits.device
@@ -331,7 +332,7 @@ def token_rows(
     """The batch's ``prompt`` and ``response`` tokens, checked: one of each per row, every
     prompt at least one token, prompt + response at most ``max_seq_len`` and every real token
     in ``[0, vocab_size)`` (``None`` skips that check); and each row's sampling settings
-    (``asyncflow_core.sampling.row_sampling``; ``temperature`` for a batch without the
+    (``asyncflow_core.training.sampling.row_sampling``; ``temperature`` for a batch without the
     field)."""
     if not isinstance(batch, Batch):
         raise EngineError(f"{who}: expected a Batch, got {type(batch).__name__}")

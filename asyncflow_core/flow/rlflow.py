@@ -70,22 +70,14 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 import numpy as np
 import torch
 
-from asyncflow_core.agent import (
-    AgentLoop,
-    GenerationClient,
-    Trajectory,
-    TrajectoryLimits,
-    generate_routed,
-)
-from asyncflow_core.checkpoint import Checkpoints, failpoint
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     BadRequestError,
     CheckpointError,
     ConfigError,
     EngineError,
     EngineLostError,
 )
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     Batch,
     Candidates,
     Capacity,
@@ -109,16 +101,7 @@ from asyncflow_core.protocols import (
     WeightSync,
     inflight_load_refusal,
 )
-from asyncflow_core.rl import (
-    LOSS_MASK,
-    PROX_LOGPROBS,
-    DecoupledPPOLoss,
-    PPOClipLoss,
-    group_advantages,
-    policy_gradient_loss,
-)
-from asyncflow_core.sampling import SAMPLING_FIELDS, sampling_columns
-from asyncflow_core.scheduling import (
+from asyncflow_core.data.scheduling import (
     FillView,
     GroupSampler,
     RequestRouter,
@@ -126,16 +109,33 @@ from asyncflow_core.scheduling import (
     cannot_fill_of,
     is_repeatable,
 )
-from asyncflow_core.staleness import AdmissionController
-from asyncflow_core.trace import Tracer
-from asyncflow_core.weightsync import (
+from asyncflow_core.flow.agent import (
+    AgentLoop,
+    GenerationClient,
+    Trajectory,
+    TrajectoryLimits,
+    generate_routed,
+)
+from asyncflow_core.flow.staleness import AdmissionController
+from asyncflow_core.flow.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
+from asyncflow_core.infra.checkpoint import Checkpoints, failpoint
+from asyncflow_core.observability.trace import Tracer
+from asyncflow_core.sync.weightsync import (
     InProcessWeightSync,
     StagedUpdate,
     SyncTiming,
     _pause,
     _resume,
 )
-from asyncflow_core.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
+from asyncflow_core.training.rl import (
+    LOSS_MASK,
+    PROX_LOGPROBS,
+    DecoupledPPOLoss,
+    PPOClipLoss,
+    group_advantages,
+    policy_gradient_loss,
+)
+from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 
 _T = TypeVar("_T")
 _log = logging.getLogger("asyncflow.rl")
@@ -200,7 +200,7 @@ class RLConfig:
     """Add a task computing the reference model's log-probs (needs ``RLEngines.reference``)."""
     proximal_logprobs: bool = False
     """Before each update, compute the ``prox_logprobs`` field with the trainer's current
-    weights (π_prox of decoupled PPO, ``asyncflow_core.rl.DecoupledPPOLoss``)."""
+    weights (π_prox of decoupled PPO, ``asyncflow_core.training.rl.DecoupledPPOLoss``)."""
     drop_stale: bool = True
     """Drop samples older than η at the update (keeps the staleness law exact)."""
     partition: str = "rl"
@@ -208,7 +208,7 @@ class RLConfig:
     """Agent jobs only: turns, total tokens and tokens per turn of each trajectory."""
     max_restarts: int = 2
     """Agent jobs only: how many times a trajectory that became too stale to be trained
-    before its next turn is regenerated from its prompt (``asyncflow_core.agent``); after
+    before its next turn is regenerated from its prompt (``asyncflow_core.flow.agent``); after
     that it is finished and the update drops it (counted in ``dropped``)."""
     checkpoint_every: int = 0
     """With ``RLJob(checkpoints=...)``: write a checkpoint after every this many optimizer
@@ -741,14 +741,14 @@ class RLJob:
     """An RL job on the streaming store. ``prompts`` yields prompt token sequences (consumed
     lazily, one per group); ``reward_fn(prompt, response) -> float``.
 
-    **Agent jobs** (``agent=``, an ``asyncflow_core.agent.AgentLoop``): ``prompts`` yields
+    **Agent jobs** (``agent=``, an ``asyncflow_core.flow.agent.AgentLoop``): ``prompts`` yields
     *samples* instead, JSON-able dicts (messages, the fields a reward or a tool needs), and
     the rollout runs the loop once per sample and row of its group, each trajectory on a
     ``GenerationClient`` (sticky to one engine, ``config.trajectory_limits``, partial rollout
     inside a turn, per-turn trace spans). A trajectory is stored as ``prompt`` (its tokens
     before the first generated one), ``response`` (everything after: assistant, tool, user
     tokens), ``logprobs`` (0 where not generated), ``loss_mask`` (1 exactly on the generated
-    tokens: every loss in ``asyncflow_core.rl`` trains those only) and ``agent`` (its
+    tokens: every loss in ``asyncflow_core.training.rl`` trains those only) and ``agent`` (its
     ``Trajectory.stats()`` plus ``restarts``); its staleness tag is the versions of its
     generated tokens (the oldest counts). The reward is the loop's (``Trajectory.reward``)
     unless ``reward_fn`` is given, which then scores ``(prompt, response)`` as usual. A
@@ -761,7 +761,7 @@ class RLJob:
     rollout engines to the trainer's version if they differ, trains ``config.steps`` optimizer
     steps from there and returns an ``RLResult`` (see the module docstring's *Versions*; a
     second ``run()`` trains ``config.steps`` more). ``loss_fn`` is the update's objective
-    (``asyncflow_core.rl``; a built-in one that reads ``prox_logprobs`` or ``ref_logprobs``
+    (``asyncflow_core.training.rl``; a built-in one that reads ``prox_logprobs`` or ``ref_logprobs``
     is refused here unless the config computes them). ``pipeline`` is the ``Pipeline`` it runs
     (inspect or trace it; build your own variant from the same parts). ``on_step(record)`` is
     called after every optimizer step (e.g. to drive a progress bar). Guide:
@@ -875,7 +875,7 @@ class RLJob:
         train_res = "devices" if coloc else "trainer"
         concurrency = cfg.rollout_concurrency or (cfg.staleness + 1) * cfg.prompts_per_step
         # each row's sampling settings travel with its tokens: the trainer scores the tokens
-        # under the distribution they were sampled from (asyncflow_core.sampling)
+        # under the distribution they were sampled from (asyncflow_core.training.sampling)
         update_consumes = ["prompt", "response", "logprobs", "reward", "advantage"]
         update_consumes += SAMPLING_FIELDS
         # reward and advantage take whole groups greedily, up to one step's worth: one group at

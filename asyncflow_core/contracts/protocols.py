@@ -421,7 +421,7 @@ class DataStore(Protocol):
         and nothing is leased. Once the call has started, the ack is committed whatever the
         lease does next (a ``StoreTimeoutError``, a cancellation: a remote store may finish
         committing it just after the cancellation). A store written before this parameter
-        lacks it: ``asyncflow_core.store.get_meta_after_ack`` uses it where it exists and
+        lacks it: ``asyncflow_core.data.store.get_meta_after_ack`` uses it where it exists and
         falls back to ``ack`` then ``get_meta``."""
         ...
 
@@ -469,7 +469,7 @@ class SamplingParams:
     disable those filters; ``temperature=0`` is greedy; ``seed=None`` draws from the engine's
     generator. The distribution they define (temperature, then top-k, then top-p on the
     renormalised top-k distribution) is spelled out, in code, by
-    ``asyncflow_core.sampling.filter_logits``. An engine honours every knob or rejects the
+    ``asyncflow_core.training.sampling.filter_logits``. An engine honours every knob or rejects the
     request; it never ignores one."""
 
     max_tokens: int = 16
@@ -500,7 +500,7 @@ class GenerationResult:
     """``tokens``: generated ids (prompt excluded); ``logprobs[i]``: log-prob of ``tokens[i]``
     under the distribution it was sampled from — the weights that sampled it, after the
     request's temperature and top-k/top-p, renormalised (greedy: temperature 1, no filters;
-    ``asyncflow_core.sampling``), the quantity ``TrainEngine.compute_logprobs`` recomputes;
+    ``asyncflow_core.training.sampling``), the quantity ``TrainEngine.compute_logprobs`` recomputes;
     ``versions[i]``: that weight version. All three have equal length. ``finish_reason`` is
     ``stop`` (a stop token, included), ``length`` (``max_tokens`` reached) or ``abort``
     (partial)."""
@@ -679,7 +679,7 @@ class LossFn(Protocol):
 class TrainEngine(Protocol):
     """Trains the policy. ``compute_logprobs(batch)`` returns ``[B, T]``: the log-prob of each
     response token under its row's sampling distribution (the batch's ``temperature``,
-    ``top_k``, ``top_p`` fields, ``asyncflow_core.sampling``; without them the trainer's
+    ``top_k``, ``top_p`` fields, ``asyncflow_core.training.sampling``; without them the trainer's
     default temperature and no filters), i.e. what the inference engine reported for it under
     the same weights; ``train_step`` hands the loss the same quantity, with gradients.
     ``train_step`` is one optimizer step over ``batch`` (split into micro-batches, gradients

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from asyncflow_core.errors import PlatformError, PlatformUnavailableError
+from asyncflow_core.contracts.errors import PlatformError, PlatformUnavailableError
 
 ENTRY_POINT_GROUP = "asyncflow.platforms"
 """The entry-point group platform plugins declare themselves in."""

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from asyncflow_core.errors import EngineError, EngineUnavailableError, MissingExtraError
+from asyncflow_core.contracts.errors import EngineError, EngineUnavailableError, MissingExtraError
 
 __all__ = ["JsonClient"]
 

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.protocols import InferenceEngine, SamplingParams, TrainEngine
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.protocols import InferenceEngine, SamplingParams, TrainEngine
 
 Kind = Literal["workload", "rollout", "trainer"]
 GROUPS: dict[Kind, str] = {

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     BadRequestError,
     CapacityError,
     CellAlreadyWrittenError,
@@ -34,7 +34,7 @@ from asyncflow_core.errors import (
     UnknownRowError,
     UnknownTaskError,
 )
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     NO_VERSION,
     BatchMeta,
     Candidates,
@@ -47,7 +47,7 @@ from asyncflow_core.protocols import (
     Selection,
     Tags,
 )
-from asyncflow_core.scheduling import FillView, cannot_fill_of, is_repeatable, reads_first
+from asyncflow_core.data.scheduling import FillView, cannot_fill_of, is_repeatable, reads_first
 
 _NO_TAGS = Tags()
 _ENDED_LEASES_KEPT = 100_000  # how many ended lease ids we remember to explain a late ack

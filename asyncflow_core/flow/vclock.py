@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-from asyncflow_core.errors import AsyncFlowError
+from asyncflow_core.contracts.errors import AsyncFlowError
 
 T = TypeVar("T")
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-from asyncflow_core.errors import AsyncFlowError, MissingExtraError
+from asyncflow_core.contracts.errors import AsyncFlowError, MissingExtraError
 
 TRACE_FORMAT = "asyncflow-trace/1"
 """Written into the Chrome trace's ``otherData.format``; ``load`` accepts files without it."""

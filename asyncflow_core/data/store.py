@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncflow_core.controller import Controller, PutTicket
-from asyncflow_core.errors import (
+from asyncflow_core.contracts.errors import (
     AsyncFlowError,
     BadRequestError,
     SchemaError,
@@ -36,8 +35,7 @@ from asyncflow_core.errors import (
     StoreTimeoutError,
     UnknownRowError,
 )
-from asyncflow_core.notify import Waiters
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.protocols import (
     DEFAULT_GET_TIMEOUT_S,
     DEFAULT_LEASE_S,
     Batch,
@@ -52,7 +50,9 @@ from asyncflow_core.protocols import (
     Tags,
     Version,
 )
-from asyncflow_core.scheduling import SequentialSampler
+from asyncflow_core.data.controller import Controller, PutTicket
+from asyncflow_core.data.notify import Waiters
+from asyncflow_core.data.scheduling import SequentialSampler
 
 _PLAIN_TYPES = (type(None), bool, int, float, str, list, dict)
 _LAYOUTS = ("padded", "nested", "list")

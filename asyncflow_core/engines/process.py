@@ -37,17 +37,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from asyncflow_core.checkpoint import failpoint
-from asyncflow_core.errors import ConfigError, EngineError, EngineLostError, PeerRankError
-from asyncflow_core.platform import (
-    GLOO_IFNAME_ENV,
-    NCCL_IFNAME_ENV,
-    interface_of,
-    is_loopback,
-    listen_address,
-    rendezvous_store,
-)
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError, EngineLostError, PeerRankError
+from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
@@ -56,6 +47,15 @@ from asyncflow_core.protocols import (
     TrainMetrics,
     Version,
     WeightBucket,
+)
+from asyncflow_core.infra.checkpoint import failpoint
+from asyncflow_core.infra.platform import (
+    GLOO_IFNAME_ENV,
+    NCCL_IFNAME_ENV,
+    interface_of,
+    is_loopback,
+    listen_address,
+    rendezvous_store,
 )
 
 DEFAULT_START_TIMEOUT_S = 300.0
@@ -245,7 +245,7 @@ class _ProcessEngine:
         ctx: Any = multiprocessing.get_context(method)  # typeshed's BaseContext lacks Process
         if method == "forkserver":  # the server imports these once; each engine forks from it
             home = _factory_module(factory)
-            preload = ["torch", "torch.optim", "torch._dynamo", "asyncflow_core.process"]
+            preload = ["torch", "torch.optim", "torch._dynamo", "asyncflow_core.engines.process"]
             ctx.set_forkserver_preload(preload + ([home] if home and home != "__main__" else []))
         parent, child = ctx.Pipe(duplex=True)
         self._conn = parent
@@ -469,7 +469,7 @@ class ProcessInferenceEngine(_ProcessEngine):
     """An ``InferenceEngine`` whose engine lives in a child process (the same plumbing as
     ``ProcessTrainEngine``: ``factory``, ``threads``, ``start_method``, ``close``): rollout
     then does not share the interpreter lock with the job, and a rollout engine that dies is
-    a lost worker the job survives (``EngineLostError``; ``asyncflow_core.rlflow``). It
+    a lost worker the job survives (``EngineLostError``; ``asyncflow_core.flow.rlflow``). It
     forwards ``generate``, ``abort``, ``load_weights``, ``pause`` and ``resume``: the child's
     engine must have the last three for a job's weight sync. Requests, results and the
     synced weights are pickled over the pipe (copied, not shared)."""

@@ -25,8 +25,8 @@ from collections.abc import Container, Iterable, Sequence
 from types import ModuleType
 from typing import Any, TypeGuard
 
-from asyncflow_core.errors import ConfigError, EngineError, MissingExtraError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import ConfigError, EngineError, MissingExtraError
+from asyncflow_core.contracts.protocols import (
     FinishReason,
     GenerationRequest,
     GenerationResult,

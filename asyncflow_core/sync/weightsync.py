@@ -12,7 +12,7 @@ generating and exposes only the swap at the next safe point.
 The broadcast: ``DistributedWeightSync`` on the trainer's sending rank,
 ``DistributedWeightReceiver`` in each inference process, over a ``WeightSyncGroup`` (a process
 group of their own, beside the trainer's training world; gloo on CPU, nccl with CUDA, hccl on
-Ascend NPUs: the platform's backend, ``asyncflow_core.platform``) or a
+Ascend NPUs: the platform's backend, ``asyncflow_core.infra.platform``) or a
 torch.distributed group. ``benchmarks/weight_sync.py`` measures it against one flat broadcast.
 """
 
@@ -38,15 +38,15 @@ from typing import Any, Literal, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 import torch
 
-from asyncflow_core.errors import PlatformError, WeightSyncError
-from asyncflow_core.platform import current_platform, platform_for_backend, rendezvous_store
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import PlatformError, WeightSyncError
+from asyncflow_core.contracts.protocols import (
     SupportsLoadWeights,
     SupportsPause,
     Version,
     WeightBucket,
     WeightSync,
 )
+from asyncflow_core.infra.platform import current_platform, platform_for_backend, rendezvous_store
 
 Weights = list[tuple[str, torch.Tensor]]
 _VERSION_LIMIT = 1 << 63  # versions are int64 wherever they are stored
@@ -311,7 +311,7 @@ def _parse_manifest(manifest: object, where: Path) -> tuple[Version, list[tuple[
 # torch.distributed: bucketed broadcast
 # --------------------------------------------------------------------------------------------
 def default_backend() -> str:
-    """The collective backend of this process's platform (``asyncflow_core.platform``): gloo
+    """The collective backend of this process's platform (``asyncflow_core.infra.platform``): gloo
     on CPU, nccl with CUDA, hccl on Ascend NPUs."""
     return current_platform().dist_backend
 
@@ -361,7 +361,7 @@ class WeightSyncGroup:
     ``connect()`` (blocking; idempotent) has rank 0 host a ``torch.distributed.TCPStore`` at
     ``host:port`` — the address every other rank connects to — and builds the backend's
     process group directly on it: the platform whose backend it is builds it
-    (``asyncflow_core.platform``: ``ProcessGroupGloo`` for gloo, ``ProcessGroupNCCL`` for
+    (``asyncflow_core.infra.platform``: ``ProcessGroupGloo`` for gloo, ``ProcessGroupNCCL`` for
     nccl, torch_npu's ``ProcessGroupHCCL`` for hccl; ``backend`` None picks
     ``default_backend()``, the current platform's). A backend whose platform cannot run here
     is refused at construction. Every rank must call ``connect()`` within ``timeout_s``

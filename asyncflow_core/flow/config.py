@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import tomli_w
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 
 T = TypeVar("T")
 

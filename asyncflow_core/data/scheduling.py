@@ -11,8 +11,15 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
-from .errors import BadRequestError, EngineError, SamplerError
-from .protocols import NO_VERSION, Candidates, IntArray, SampleRequest, Scheduler, Selection
+from asyncflow_core.contracts.errors import BadRequestError, EngineError, SamplerError
+from asyncflow_core.contracts.protocols import (
+    NO_VERSION,
+    Candidates,
+    IntArray,
+    SampleRequest,
+    Scheduler,
+    Selection,
+)
 
 __all__ = [
     "GroupSampler",

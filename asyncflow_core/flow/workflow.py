@@ -7,7 +7,7 @@ A ``Source`` creates rows; each ``Task`` pulls batches whose ``consumes`` fields
 runs its callable on them and writes its ``produces`` fields back into the same rows. The
 pipeline ends when the source is exhausted and every task has consumed every row.
 
-With a ``tracer`` (``asyncflow_core.trace.Tracer``) the runner records, per worker and
+With a ``tracer`` (``asyncflow_core.observability.trace.Tracer``) the runner records, per worker and
 iteration: a "wait" span around ``get_meta`` + ``get_data`` (rows leased), a "task" span around
 the callable (rows, tokens, weight versions), and for the source a "task" span per batch it
 generates and a "put" span per put of new rows (which may wait for capacity).
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from asyncflow_core.errors import AsyncFlowError, PipelineError, TaskFailedError
-from asyncflow_core.protocols import (
+from asyncflow_core.contracts.errors import AsyncFlowError, PipelineError, TaskFailedError
+from asyncflow_core.contracts.protocols import (
     DEFAULT_LEASE_S,
     Batch,
     BatchMeta,
@@ -49,8 +49,8 @@ from asyncflow_core.protocols import (
     Tags,
     Version,
 )
-from asyncflow_core.store import get_meta_after_ack
-from asyncflow_core.trace import Tracer
+from asyncflow_core.data.store import get_meta_after_ack
+from asyncflow_core.observability.trace import Tracer
 
 FieldValues = Sequence[CellValue] | torch.Tensor
 
@@ -224,7 +224,7 @@ class Pipeline:
         raises stops every other one and surfaces as ``TaskFailedError`` naming it."""
         self.validate()
         if store is None:
-            from asyncflow_core.store import InProcessDataStore
+            from asyncflow_core.data.store import InProcessDataStore
 
             store = InProcessDataStore()
         await store.create_partition(

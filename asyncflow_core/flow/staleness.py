@@ -31,9 +31,9 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
-from asyncflow_core.errors import BadRequestError, StoreTimeoutError
-from asyncflow_core.notify import Waiters
-from asyncflow_core.protocols import Version
+from asyncflow_core.contracts.errors import BadRequestError, StoreTimeoutError
+from asyncflow_core.contracts.protocols import Version
+from asyncflow_core.data.notify import Waiters
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.contracts.errors import ConfigError
 
 ToolError = Literal["malformed", "unknown_tool", "bad_arguments", "raised", "timeout"]
 

@@ -1,0 +1,1 @@
+"""The streaming engine: pipelines, staleness control, virtual clock, the RL job, agent loops."""

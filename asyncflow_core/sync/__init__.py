@@ -1,0 +1,1 @@
+"""Weight sync: moving a trainer's weights into rollout engines (transports and strategies)."""

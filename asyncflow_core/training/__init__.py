@@ -1,0 +1,1 @@
+"""Training math: RL losses and advantages, and the sampling settings that travel with tokens."""
