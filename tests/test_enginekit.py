@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asyncflow_core.contracts.errors import ConfigError, EngineError
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 from asyncflow_core.engines.enginekit import (
+    ModelSpec,
     assemble,
+    build_module,
     check_request,
     check_version,
     continuation,
@@ -71,3 +74,36 @@ def test_bad_requests_name_the_field() -> None:
         check_request("e", GenerationRequest("r", (1,), SamplingParams(top_p=0.0)))
     with pytest.raises(EngineError, match="max_model_len=3"):
         check_request("e", GenerationRequest("r", (1, 2, 3)), max_model_len=3)
+
+
+class _Spec:
+    """A model spec of our own (not the reference package's): a linear layer per seed."""
+
+    def __init__(self, returns_module: bool = True) -> None:
+        self.returns_module = returns_module
+
+    def build(self, *, seed: int) -> torch.nn.Module:
+        if not self.returns_module:
+            return "not a module"  # type: ignore[return-value]
+        torch.manual_seed(seed)
+        return torch.nn.Linear(2, 2)
+
+
+def test_build_module_copies_a_module_and_builds_a_spec_from_its_seed() -> None:
+    given = torch.nn.Linear(2, 2)
+    copied = build_module(given, seed=0, who="trainer")
+    assert copied is not given and torch.equal(copied.weight, given.weight)
+    copied.weight.data.add_(1.0)  # the caller's module is never changed
+    assert not torch.equal(copied.weight, given.weight)
+    assert isinstance(_Spec(), ModelSpec)
+    a, b = (build_module(_Spec(), seed=s, who="trainer") for s in (3, 3))
+    assert isinstance(a, torch.nn.Linear) and torch.equal(a.weight, b.weight)
+    c = build_module(_Spec(), seed=4, who="trainer")
+    assert isinstance(c, torch.nn.Linear) and not torch.equal(a.weight, c.weight)
+
+
+def test_build_module_refuses_what_is_neither() -> None:
+    with pytest.raises(ConfigError, match=r"trainer: _Spec.build\(\) returned str"):
+        build_module(_Spec(returns_module=False), seed=0, who="trainer")
+    with pytest.raises(ConfigError, match=r"trainer takes a torch.nn.Module .* got dict"):
+        build_module({"d_model": 8}, seed=0, who="trainer")

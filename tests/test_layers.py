@@ -60,8 +60,6 @@ ADAPTERS = ENGINE_PACKAGES - {"asyncflow_reference"}
 KNOWN = {
     # the CLI loads the main job and the simulator from the reference package by name
     ("asyncflow_core.cli", "asyncflow_reference"),
-    # DeepSpeed's trainer accepts a reference ModelConfig and builds a TransformerLM from it
-    ("asyncflow_deepspeed.engine", "asyncflow_reference"),
     # the main job lives in reference/ and builds the Ray runtime
     ("asyncflow_reference.job", "asyncflow_ray"),
 }

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from asyncflow_core.contracts.errors import CheckpointError, ConfigError, EngineError, PeerRankError
 from asyncflow_core.contracts.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
+from asyncflow_core.engines.enginekit import build_module
 from asyncflow_core.engines.lmtrain import (
     MetricMeans,
     ThreadedTrainer,
@@ -82,9 +83,10 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
     ds_config=None, init_method=None, rank=None, world_size=None, backend=None,
     timeout_s=600, name=..., threads=None)``
 
-    * ``model``: a module (deep-copied: the caller's is never changed) or an
-      ``asyncflow_reference.model.ModelConfig`` (a ``TransformerLM`` initialised from
-      ``seed``). Token ids are checked against ``model.config.vocab_size`` and the length
+    * ``model``: a module (deep-copied: the caller's is never changed) or a model spec
+      (``asyncflow_core.engines.enginekit.ModelSpec``: ``build(seed=...)``, e.g. the reference
+      ``ModelConfig``, which builds a ``TransformerLM``) built from ``seed``. Token ids are
+      checked against ``model.config.vocab_size`` and the length
       against ``max_seq_len`` / ``max_position_embeddings`` when the model has them.
     * The optimizer is ``torch.optim.AdamW(lr, betas, weight_decay, eps=1e-8)`` handed to
       ``deepspeed.initialize`` (so no DeepSpeed optimizer op is compiled); ZeRO partitions its
@@ -892,17 +894,8 @@ def _int_attr(obj: object, name: str) -> int | None:
 
 
 def _take_module(model: object, seed: int, who: str) -> torch.nn.Module:
-    if isinstance(model, torch.nn.Module):
-        module: torch.nn.Module = copy.deepcopy(model).float()
-        return module
-    from asyncflow_reference.model import ModelConfig, TransformerLM
-
-    if isinstance(model, ModelConfig):
-        return TransformerLM(model, seed=seed)
-    raise ConfigError(
-        f"{who} takes a torch.nn.Module returning logits (or a reference ModelConfig), got "
-        f"{type(model).__name__}"
-    )
+    """A module, deep-copied, or a ``ModelSpec`` built from ``seed``, in fp32."""
+    return build_module(model, seed=seed, who=who).float()
 
 
 def _rows(prompt: list[list[int]], response: list[list[int]]) -> TokenRows:

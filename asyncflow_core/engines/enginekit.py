@@ -12,7 +12,10 @@ that each maps the engine onto the ``InferenceEngine`` protocol the same way:
   string weight versions (vLLM's ``WeightVersionSpan``, SGLang's ``weight_version``) in the
   protocol's terms;
 - ``PauseGate``: "new requests wait while paused", for engines that instead reject them
-  (vLLM's ``abort``/``wait`` pause modes) or that the adapter only reaches over HTTP.
+  (vLLM's ``abort``/``wait`` pause modes) or that the adapter only reaches over HTTP;
+- ``ModelSpec`` / ``build_module``: a trainer takes a built module or a description that
+  builds one from a seed (the reference ``ModelConfig`` is one), without importing the package
+  that describes it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import importlib
 import math
 from collections.abc import Container, Iterable, Sequence
 from types import ModuleType
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard, runtime_checkable
+
+import torch
 
 from asyncflow_core.contracts.errors import ConfigError, EngineError, MissingExtraError
 from asyncflow_core.contracts.protocols import (
@@ -35,9 +40,11 @@ from asyncflow_core.contracts.protocols import (
 )
 
 __all__ = [
+    "ModelSpec",
     "PauseGate",
     "abort_ids",
     "assemble",
+    "build_module",
     "check_request",
     "check_version",
     "continuation",
@@ -371,3 +378,34 @@ def describe(value: Any, limit: int = 200) -> str:
     """``repr`` cut to ``limit`` characters, for quoting malformed engine answers."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@runtime_checkable
+class ModelSpec(Protocol):
+    """A description of a model that builds it: ``build(seed=...)`` returns a fresh
+    ``torch.nn.Module``, initialised deterministically from ``seed``."""
+
+    def build(self, *, seed: int) -> torch.nn.Module: ...
+
+
+def build_module(model: object, *, seed: int, who: str) -> torch.nn.Module:
+    """The module a trainer trains: a deep copy of ``model`` when it is a module (the caller's
+    is never changed), else ``model.build(seed=seed)`` for a ``ModelSpec``. Anything else
+    raises ``ConfigError`` naming ``who`` and what it got."""
+    if isinstance(model, torch.nn.Module):
+        import copy
+
+        module: torch.nn.Module = copy.deepcopy(model)
+        return module
+    if isinstance(model, ModelSpec):
+        built = model.build(seed=seed)
+        if isinstance(built, torch.nn.Module):
+            return built
+        raise ConfigError(
+            f"{who}: {type(model).__name__}.build() returned {type(built).__name__}, not a "
+            "torch.nn.Module"
+        )
+    raise ConfigError(
+        f"{who} takes a torch.nn.Module returning logits, or a model spec with "
+        f"build(seed=...) (e.g. the reference ModelConfig), got {type(model).__name__}"
+    )

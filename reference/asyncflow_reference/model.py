@@ -74,6 +74,11 @@ class ModelConfig:
     init_std: float = 0.02
     tie_embeddings: bool = False
 
+    def build(self, *, seed: int = 0) -> TransformerLM:
+        """The ``TransformerLM`` of this shape, initialised from ``seed`` (a ``ModelSpec``:
+        trainers that take a model spec build it this way)."""
+        return TransformerLM(self, seed=seed)
+
     def __post_init__(self) -> None:
         _check_int("vocab_size", self.vocab_size, 2, 2**31 - 1)
         _check_int("d_model", self.d_model, 1, 65_536)
