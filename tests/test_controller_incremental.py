@@ -25,7 +25,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core import controller as controller_module
 from asyncflow_core.contracts.errors import AsyncFlowError
 from asyncflow_core.contracts.protocols import (
     BatchMeta,
@@ -37,6 +36,7 @@ from asyncflow_core.contracts.protocols import (
     Selection,
     Tags,
 )
+from asyncflow_core.data import controller as controller_module
 from asyncflow_core.data.controller import TRACK_MIN_SLOTS, Controller
 from asyncflow_core.data.scheduling import (
     FillView,

@@ -234,7 +234,7 @@ def test_the_missing_field_error_lists_the_columns(model_dir: Path, data_file: P
 
 
 def test_engines_refuse_a_model_they_cannot_serve() -> None:
-    from asyncflow_core import registry
+    from asyncflow_core.engines import registry
 
     cfg: Any = config("model.name=tiny-qwen2")
     with pytest.raises(ConfigError, match=r"rollout\.engine = 'torch' serves the reference"):

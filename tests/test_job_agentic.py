@@ -81,7 +81,7 @@ def test_task_shorthand_and_agent_keys_are_checked() -> None:
 
 
 def test_the_agentic_tasks_warm_the_learning_rate_up() -> None:
-    from asyncflow_core import registry
+    from asyncflow_core.engines import registry
 
     clock = load_config(RunConfig, None, ["task=clock"])
     assert clock.lr_warmup_steps() == 20

@@ -135,6 +135,22 @@ def test_core_layers_import_only_downward() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_nothing_here_imports_an_old_path() -> None:
+    """The aliases are for users: every file of this repository imports the new paths."""
+    dirs = ["asyncflow_core", "adapters", "reference", "conformance", "tests", "benchmarks"]
+    dirs += ["examples", "tools"]
+    bad = []
+    for d in dirs:
+        for path in sorted((ROOT / d).rglob("*.py")):
+            if ".egg-info" in str(path) or (path.parent == CORE and path.stem in MOVED):
+                continue
+            for dep in _imports(path, _module_name(path, ROOT)):
+                parts = dep.split(".")
+                if parts[0] == "asyncflow_core" and len(parts) > 1 and parts[1] in MOVED:
+                    bad.append(f"{path.relative_to(ROOT)}: {dep}")
+    assert not bad, "old module paths imported:\n" + "\n".join(sorted(set(bad)))
+
+
 def _leaks() -> set[tuple[str, str]]:
     """(module, package) for every import across the boundaries the layout promises."""
     found: set[tuple[str, str]] = set()

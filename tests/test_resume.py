@@ -22,11 +22,11 @@ import pytest
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 
-from asyncflow_core import trace as tracing
 from asyncflow_core.contracts.errors import CheckpointError, ConfigError
 from asyncflow_core.contracts.protocols import SamplingParams
 from asyncflow_core.flow.rlflow import JobState, RLConfig, RLEngines, RLJob
 from asyncflow_core.infra.checkpoint import Checkpoints, _parse
+from asyncflow_core.observability import trace as tracing
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflow_core import scheduling
 from asyncflow_core.contracts.errors import BadRequestError, EngineError, SamplerError
 from asyncflow_core.contracts.protocols import (
     Candidates,
@@ -23,6 +22,7 @@ from asyncflow_core.contracts.protocols import (
     Selection,
     SupportsRankReplay,
 )
+from asyncflow_core.data import scheduling
 from asyncflow_core.data.scheduling import (
     GroupSampler,
     RankAwareSampler,

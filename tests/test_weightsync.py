@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from asyncflow_core import weightsync
 from asyncflow_core.contracts.errors import WeightSyncError
 from asyncflow_core.contracts.protocols import SupportsLoadWeights, WeightBucket, WeightSync
 from asyncflow_core.engines.process import free_port
+from asyncflow_core.sync import weightsync
 from asyncflow_core.sync.weightsync import (
     BlockingUpdate,
     BroadcastGroup,

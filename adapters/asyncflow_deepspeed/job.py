@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncflow_core import registry
 from asyncflow_core.contracts.protocols import TrainEngine
+from asyncflow_core.engines import registry
 
 
 def job_trainer(model: Any, *, cfg: Any, threads: int, platform: str) -> TrainEngine:

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from asyncflow_core import registry
 from asyncflow_core.contracts.errors import AsyncFlowError, ConfigError
 from asyncflow_core.contracts.protocols import (
     Batch,
@@ -47,6 +46,7 @@ from asyncflow_core.contracts.protocols import (
     SamplingParams,
     TrainEngine,
 )
+from asyncflow_core.engines import registry
 from asyncflow_core.engines.lmtrain import unique_named_tensors
 from asyncflow_core.training.rl import policy_gradient_loss
 from asyncflow_hf.compat import require_transformers

@@ -60,8 +60,6 @@ from typing import Any, Literal, TextIO, cast
 
 import torch
 
-from asyncflow_core import registry
-from asyncflow_core import trace as tracing
 from asyncflow_core.contracts.errors import CheckpointError, ConfigError, TaskFailedError
 from asyncflow_core.contracts.protocols import (
     Batch,
@@ -72,6 +70,7 @@ from asyncflow_core.contracts.protocols import (
     SamplingParams,
     TrainEngine,
 )
+from asyncflow_core.engines import registry
 from asyncflow_core.engines.process import ProcessInferenceEngine, ProcessTrainEngine
 from asyncflow_core.flow.agent import ToolAgentLoop, TrajectoryLimits
 from asyncflow_core.flow.config import keys, load_config, to_toml
@@ -88,6 +87,7 @@ from asyncflow_core.flow.tools import ToolRunner
 from asyncflow_core.flow.workflow import PipelineResult
 from asyncflow_core.infra.checkpoint import Checkpoints
 from asyncflow_core.infra.platform import Platform, get_platform, select_platform
+from asyncflow_core.observability import trace as tracing
 from asyncflow_core.observability.trace import Tracer
 from asyncflow_core.training.rl import (
     LOSS_MASK,
