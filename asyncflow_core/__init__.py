@@ -119,8 +119,8 @@ from asyncflow_core.infra.platform import (
     use_platform,
 )
 from asyncflow_core.observability.trace import Span, Tracer
-from asyncflow_core.sync.weightsync import (
-    BlockingUpdate,
+from asyncflow_core.sync.strategies import BlockingUpdate, HostBuffer, StagedUpdate, SyncTiming
+from asyncflow_core.sync.transports import (
     BroadcastGroup,
     DiskWeightSync,
     DistributedWeightReceiver,
@@ -128,10 +128,7 @@ from asyncflow_core.sync.weightsync import (
     EngineGroupWeightSync,
     GroupReceiver,
     GroupWire,
-    HostBuffer,
     InProcessWeightSync,
-    StagedUpdate,
-    SyncTiming,
     WeightSyncGroup,
     bucketize,
     read_weights,

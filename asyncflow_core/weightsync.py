@@ -1,18 +1,16 @@
-"""Moved to ``asyncflow_core.sync.weightsync`` (issue #26). This alias of the old path
-goes in the next release: import from the new path, or from ``asyncflow_core``."""
+"""Split into ``asyncflow_core.sync.transports`` and ``asyncflow_core.sync.strategies``
+(issue #26). This module re-exports both for one release: import from the new paths, or from
+``asyncflow_core``."""
 
-import sys
 import warnings
-from typing import TYPE_CHECKING
 
-from asyncflow_core.sync import weightsync as _moved
-
-if TYPE_CHECKING:
-    from asyncflow_core.sync.weightsync import *  # noqa: F403
+from asyncflow_core.sync.strategies import *  # noqa: F403
+from asyncflow_core.sync.transports import *  # noqa: F403
 
 warnings.warn(
-    "asyncflow_core.weightsync moved to asyncflow_core.sync.weightsync; import from there",
+    "asyncflow_core.weightsync moved to asyncflow_core.sync.transports (the transports) and "
+    "asyncflow_core.sync.strategies (BlockingUpdate, StagedUpdate, HostBuffer, SyncTiming); "
+    "import from there",
     DeprecationWarning,
     stacklevel=2,
 )
-sys.modules[__name__] = _moved

@@ -62,7 +62,7 @@ from asyncflow_reference.worker import InferenceWorker, Mode, SyncReport, Worker
 from asyncflow_core.contracts.protocols import WeightBucket
 from asyncflow_core.engines.process import free_port
 from asyncflow_core.infra.platform import gloo_listens_on, rendezvous_store
-from asyncflow_core.sync.weightsync import (
+from asyncflow_core.sync.transports import (
     DistributedWeightReceiver,
     DistributedWeightSync,
     WeightSyncGroup,

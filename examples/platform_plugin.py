@@ -26,7 +26,7 @@ import torch
 
 from asyncflow_core.engines.process import free_port
 from asyncflow_core.infra.platform import CpuPlatform, platforms, register_platform, use_platform
-from asyncflow_core.sync.weightsync import (
+from asyncflow_core.sync.transports import (
     DistributedWeightReceiver,
     DistributedWeightSync,
     WeightSyncGroup,

@@ -81,7 +81,7 @@ from asyncflow_reference.engines import TorchInferenceEngine
 
 from asyncflow_core.contracts.errors import AsyncFlowError
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
-from asyncflow_core.sync.weightsync import WeightSyncGroup
+from asyncflow_core.sync.transports import WeightSyncGroup
 
 PREFIX = "generate-tokens-"
 SAMPLING_KEYS = frozenset(

@@ -158,7 +158,7 @@ class TestLiveDeepSpeedOnNPU(TrainEngineConformance):
 RECEIVER = textwrap.dedent(
     """
     import asyncio, sys, torch
-    from asyncflow_core.sync.weightsync import DistributedWeightReceiver, WeightSyncGroup
+    from asyncflow_core.sync.transports import DistributedWeightReceiver, WeightSyncGroup
 
     class Target:
         async def load_weights(self, weights, version):
@@ -180,7 +180,7 @@ def test_live_hccl_weight_sync_between_two_npus(tmp_path: Path) -> None:
     """The trainer on NPU 0 broadcasts buckets over an hccl ``WeightSyncGroup`` to a receiver
     process on NPU 1; the receiver's tensors equal the sender's byte for byte."""
     from asyncflow_core.engines.process import free_port
-    from asyncflow_core.sync.weightsync import DistributedWeightSync, WeightSyncGroup, bucketize
+    from asyncflow_core.sync.transports import DistributedWeightSync, WeightSyncGroup, bucketize
 
     npu = NPUPlatform()
     if npu.device_count() < 2:

@@ -658,7 +658,7 @@ def test_rank_0_broadcasts_to_an_inference_worker_in_another_process() -> None:
 
     from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
     from asyncflow_core.engines.process import free_port
-    from asyncflow_core.sync.weightsync import DistributedWeightSync, WeightSyncGroup
+    from asyncflow_core.sync.transports import DistributedWeightSync, WeightSyncGroup
 
     port = free_port()
     worker = InferenceWorker(WorkerSpec(CONFIG, "127.0.0.1", port, 1, 2, seed=1, mode="staged"))

@@ -50,7 +50,7 @@ from asyncflow_core.contracts.protocols import (
     WeightSync,
 )
 from asyncflow_core.engines.process import ProcessInferenceEngine, ProcessTrainEngine
-from asyncflow_core.sync.weightsync import InProcessWeightSync, bucketize
+from asyncflow_core.sync.transports import InProcessWeightSync, bucketize
 from asyncflow_core.training.sampling import filter_logits, row_sampling, sampled_logprobs
 
 # A two-layer Qwen2-shaped model: small exported tensors (the simulator exports meta tensors

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from asyncflow_core.contracts.errors import WeightSyncError
 from asyncflow_core.contracts.protocols import WeightBucket
-from asyncflow_core.sync.weightsync import (
+from asyncflow_core.sync.transports import (
     _HEADER_SLOT,
     DiskWeightSync,
     DistributedWeightReceiver,

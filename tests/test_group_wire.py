@@ -11,7 +11,7 @@ from replay_sglang_server import flattened_layout, receive_flattened
 from replay_vllm_server import packed_chunks, receive_packed
 
 from asyncflow_core.contracts.errors import WeightSyncError
-from asyncflow_core.sync.weightsync import EngineGroupWeightSync, GroupWire, wire_dtype
+from asyncflow_core.sync.transports import EngineGroupWeightSync, GroupWire, wire_dtype
 
 
 def mixed() -> list[tuple[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ from asyncflow_hf.train import HFTrainEngine
 
 from asyncflow_core.engines.lmtrain import unique_named_tensors
 from asyncflow_core.flow.rlflow import RLEngines
-from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.sync.transports import InProcessWeightSync
 
 VOCAB = 64
 _MODELS: dict[str, Any] = {}

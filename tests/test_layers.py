@@ -44,11 +44,13 @@ MOVED = {
     "errors": "contracts", "protocols": "contracts", "trace": "observability",
     "platform": "infra", "httpclient": "infra", "checkpoint": "infra",
     "scheduling": "data", "controller": "data", "store": "data", "notify": "data",
-    "rl": "training", "sampling": "training", "weightsync": "sync",
+    "rl": "training", "sampling": "training", "weightsync": "sync",  # split: SPLIT
     "enginekit": "engines", "process": "engines", "lmtrain": "engines", "registry": "engines",
     "workflow": "flow", "staleness": "flow", "vclock": "flow", "rlflow": "flow",
     "agent": "flow", "chat": "flow", "tools": "flow", "config": "flow",
 }  # fmt: skip
+# old modules split in two: the old path re-exports the public names of both
+SPLIT = {"weightsync": ("sync.transports", "sync.strategies")}
 ENGINE_PACKAGES = {
     "asyncflow_reference", "asyncflow_deepspeed", "asyncflow_vllm", "asyncflow_sglang",
     "asyncflow_ascend", "asyncflow_ray", "asyncflow_hf", "asyncflow_serve", "asyncflow_tq",
@@ -279,7 +281,8 @@ def test_every_public_name_still_imports() -> None:
 
 def test_old_module_paths_are_aliases_that_warn() -> None:
     """``import asyncflow_core.store`` (a path before the split) still works for one release:
-    it is the moved module itself (so patching it patches the code) and warns where it moved."""
+    it is the moved module itself (so patching it patches the code) and warns where it moved.
+    A module split in two (``SPLIT``) re-exports both halves' public names."""
     script = f"""
 import importlib, json, warnings
 out = {{}}
@@ -287,8 +290,19 @@ for old, layer in {MOVED!r}.items():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mod = importlib.import_module("asyncflow_core." + old)
-    new = importlib.import_module(f"asyncflow_core.{{layer}}.{{old}}")
-    out[old] = [mod is new, [str(w.message) for w in caught if w.category is DeprecationWarning]]
+    msgs = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    halves = {SPLIT!r}.get(old)
+    if halves is None:
+        same = mod is importlib.import_module(f"asyncflow_core.{{layer}}.{{old}}")
+    else:
+        news = [importlib.import_module("asyncflow_core." + h) for h in halves]
+        names = [n for m in news for n in vars(m) if not n.startswith("_")
+                 and getattr(vars(m)[n], "__module__", None) == m.__name__]
+        same = bool(names) and all(
+            getattr(mod, n, None) is getattr(m, n) for m in news for n in vars(m)
+            if n in names
+        )
+    out[old] = [same, msgs]
 print(json.dumps(out))
 """
     proc = subprocess.run(
@@ -297,8 +311,10 @@ print(json.dumps(out))
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(got) == set(MOVED)
     for old, (same, warned) in got.items():
-        assert same, f"asyncflow_core.{old} is not the moved module"
-        assert any(f"asyncflow_core.{MOVED[old]}.{old}" in w for w in warned), (old, warned)
+        assert same, f"asyncflow_core.{old} does not give the moved names"
+        where = SPLIT.get(old, (f"{MOVED[old]}.{old}",))
+        for new in where:
+            assert any(f"asyncflow_core.{new}" in w for w in warned), (old, warned)
 
 
 def test_every_layer_opens_with_its_job() -> None:

@@ -49,7 +49,7 @@ from asyncflow_core.infra.platform import (
     set_platform,
     use_platform,
 )
-from asyncflow_core.sync.weightsync import (
+from asyncflow_core.sync.transports import (
     DistributedWeightReceiver,
     DistributedWeightSync,
     WeightSyncGroup,
@@ -300,7 +300,7 @@ def test_a_plugin_in_a_fresh_process_is_chosen_by_name_and_by_the_environment(
     write_plugin(tmp_path, "fakeaccel = fakeplat:FakeAccelerator")
     code = """
         from asyncflow_core.infra.platform import current_platform
-        from asyncflow_core.sync.weightsync import default_backend
+        from asyncflow_core.sync.transports import default_backend
         p = current_platform()
         print(p.name, type(p).__module__, default_backend())
     """
@@ -338,7 +338,7 @@ def test_with_torch_npu_but_no_cann_auto_is_cpu_and_npu_is_one_clear_error() -> 
         import importlib.util, json
         from asyncflow_core.contracts.errors import PlatformUnavailableError
         from asyncflow_core.infra.platform import select_platform, platforms
-        from asyncflow_core.sync.weightsync import WeightSyncGroup
+        from asyncflow_core.sync.transports import WeightSyncGroup
         out = {"found": importlib.util.find_spec("torch_npu") is not None}
         out["auto"] = select_platform().name
         try:

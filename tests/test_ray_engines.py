@@ -42,7 +42,7 @@ from asyncflow_core.contracts.protocols import (
     SupportsSleep,
     TrainEngine,
 )
-from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.sync.transports import InProcessWeightSync
 from asyncflow_core.training.rl import policy_gradient_loss
 
 TORCH_MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)

@@ -66,7 +66,7 @@ from asyncflow_core.contracts.protocols import (
     WeightBucket,
 )
 from asyncflow_core.engines.process import free_port
-from asyncflow_core.sync.weightsync import GroupReceiver
+from asyncflow_core.sync.transports import GroupReceiver
 from asyncflow_core.training.sampling import sampled_logprobs, sampling_columns
 
 HERE = Path(__file__).resolve().parent

@@ -46,7 +46,7 @@ from asyncflow_core.contracts.protocols import (
     WeightSync,
 )
 from asyncflow_core.flow.vclock import run_virtual
-from asyncflow_core.sync.weightsync import HostBuffer, StagedUpdate
+from asyncflow_core.sync.strategies import HostBuffer, StagedUpdate
 
 T = TypeVar("T")
 COST = CostModel()

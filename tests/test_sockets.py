@@ -32,7 +32,7 @@ from asyncflow_core.infra.platform import (
     listen_address,
     rendezvous_store,
 )
-from asyncflow_core.sync.weightsync import WeightSyncGroup
+from asyncflow_core.sync.transports import WeightSyncGroup
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/net/tcp").exists(), reason="the probe reads Linux's /proc"

@@ -1076,7 +1076,7 @@ async def vllm_session(version: str) -> list[Record]:
 
     from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams, WeightBucket
     from asyncflow_core.engines.process import free_port
-    from asyncflow_core.sync.weightsync import EngineGroupWeightSync, WeightSyncGroup
+    from asyncflow_core.sync.transports import EngineGroupWeightSync, WeightSyncGroup
 
     config = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
     server = ReplayVLLMServer(

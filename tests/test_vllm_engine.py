@@ -64,7 +64,7 @@ from asyncflow_core.contracts.errors import (
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams, WeightBucket
 from asyncflow_core.engines.process import free_port
 from asyncflow_core.infra.platform import get_platform
-from asyncflow_core.sync.weightsync import EngineGroupWeightSync, WeightSyncGroup
+from asyncflow_core.sync.transports import EngineGroupWeightSync, WeightSyncGroup
 
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
 

@@ -31,7 +31,7 @@ from replay_vllm_server import FirstTokenFreeze, ReplayVLLMServer
 from asyncflow_core.contracts.errors import ConfigError, EngineError, EngineUnavailableError
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams, WeightBucket
 from asyncflow_core.engines.process import free_port
-from asyncflow_core.sync.weightsync import EngineGroupWeightSync, GroupWire, WeightSyncGroup
+from asyncflow_core.sync.transports import EngineGroupWeightSync, GroupWire, WeightSyncGroup
 
 T = TypeVar("T")
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)

@@ -25,16 +25,14 @@ import torch
 from asyncflow_core.contracts.errors import WeightSyncError
 from asyncflow_core.contracts.protocols import SupportsLoadWeights, WeightBucket, WeightSync
 from asyncflow_core.engines.process import free_port
-from asyncflow_core.sync import weightsync
-from asyncflow_core.sync.weightsync import (
-    BlockingUpdate,
+from asyncflow_core.sync import transports
+from asyncflow_core.sync.strategies import BlockingUpdate, StagedUpdate, SyncTiming
+from asyncflow_core.sync.transports import (
     BroadcastGroup,
     DiskWeightSync,
     DistributedWeightReceiver,
     DistributedWeightSync,
     InProcessWeightSync,
-    StagedUpdate,
-    SyncTiming,
     WeightSyncGroup,
     bucketize,
     read_weights,
@@ -175,7 +173,7 @@ WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from asyncflow_core.sync.weightsync import (
+    from asyncflow_core.sync.transports import (
         DistributedWeightReceiver, DistributedWeightSync, bucketize, default_backend,
     )
 
@@ -625,7 +623,7 @@ class GatedLoopback(Loopback):
         self.gate, self.entered = threading.Event(), threading.Event()
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout_s: float | None = None) -> None:
-        if tensor.numel() > weightsync._HEADER_SLOT:
+        if tensor.numel() > transports._HEADER_SLOT:
             self.entered.set()
             assert self.gate.wait(60), "the test never opened the gate"
         super().broadcast(tensor, src, timeout_s=timeout_s)
@@ -697,7 +695,7 @@ def test_collectives_run_off_the_event_loop() -> None:
 def frame(header: dict[str, Any] | bytes) -> torch.Tensor:
     """A header as it travels: its length (8 bytes, little-endian), then its JSON, in one slot."""
     data = header if isinstance(header, bytes) else json.dumps(header).encode()
-    framed = (len(data).to_bytes(8, "little") + data).ljust(weightsync._HEADER_SLOT, b"\0")
+    framed = (len(data).to_bytes(8, "little") + data).ljust(transports._HEADER_SLOT, b"\0")
     return torch.frombuffer(bytearray(framed), dtype=torch.uint8)
 
 
@@ -721,7 +719,7 @@ BAD_WIRES = {  # what the receiver reads -> what its error says
     "op": ([frame({"op": "bucket!"})], "expected an object with 'op'"),
     "no-start": ([frame(bucket_header())], "expected a sync to start, got 'bucket'"),
     "version": ([START, frame({"op": "finish", "version": "v1"})], "version 'v1'"),
-    "size": ([torch.full((weightsync._HEADER_SLOT,), 255, dtype=torch.uint8)], "header size of"),
+    "size": ([torch.full((transports._HEADER_SLOT,), 255, dtype=torch.uint8)], "header size of"),
 }
 
 

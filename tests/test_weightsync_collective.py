@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from asyncflow_core.contracts.errors import WeightSyncError
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 from asyncflow_core.engines.process import free_port
-from asyncflow_core.sync.weightsync import (
+from asyncflow_core.sync.transports import (
     DistributedWeightReceiver,
     DistributedWeightSync,
     WeightSyncGroup,
@@ -53,7 +53,7 @@ TRAINER = textwrap.dedent(
     from safetensors.torch import save_file
     from asyncflow_conformance.engines import padded_batch
     from asyncflow_core.training.rl import policy_gradient_loss
-    from asyncflow_core.sync.weightsync import DistributedWeightSync, WeightSyncGroup
+    from asyncflow_core.sync.transports import DistributedWeightSync, WeightSyncGroup
     from asyncflow_reference.engines import TorchTrainEngine
     from asyncflow_reference.model import ModelConfig
 

@@ -18,7 +18,7 @@ import torch
 
 from asyncflow_core.contracts.protocols import WeightBucket
 from asyncflow_core.engines.process import free_port
-from asyncflow_core.sync.weightsync import (
+from asyncflow_core.sync.transports import (
     _HEADER_SLOT,
     DistributedWeightReceiver,
     DistributedWeightSync,

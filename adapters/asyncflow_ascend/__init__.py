@@ -3,7 +3,7 @@
 * ``NPUPlatform``: platform ``npu`` (``torch_npu``; hccl collectives), registered through the
   ``asyncflow.platforms`` entry point, so ``platform = "npu"`` selects it anywhere a platform
   is chosen (``asyncflow_core.infra.platform``).
-* HCCL weight sync: ``WeightSyncGroup(..., backend="hccl")`` (``asyncflow_core.sync.weightsync``)
+* HCCL weight sync: ``WeightSyncGroup(..., backend="hccl")`` (``asyncflow_core.sync.transports``)
   builds its group through this platform; ``DistributedWeightSync`` /
   ``DistributedWeightReceiver`` and ``EngineGroupWeightSync`` run over it unchanged.
 * vLLM on NPU (vllm-ascend): ``asyncflow_vllm`` picks vllm-ascend's ``hccl`` weight-transfer

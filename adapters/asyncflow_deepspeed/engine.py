@@ -51,7 +51,7 @@ from asyncflow_core.infra.platform import (
     rendezvous_store,
     select_platform,
 )
-from asyncflow_core.sync.weightsync import bucketize
+from asyncflow_core.sync.transports import bucketize
 from asyncflow_core.training.sampling import OFF_SUPPORT_METRIC
 from asyncflow_deepspeed.compat import require_deepspeed
 
@@ -139,7 +139,7 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
 
     **Weights**: ``export_weights(bucket_bytes)`` yields every parameter and persistent
     buffer under the module's ``state_dict`` names, full size, in the training dtype,
-    bucketed as ``asyncflow_core.sync.weightsync.bucketize`` does, *from rank 0 only*; the other
+    bucketed as ``asyncflow_core.sync.transports.bucketize`` does, *from rank 0 only*; the other
     ranks take part (under ZeRO-3 each bucket's parameters are gathered with
     ``deepspeed.zero.GatheredParameters``, so memory holds one bucket at a time) and yield
     nothing. **Checkpoints** are DeepSpeed's own (``save_checkpoint`` / ``load_checkpoint``,

@@ -2,7 +2,7 @@
 group of their own; the driver only says when.
 
 ``RayDirectWeightSync(trainer, engines)`` is a staged update (AsyncFlow's delayed parameter
-update, as ``asyncflow_core.sync.weightsync.StagedUpdate``) whose bytes never pass through the
+update, as ``asyncflow_core.sync.strategies.StagedUpdate``) whose bytes never pass through the
 driver:
 
 * **group** (built at the first sync, and again after an engine was taken out): a
@@ -41,11 +41,10 @@ from asyncflow_core.contracts.errors import EngineLostError, WeightSyncError
 from asyncflow_core.contracts.protocols import SupportsPause, Version
 from asyncflow_core.engines.process import free_port
 from asyncflow_core.infra.checkpoint import failpoint
-from asyncflow_core.sync.weightsync import (
+from asyncflow_core.sync.strategies import HostBuffer, SyncTiming
+from asyncflow_core.sync.transports import (
     DistributedWeightReceiver,
     DistributedWeightSync,
-    HostBuffer,
-    SyncTiming,
     WeightSyncGroup,
 )
 from asyncflow_ray.engines import RayInferenceEngine, RayTrainEngine

@@ -43,7 +43,7 @@ from asyncflow_core.engines.enginekit import (
     parse_version,
     require_module,
 )
-from asyncflow_core.sync.weightsync import GroupWire
+from asyncflow_core.sync.transports import GroupWire
 
 from .compat import (
     INSTALL,

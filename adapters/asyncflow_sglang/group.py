@@ -25,11 +25,7 @@ import torch
 
 from asyncflow_core.contracts.errors import WeightSyncError
 from asyncflow_core.infra.platform import gloo_listens_on, platform_for_backend, rendezvous_store
-from asyncflow_core.sync.weightsync import (
-    EngineGroupWeightSync,
-    GroupReceiver,
-    default_backend,
-)
+from asyncflow_core.sync.transports import EngineGroupWeightSync, GroupReceiver, default_backend
 
 __all__ = [
     "DEFAULT_GROUP_NAME",

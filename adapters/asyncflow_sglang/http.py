@@ -112,7 +112,7 @@ from asyncflow_core.engines.enginekit import (
     versions_from_spans,
 )
 from asyncflow_core.infra.httpclient import JsonClient
-from asyncflow_core.sync.weightsync import GroupWire
+from asyncflow_core.sync.transports import GroupWire
 
 from .compat import (
     GREEDY_BELOW,
@@ -744,7 +744,7 @@ class SGLangHTTPEngine:
             raise EngineError(
                 f"{self.who}: load_weights cannot send {len(weights)} tensors to an SGLang "
                 "server over HTTP; send them with asyncflow_sglang.SGLangWeightSync (or "
-                "asyncflow_core.sync.weightsync.EngineGroupWeightSync with make_group="
+                "asyncflow_core.sync.transports.EngineGroupWeightSync with make_group="
                 "asyncflow_sglang.sglang_group), or save them and call "
                 "update_weights_from_disk(path, version)"
             )

@@ -64,7 +64,7 @@ from asyncflow_core.engines.enginekit import (
     versions_from_spans,
 )
 from asyncflow_core.infra.platform import Platform, current_platform, select_platform
-from asyncflow_core.sync.weightsync import GroupWire
+from asyncflow_core.sync.transports import GroupWire
 from asyncflow_vllm.compat import (
     NO_INFLIGHT_LOAD,
     PACKED_BUFFER_BYTES,

@@ -102,7 +102,7 @@ from asyncflow_core.engines.enginekit import (
     versions_from_spans,
 )
 from asyncflow_core.infra.httpclient import JsonClient
-from asyncflow_core.sync.weightsync import GroupWire
+from asyncflow_core.sync.transports import GroupWire
 from asyncflow_vllm.compat import (
     INSTALL_CLIENT,
     NO_INFLIGHT_LOAD,
@@ -514,7 +514,7 @@ class VLLMHTTPEngine:
             raise EngineError(
                 f"{self.name}: load_weights got {len(weights)} tensors, but tensors cannot "
                 "travel through vLLM's HTTP routes; sync them with "
-                "asyncflow_core.sync.weightsync.EngineGroupWeightSync(engines=[...], "
+                "asyncflow_core.sync.transports.EngineGroupWeightSync(engines=[...], "
                 "master_address=..., master_port=...) (this engine receives over vLLM's NCCL "
                 "weight-transfer group), or call load_weights((), version) to set the version "
                 "only"

@@ -47,7 +47,7 @@ import torch
 
 from asyncflow_core.contracts.errors import WeightSyncError
 from asyncflow_core.contracts.protocols import Version, WeightBucket
-from asyncflow_core.sync.weightsync import _Phases
+from asyncflow_core.sync.transports import _Phases
 from asyncflow_vllm.compat import INSTALL_ASCEND
 from asyncflow_vllm.engine import VLLMEngine
 

@@ -38,7 +38,7 @@ import torch
 
 from asyncflow_core.contracts.errors import ConfigError, WeightSyncError
 from asyncflow_core.infra.platform import Platform, current_platform, get_platform, select_platform
-from asyncflow_core.sync.weightsync import EngineGroupWeightSync, GroupFactory, GroupReceiver
+from asyncflow_core.sync.transports import EngineGroupWeightSync, GroupFactory, GroupReceiver
 from asyncflow_vllm.compat import INSTALL_ASCEND, require_vllm
 
 WEIGHT_TRANSFER_BACKENDS: dict[str, tuple[str, str | None]] = {

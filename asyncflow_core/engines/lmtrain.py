@@ -58,7 +58,7 @@ from asyncflow_core.contracts.errors import (
     EngineError,
 )
 from asyncflow_core.contracts.protocols import Batch, LossFn, TrainMetrics, Version, WeightBucket
-from asyncflow_core.sync.weightsync import bucketize
+from asyncflow_core.sync.transports import bucketize
 from asyncflow_core.training.rl import LOSS_MASK
 from asyncflow_core.training.sampling import OFF_SUPPORT_METRIC, row_sampling, sampled_logprobs
 

@@ -120,13 +120,8 @@ from asyncflow_core.flow.staleness import AdmissionController
 from asyncflow_core.flow.workflow import Pipeline, PipelineResult, Source, Task, TaskOutput
 from asyncflow_core.infra.checkpoint import Checkpoints, failpoint
 from asyncflow_core.observability.trace import Tracer
-from asyncflow_core.sync.weightsync import (
-    InProcessWeightSync,
-    StagedUpdate,
-    SyncTiming,
-    _pause,
-    _resume,
-)
+from asyncflow_core.sync.strategies import StagedUpdate, SyncTiming, _pause, _resume
+from asyncflow_core.sync.transports import InProcessWeightSync
 from asyncflow_core.training.rl import (
     LOSS_MASK,
     PROX_LOGPROBS,

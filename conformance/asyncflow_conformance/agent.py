@@ -137,7 +137,7 @@ from asyncflow_core.flow.agent import (
     TrajectoryLimits,
 )
 from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
-from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.sync.transports import InProcessWeightSync
 from asyncflow_core.training.rl import LOSS_MASK, PROX_LOGPROBS, REF_LOGPROBS, policy_gradient_loss
 from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 

@@ -59,7 +59,7 @@ from asyncflow_core.contracts.protocols import (
     WeightSync,
 )
 from asyncflow_core.data.store import InProcessDataStore
-from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.sync.transports import InProcessWeightSync
 from asyncflow_core.training.rl import policy_gradient_loss, response_mask
 from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 

@@ -46,7 +46,7 @@ from asyncflow_core.contracts.protocols import (
     Version,
     WeightBucket,
 )
-from asyncflow_core.sync.weightsync import bucketize
+from asyncflow_core.sync.transports import bucketize
 
 # --------------------------------------------------------------------------------------------
 # Cost model

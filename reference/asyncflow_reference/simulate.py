@@ -33,7 +33,7 @@ from asyncflow_core.contracts.protocols import SamplingParams, SupportsLoadWeigh
 from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, RLResult, SyncStrategy
 from asyncflow_core.flow.vclock import run_virtual
 from asyncflow_core.observability.trace import Tracer
-from asyncflow_core.sync.weightsync import InProcessWeightSync
+from asyncflow_core.sync.transports import InProcessWeightSync
 from asyncflow_reference.presets import SimPreset
 from asyncflow_reference.sim import (
     RayCosts,

@@ -49,7 +49,8 @@ from asyncflow_core.contracts.protocols import (
     SamplingParams,
     Version,
 )
-from asyncflow_core.sync.weightsync import DistributedWeightReceiver, StagedUpdate, WeightSyncGroup
+from asyncflow_core.sync.strategies import StagedUpdate
+from asyncflow_core.sync.transports import DistributedWeightReceiver, WeightSyncGroup
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig
 

@@ -1,13 +1,11 @@
 """WeightSync transports: move weight buckets from a trainer to inference engines, in the
 phases of the WeightSync protocol (init -> start -> update(bucket) x N -> finish(version)):
-in process, as a bucketed broadcast to inference engines in other processes, or as
-safetensors files on disk.
+in process, as a bucketed broadcast to inference engines in other processes, over the
+engines' own weight groups, or as safetensors files on disk.
 
 Every transport stages a sync's buckets and applies them to its targets only at
 ``finish(version)``, so a target never holds a mix of two versions. *When* an engine swaps is
-the strategy's business: ``BlockingUpdate`` pauses the engines for the whole transfer,
-``StagedUpdate`` (the paper's delayed update) transfers into a host buffer while they keep
-generating and exposes only the swap at the next safe point.
+the strategy's business (``asyncflow_core.sync.strategies``).
 
 The broadcast: ``DistributedWeightSync`` on the trainer's sending rank,
 ``DistributedWeightReceiver`` in each inference process, over a ``WeightSyncGroup`` (a process
@@ -31,7 +29,7 @@ import queue
 import shutil
 import threading
 import uuid
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeGuard, TypeVar, runtime_checkable
@@ -41,10 +39,8 @@ import torch
 from asyncflow_core.contracts.errors import PlatformError, WeightSyncError
 from asyncflow_core.contracts.protocols import (
     SupportsLoadWeights,
-    SupportsPause,
     Version,
     WeightBucket,
-    WeightSync,
 )
 from asyncflow_core.infra.platform import current_platform, platform_for_backend, rendezvous_store
 
@@ -115,7 +111,7 @@ def _check_version(transport: str, version: object) -> None:
         )
 
 
-async def _apply(
+async def load_all(
     targets: Sequence[SupportsLoadWeights], weights: Weights, version: Version
 ) -> None:
     """Every target loads concurrently (each engine swaps on its own devices)."""
@@ -156,7 +152,7 @@ class InProcessWeightSync:
         self._phases.expect("finish")
         _check_version("InProcessWeightSync", version)
         weights, self._staged = self._staged, []
-        await _apply(self.targets, weights, version)
+        await load_all(self.targets, weights, version)
         self._phases.move("finish")
 
 
@@ -240,7 +236,7 @@ class DiskWeightSync:
         self._prune()
         if self.targets:
             weights, _ = read_weights(final)
-            await _apply(self.targets, weights, version)
+            await load_all(self.targets, weights, version)
         self._phases.move("finish")
 
     def _prune(self) -> None:
@@ -1703,165 +1699,3 @@ def _packed(bucket: WeightBucket, device: str | torch.device | None) -> WeightBu
     _pack_into(buffer, tensors, offsets)
     views = (_region(buffer, o, t.dtype, t.shape) for t, o in zip(tensors, offsets, strict=True))
     return WeightBucket(bucket.names, tuple(views), snapshot=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Strategies: when the inference side swaps
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class SyncTiming:
-    """Where a sync's time went: ``transfer_s`` moving buckets, ``swap_s`` loading them into
-    the engines, ``exposed_s`` the part during which the engines could not generate."""
-
-    version: Version
-    transfer_s: float
-    swap_s: float
-    exposed_s: float
-
-    @property
-    def hidden_s(self) -> float:
-        return self.transfer_s + self.swap_s - self.exposed_s
-
-
-class HostBuffer:
-    """A host-side staging target: keeps the latest complete set of weights a transport
-    delivered until ``take()`` hands it over (an older, untaken set is replaced)."""
-
-    def __init__(self) -> None:
-        self._pending: tuple[Weights, Version] | None = None
-
-    async def load_weights(
-        self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
-    ) -> None:
-        self._pending = (list(weights), version)
-
-    @property
-    def pending_version(self) -> Version | None:
-        return None if self._pending is None else self._pending[1]
-
-    def take(self) -> tuple[Weights, Version] | None:
-        pending, self._pending = self._pending, None
-        return pending
-
-
-Buckets = Iterable[WeightBucket] | AsyncIterable[WeightBucket]
-
-
-async def _send(transport: WeightSync, buckets: Buckets, version: Version) -> None:
-    await transport.start()
-    if isinstance(buckets, AsyncIterable):
-        async for bucket in buckets:
-            await transport.update(bucket)
-    else:
-        for bucket in buckets:
-            await transport.update(bucket)
-    await transport.finish(version)
-
-
-class BlockingUpdate:
-    """Pause every engine (``SupportsPause``, mode ``pause_mode``), move the weights straight
-    into them, resume: the whole sync is exposed. The baseline the staged update beats."""
-
-    def __init__(
-        self,
-        engines: Sequence[SupportsLoadWeights],
-        make_transport: Callable[[Sequence[SupportsLoadWeights]], WeightSync] = InProcessWeightSync,
-        pause_mode: Literal["abort", "keep"] = "keep",
-    ) -> None:
-        self.engines = list(engines)
-        self.transport = make_transport(self.engines)
-        self.pause_mode = pause_mode
-        self._ready = False
-
-    async def sync(self, buckets: Buckets, version: Version) -> SyncTiming:
-        if not self._ready:
-            await self.transport.init()
-            self._ready = True
-        t0 = _loop_time()
-        try:  # a pause cut short (cancelled, failed) still resumes every engine
-            await _pause(self.engines, self.pause_mode)
-            await _send(self.transport, buckets, version)
-        finally:
-            await _resume(self.engines)
-        total = _loop_time() - t0
-        return SyncTiming(version, transfer_s=total, swap_s=0.0, exposed_s=total)
-
-
-class StagedUpdate:
-    """AsyncFlow's delayed parameter update. ``sync`` moves the buckets into a ``HostBuffer``
-    while the engines keep generating with the old weights (hidden); ``apply`` — called by the
-    rollout loop at its next safe point, e.g. between batches — pauses the engines just long
-    enough to load the staged weights (exposed), then resumes them. ``apply`` with nothing
-    staged returns None at once."""
-
-    def __init__(
-        self,
-        engines: Sequence[SupportsLoadWeights],
-        make_transport: Callable[[Sequence[SupportsLoadWeights]], WeightSync] = InProcessWeightSync,
-        pause_mode: Literal["abort", "keep"] = "keep",
-    ) -> None:
-        self.engines = list(engines)
-        self.buffer = HostBuffer()
-        self.transport = make_transport([self.buffer])
-        self.pause_mode = pause_mode
-        self._ready = False
-        self._transfer_s: dict[Version, float] = {}
-        self._lock: asyncio.Lock | None = None  # one swap at a time (made on the loop)
-
-    @property
-    def pending_version(self) -> Version | None:
-        return self.buffer.pending_version
-
-    async def sync(self, buckets: Buckets, version: Version) -> float:
-        """Stage ``version``; returns the transfer seconds (hidden from generation)."""
-        if not self._ready:
-            await self.transport.init()
-            self._ready = True
-        t0 = _loop_time()
-        await _send(self.transport, buckets, version)
-        self._transfer_s[version] = _loop_time() - t0
-        return self._transfer_s[version]
-
-    async def apply(self) -> SyncTiming | None:
-        """Load the newest staged version into the engines (paused meanwhile) and return its
-        timing; None if nothing is staged. Callers at concurrent safe points take turns: a
-        second caller waits for the first swap to end, then applies what is staged by then
-        (so the engines load versions in order, and never resume while another swap is
-        loading)."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            return await self._apply_staged()
-
-    async def _apply_staged(self) -> SyncTiming | None:
-        staged = self.buffer.take()
-        if staged is None:
-            return None
-        weights, version = staged
-        t0 = _loop_time()
-        try:  # a pause cut short (the job stopping mid-swap) still resumes every engine
-            await _pause(self.engines, self.pause_mode)
-            await _apply(self.engines, weights, version)
-        finally:
-            await _resume(self.engines)
-        swap = _loop_time() - t0
-        transfer = self._transfer_s.pop(version, 0.0)
-        self._transfer_s = {v: s for v, s in self._transfer_s.items() if v > version}
-        return SyncTiming(version, transfer_s=transfer, swap_s=swap, exposed_s=swap)
-
-
-async def _pause(engines: Sequence[object], mode: Literal["abort", "keep"]) -> None:
-    for engine in engines:
-        if isinstance(engine, SupportsPause):
-            await engine.pause(mode)
-
-
-async def _resume(engines: Sequence[object]) -> None:
-    for engine in engines:
-        if isinstance(engine, SupportsPause):
-            await engine.resume()
-
-
-def _loop_time() -> float:
-    """Seconds on the running loop's clock (virtual when simulated)."""
-    return asyncio.get_running_loop().time()
