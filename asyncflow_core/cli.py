@@ -1,8 +1,8 @@
 """The ``asyncflow`` command line: ``run`` (the main job), ``selfcheck`` (a streaming store run),
 ``trace summarize FILE`` (the summary of a Chrome-trace file written by
-``asyncflow_core.observability.trace``),
-``simulate --preset NAME`` (a simulated cluster run of the RL pipeline, colocated vs async),
-``platforms`` (the platforms known here, which can run, and why not).
+``asyncflow_core.observability.trace``), ``simulate --preset NAME`` (a simulated cluster run of
+the RL pipeline, colocated vs async), ``platforms`` (the platforms known here, which can run,
+and why not).
 """
 
 from __future__ import annotations

@@ -425,8 +425,7 @@ class TestProcessTrainEngine(TrainEngineConformance):
 
 class TestProcessInferenceEngine(InferenceEngineConformance):
     """The reference rollout engine hosted in a child process (asyncflow_core.engines.process):
-    every
-    law through the pipe, the engine's own progress evidence not forwarded (the laws pace
+    every law through the pipe, the engine's own progress evidence not forwarded (the laws pace
     themselves)."""
 
     vocab_size = TORCH_MODEL.vocab_size

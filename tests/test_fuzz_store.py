@@ -4,9 +4,8 @@ Every example builds a fresh store holding a few rows (one leased), makes one ca
 arguments are drawn from bad partitions, fields, rows, tags, tensors of odd dtypes and shapes,
 NaN, huge and negative numbers and wrong types, and checks the contract: the call either
 succeeds or raises a ``DataStoreError`` (``asyncflow_core.contracts.errors``), and a call that
-raised
-left the store as it was (every storage unit's cells, object for object, and every partition's
-counters). No call may wait: timeouts are drawn from values that never block.
+raised left the store as it was (every storage unit's cells, object for object, and every
+partition's counters). No call may wait: timeouts are drawn from values that never block.
 """
 
 from __future__ import annotations

@@ -98,11 +98,11 @@ def _imports(path: Path, module: str) -> Iterator[str]:
                     yield arg.value
 
 
-def _sources(*dirs: Path) -> Iterator[tuple[str, Path, Path]]:
+def _sources(*dirs: Path) -> Iterator[tuple[str, Path]]:
     for d in dirs:
         for path in sorted(d.rglob("*.py")):
             if ".egg-info" not in str(path):
-                yield _module_name(path, d.parent), path, d.parent
+                yield _module_name(path, d.parent), path
 
 
 def _core_layer(module: str) -> str | None:
@@ -110,17 +110,15 @@ def _core_layer(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "asyncflow_core" or len(parts) == 1:
         return None
-    if parts[1] in RANK:
+    if parts[1] in RANK:  # a layer folder, or cli.py
         return parts[1]
-    if parts[1] == "cli":
-        return "cli"
     return None  # an alias of a moved module (it imports its new home)
 
 
 def test_core_layers_import_only_downward() -> None:
     bad = []
     modules = 0
-    for name, path, _ in _sources(CORE):
+    for name, path in _sources(CORE):
         mine = _core_layer(name)
         if mine is None:
             continue
@@ -156,18 +154,18 @@ def test_nothing_here_imports_an_old_path() -> None:
 def _leaks() -> set[tuple[str, str]]:
     """(module, package) for every import across the boundaries the layout promises."""
     found: set[tuple[str, str]] = set()
-    for name, path, _ in _sources(CORE):
+    for name, path in _sources(CORE):
         for dep in _imports(path, name):
             if dep.split(".")[0] in ENGINE_PACKAGES | {"asyncflow_conformance"}:
                 found.add((name, dep.split(".")[0]))
     adapters = [p for p in sorted((ROOT / "adapters").iterdir()) if (p / "__init__.py").exists()]
-    for name, path, _ in _sources(*adapters):
+    for name, path in _sources(*adapters):
         for dep in _imports(path, name):
             top = dep.split(".")[0]
             other_adapter = top in ADAPTERS and top != name.split(".")[0]
             if top == "asyncflow_reference" or (other_adapter and not _adapter_may_use(name, top)):
                 found.add((name, top))
-    for name, path, _ in _sources(ROOT / "reference" / "asyncflow_reference"):
+    for name, path in _sources(ROOT / "reference" / "asyncflow_reference"):
         for dep in _imports(path, name):
             if dep.split(".")[0] in ADAPTERS:
                 found.add((name, dep.split(".")[0]))
@@ -227,9 +225,9 @@ def test_no_import_cycles_between_modules(package: str) -> None:
         "asyncflow_conformance": ROOT / "conformance" / "asyncflow_conformance",
         "asyncflow_reference": ROOT / "reference" / "asyncflow_reference",
     }[package]
-    names = {name for name, _, _ in _sources(base)}
+    names = {name for name, _ in _sources(base)}
     graph: dict[str, set[str]] = {}
-    for name, path, _ in _sources(base):
+    for name, path in _sources(base):
         if package == "asyncflow_core" and _core_layer(name) is None:
             continue  # the package facade and the old-path aliases import everything
         deps = set()

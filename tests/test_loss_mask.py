@@ -1,6 +1,5 @@
-"""The ``loss_mask`` field of multi-turn rows (``asyncflow_core.training.rl.LOSS_MASK``): every
-loss and
-every trainer counts exactly the masked-in (policy-generated) response tokens.
+"""The ``loss_mask`` field of multi-turn rows (``asyncflow_core.training.rl.LOSS_MASK``): every loss
+and every trainer counts exactly the masked-in (policy-generated) response tokens.
 
 The oracles do not restate the implementation: a masked loss must equal the same loss on a
 batch that holds only the masked-in tokens, and a trainer's update from a row whose tail is

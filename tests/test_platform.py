@@ -1,11 +1,9 @@
 """The platform layer (``asyncflow_core.infra.platform``) and the Ascend platform's paths that can
-be
-checked without Ascend hardware: selection when ``torch_npu`` is absent, and when it is
-installed but CANN is not (the real torch_npu wheel, installed by ``make`` into
-``.venv/torch-npu-probe`` and put on ``PYTHONPATH`` of a child process only); plugins
-registered through a real entry point (a distribution written into a temporary folder); and
-the hccl transport's bucketing, run through ``NPUPlatform.new_process_group`` with torch_npu's
-process-group class stood in for by gloo."""
+be checked without Ascend hardware: selection when ``torch_npu`` is absent, and when it is installed
+but CANN is not (the real torch_npu wheel, installed by ``make`` into ``.venv/torch-npu-probe`` and
+put on ``PYTHONPATH`` of a child process only); plugins registered through a real entry point (a
+distribution written into a temporary folder); and the hccl transport's bucketing, run through
+``NPUPlatform.new_process_group`` with torch_npu's process-group class stood in for by gloo."""
 
 from __future__ import annotations
 

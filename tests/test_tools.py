@@ -1,6 +1,5 @@
 """``asyncflow_core.flow.tools``: parsing tool calls, running them with limits, and failures fed
-back
-to the model rather than raised."""
+back to the model rather than raised."""
 
 from __future__ import annotations
 

@@ -36,8 +36,7 @@ def launch(
 ) -> SPMDTrainEngine:
     """``world_size`` rank processes, each a ``DeepSpeedTrainEngine(model, **kwargs)``, driven
     as one ``TrainEngine`` from this process (``asyncflow_core.engines.process.SPMDTrainEngine``:
-    the
-    batch is split over the ranks, rank 0 exports the weights). ``threads``: torch threads per
+    the batch is split over the ranks, rank 0 exports the weights). ``threads``: torch threads per
     rank. ``model`` and ``kwargs`` must pickle. Checks that DeepSpeed is installed first."""
     require_deepspeed()
     for key in ("init_method", "rank", "world_size"):

@@ -114,18 +114,16 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
     ``prompt`` and ``response`` in any store layout; ``compute_logprobs`` returns ``[B, R]``
     fp32 log-probs of the response tokens under each row's sampling distribution (its
     ``temperature``/``top_k``/``top_p`` fields, ``asyncflow_core.training.sampling``; the
-    constructor's
-    ``temperature`` for a batch without them), the quantity the loss gets too;
-    ``extra["logprobs_off_support"]`` counts the tokens found off their support.
-    ``train_step(batch, loss_fn)`` splits this rank's rows into micro-batches of
-    ``micro_batch_size`` and runs DeepSpeed's own accumulation: ``engine(x)``,
-    ``engine.backward(loss)`` per micro-batch with the accumulation boundary set on the last
-    (``set_gradient_accumulation_boundary``), then one ``engine.step()``. Each micro-batch's
-    loss is weighted by its share of the *whole* batch's response tokens (all ranks), times
-    the world size because DeepSpeed averages gradients over ranks, so the step equals one
-    full-batch step of a token-mean loss however the rows are spread. The ranks agree on
-    the number of micro-batches (a rank with fewer runs zero-weight ones: ZeRO-3 gathers
-    parameters collectively in every forward).
+    constructor's ``temperature`` for a batch without them), the quantity the loss gets too;
+    ``extra["logprobs_off_support"]`` counts the tokens found off their support. ``train_step(batch,
+    loss_fn)`` splits this rank's rows into micro-batches of ``micro_batch_size`` and runs
+    DeepSpeed's own accumulation: ``engine(x)``, ``engine.backward(loss)`` per micro-batch with the
+    accumulation boundary set on the last (``set_gradient_accumulation_boundary``), then one
+    ``engine.step()``. Each micro-batch's loss is weighted by its share of the *whole* batch's
+    response tokens (all ranks), times the world size because DeepSpeed averages gradients over
+    ranks, so the step equals one full-batch step of a token-mean loss however the rows are spread.
+    The ranks agree on the number of micro-batches (a rank with fewer runs zero-weight ones: ZeRO-3
+    gathers parameters collectively in every forward).
 
     **Failures change nothing, on every rank alike**: a bad batch on any rank is rejected by
     all of them before any compute; a loss that raises or is not finite stops the step

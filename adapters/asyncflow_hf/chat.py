@@ -28,9 +28,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 class HFChatFormat:
     """A ``ChatFormat`` (``asyncflow_core.flow.chat``) over a Hugging Face ``tokenizer`` and its
-    chat
-    template: ``prompt`` is ``apply_chat_template`` itself, ``followup`` renders only what comes
-    after a finished assistant turn, ``parse`` reads Hermes ``<tool_call>`` blocks.
+    chat template: ``prompt`` is ``apply_chat_template`` itself, ``followup`` renders only what
+    comes after a finished assistant turn, ``parse`` reads Hermes ``<tool_call>`` blocks.
 
     **Stop tokens.** ``stop_token_ids`` when given; otherwise the tokenizer's ``eos_token_id``,
     then each of ``END_OF_TURN_TOKENS`` (``<|im_end|>``, ``<|eot_id|>``, ``<|end|>``,

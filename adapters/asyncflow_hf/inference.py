@@ -17,13 +17,12 @@ itself is never patched):
   adapter installs its own per-request sampler as the manager's only logits processor (a
   ``ContinuousBatchingLogitsProcessor``, the manager's own extension type): for each row it
   applies ``asyncflow_core.training.sampling.filter_logits`` with the request's knobs, draws from
-  the
-  request's own generator (``SamplingParams.seed``) or the engine's, records the token, its
-  log-prob under that distribution (greedy: temperature 1, unfiltered) and the weight
-  version, and hands the manager a distribution with all its mass on that token, which the
-  manager (built with ``do_sample=False``) takes by argmax. The model folder's
-  ``generation_config.json`` (a repetition penalty, a default top-k) is not applied: the
-  request's ``SamplingParams`` are the only knobs (a warning names the fields it ignores).
+  the request's own generator (``SamplingParams.seed``) or the engine's, records the token, its
+  log-prob under that distribution (greedy: temperature 1, unfiltered) and the weight version, and
+  hands the manager a distribution with all its mass on that token, which the manager (built with
+  ``do_sample=False``) takes by argmax. The model folder's ``generation_config.json`` (a repetition
+  penalty, a default top-k) is not applied: the request's ``SamplingParams`` are the only knobs (a
+  warning names the fields it ignores).
 * **Finish reasons.** ``GenerationOutput`` has none: ``stop`` when the last token is one of
   the request's stop ids (the tokenizer's EOS plus ``stop_token_ids``), else ``length``.
 * **Abort.** ``cancel_request`` drops a request without an output (``scheduler.py``): the

@@ -120,12 +120,11 @@ class VLLMEngine:
     must run with ``logprobs_mode="processed_logprobs"`` (after temperature, top-k, top-p:
     ``vllm/v1/sample/ops/topk_topp_sampler.py``, ``TopKTopPSampler.forward_native``; the
     semantics of ``asyncflow_core.training.sampling``); a wrapped engine with another mode is
-    refused
-    unless ``allow_raw_logprobs=True``, and then every request its raw log-probs cannot
-    describe (a temperature other than 0 or 1, top-k, top-p) is refused with ``EngineError``:
-    raw log-probs equal the sampling distribution's only at temperature 1 without filters (and
-    for greedy requests, which vLLM reports at temperature 1 unfiltered:
-    ``vllm/sampling_params.py``, ``SamplingParams.__post_init__``).
+    refused unless ``allow_raw_logprobs=True``, and then every request its raw log-probs cannot
+    describe (a temperature other than 0 or 1, top-k, top-p) is refused with ``EngineError``: raw
+    log-probs equal the sampling distribution's only at temperature 1 without filters (and for
+    greedy requests, which vLLM reports at temperature 1 unfiltered: ``vllm/sampling_params.py``,
+    ``SamplingParams.__post_init__``).
 
     ``weight_group_ranks``: the engine's workers in a weight-sync group (default: its
     parallel config's world size times its data-parallel size).

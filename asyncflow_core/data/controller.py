@@ -61,6 +61,15 @@ TRACK_MIN_SLOTS = 4096
 _NO_FLOOR = np.iinfo(np.int64).max
 
 
+def _add_codes(gcount: np.ndarray[Any, np.dtype[np.int64]], codes: IntArray, sign: int) -> None:
+    """``gcount[code] += sign`` for each of ``codes`` (repeats counted)."""
+    if codes.size <= _FEW:  # np.add.at's set-up costs more than a few adds
+        for code in codes.tolist():
+            gcount[code] += sign
+    elif codes.size:
+        np.add.at(gcount, codes, sign)
+
+
 def _tracks(ts: _TaskState, cols: IntArray) -> bool:
     """``ts``'s incremental state is kept for requests of exactly ``cols``."""
     return ts.cols is not None and len(ts.cols) == len(cols) and ts.cols == tuple(cols.tolist())
@@ -446,14 +455,7 @@ class _Partition:
         live grouped rows it had not consumed leave it), never another task's."""
         if ts.gcount is not None and slots.size:
             g = self.group[slots]
-            codes = g[self.alive[slots] & (g >= 0) & ~ts.consumed[slots]]
-            if codes.size:
-                gcount = ts.gcount
-                if codes.size <= _FEW:
-                    for code in codes.tolist():
-                        gcount[code] -= 1
-                else:
-                    np.subtract.at(gcount, codes, 1)
+            _add_codes(ts.gcount, g[self.alive[slots] & (g >= 0) & ~ts.consumed[slots]], -1)
         ts.consumed[slots] = True
 
     def count_slots(self, slots: IntArray, sign: int) -> None:
@@ -476,12 +478,7 @@ class _Partition:
                 grown = np.zeros(max(top, 2 * ts.gcount.shape[0]), dtype=np.int64)
                 grown[: ts.gcount.shape[0]] = ts.gcount
                 ts.gcount = grown
-            if codes.size <= _FEW:  # np.add.at's set-up costs more than a few adds
-                gcount = ts.gcount
-                for code in codes.tolist():
-                    gcount[code] += sign
-            else:
-                np.add.at(ts.gcount, codes, sign)
+            _add_codes(ts.gcount, codes, sign)
 
 
 class Controller:

@@ -21,6 +21,7 @@ that each maps the engine onto the ``InferenceEngine`` protocol the same way:
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import importlib
 import math
@@ -393,8 +394,6 @@ def build_module(model: object, *, seed: int, who: str) -> torch.nn.Module:
     is never changed), else ``model.build(seed=seed)`` for a ``ModelSpec``. Anything else
     raises ``ConfigError`` naming ``who`` and what it got."""
     if isinstance(model, torch.nn.Module):
-        import copy
-
         module: torch.nn.Module = copy.deepcopy(model)
         return module
     if isinstance(model, ModelSpec):

@@ -257,11 +257,10 @@ class TokenRows:
 
     def logprobs(self, logits: Tensor) -> tuple[Tensor, int]:
         """``([B, R] fp32 log-probs, off-support count)`` of the response tokens, from
-        ``logits [B, R, V]`` taken at ``inputs()``'s source positions: each token's log-prob
-        under its row's sampling distribution
-        (``asyncflow_core.training.sampling.sampled_logprobs``:
-        temperature, top-k, top-p, renormalised; a token off the support gets the documented
-        floor and is counted), 0 beyond the row's length."""
+        ``logits [B, R, V]`` taken at ``inputs()``'s source positions: each token's log-prob under
+        its row's sampling distribution (``asyncflow_core.training.sampling.sampled_logprobs``:
+        temperature, top-k, top-p, renormalised; a token off the support gets the documented floor
+        and is counted), 0 beyond the row's length."""
         device = logits.device
         out, off = sampled_logprobs(
             logits,

@@ -1154,10 +1154,10 @@ class RLJob:
 
     def _score(self, batch: Batch) -> dict[str, Any]:
         """The reward task: rewards of whole groups, and their group advantages."""
-        rewards = self._reward(batch)["reward"]
+        rewards = self._rewards(batch)
         return {"reward": rewards, "advantage": _advantages(batch.tags, rewards)}
 
-    def _reward(self, batch: Batch) -> dict[str, list[float]]:
+    def _rewards(self, batch: Batch) -> list[float]:
         assert self.reward_fn is not None  # the task exists only with one
         prompts, responses = batch["prompt"], batch["response"]
         rewards = []
@@ -1169,7 +1169,7 @@ class RLJob:
             # each call gets its own list (a copy is cheaper than a conversion): a reward
             # function may keep or change its arguments
             rewards.append(float(self.reward_fn(ids.copy(), _to_list(r))))
-        return {"reward": rewards}
+        return rewards
 
     async def _reference(self, batch: Batch) -> dict[str, list[torch.Tensor]]:
         ref = self.engines.reference

@@ -50,7 +50,7 @@ class _VirtualSelector(selectors.DefaultSelector):
         # Only the loop's own wake-up pipe registered: a thread's callback is already queued
         # on the loop (``call_soon_threadsafe`` queues it, then writes the pipe only to wake a
         # sleeping select), so a poll that cannot block learns nothing the queue does not say.
-        # Skipping that system call saves a sixth of a large simulation's time.
+        # Skipping that system call saves ~2% of a large simulation's CPU.
         only_wakeup = len(self.get_map()) <= 1
         if timeout is not None and timeout <= 0:
             return [] if only_wakeup else super().select(0)

@@ -3,8 +3,7 @@ shared by engines that sample from it and trainers that recompute it, and the pe
 sampling fields that carry a request's settings from rollout to the trainer.
 
 **The semantics** (the protocol's; ``asyncflow_core.contracts.protocols``): the log-prob of a
-sampled
-token is its log-probability under the distribution it was actually sampled from —
+sampled token is its log-probability under the distribution it was actually sampled from —
 
 1. the model's next-token logits divided by the temperature ``T``; greedy (``T = 0``) reports
    the log-prob under the unscaled, unfiltered distribution (``T = 1``, no top-k/top-p: the

@@ -1,6 +1,5 @@
 """Laws of the RL workflow (``asyncflow_core.flow.rlflow``) on a backend's engines, as a pytest
-class
-to subclass.
+class to subclass.
 
 Usage::
 

@@ -147,14 +147,12 @@ class TorchInferenceEngine:
 
     **Sampling** (per ``SamplingParams``): temperature, then top-k (``0`` = off) and top-p
     (``1`` = off) filters (``asyncflow_core.training.sampling.filter_logits``), then one uniform
-    draw
-    inverted through the filtered distribution; ``temperature == 0`` is greedy (argmax). A
-    request with ``seed`` draws from its own ``torch.Generator`` seeded with it, so same seed +
-    same prompt + same weights gives the same tokens whatever else is batched alongside (a
-    resumed request re-seeds: its continuation is deterministic but differs from an
-    uninterrupted run); requests without a seed draw from the engine's generator. Log-probs:
-    see the module docstring (those of the filtered, renormalised distribution; temperature 1
-    for greedy).
+    draw inverted through the filtered distribution; ``temperature == 0`` is greedy (argmax). A
+    request with ``seed`` draws from its own ``torch.Generator`` seeded with it, so same seed + same
+    prompt + same weights gives the same tokens whatever else is batched alongside (a resumed
+    request re-seeds: its continuation is deterministic but differs from an uninterrupted run);
+    requests without a seed draw from the engine's generator. Log-probs: see the module docstring
+    (those of the filtered, renormalised distribution; temperature 1 for greedy).
 
     **Ending.** A token in ``stop_token_ids`` ends the request with ``"stop"`` (the token is
     included). ``max_tokens`` caps the whole response, resumed tokens included (a longer
@@ -897,11 +895,9 @@ class TorchTrainEngine(AdamWTrainer):
     width, or its longest row in the other layouts): position ``j`` of row ``i`` is the
     log-prob of ``response[i, j]`` given ``prompt[i]`` and ``response[i, :j]`` under row
     ``i``'s sampling distribution (its ``temperature``/``top_k``/``top_p`` fields, see
-    ``asyncflow_core.training.sampling``; the constructor's ``temperature`` and no filters for
-    a batch
-    without them), 0 beyond the row's length; the loss gets the same quantity, with
-    gradients. Every prompt needs at least one token and prompt + response at most
-    ``max_seq_len``.
+    ``asyncflow_core.training.sampling``; the constructor's ``temperature`` and no filters for a
+    batch without them), 0 beyond the row's length; the loss gets the same quantity, with gradients.
+    Every prompt needs at least one token and prompt + response at most ``max_seq_len``.
 
     **Steps.** ``train_step(batch, loss_fn)`` splits the rows into consecutive micro-batches
     of ``micro_batch_size`` and calls ``loss_fn(logprobs, part)`` on each, ``part`` being the
