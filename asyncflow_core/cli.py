@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
+import importlib.metadata
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -89,11 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser(
         "run",
-        help="the main job: async GRPO on the reference engines (CPU), with a run folder",
-        description="Asynchronous RL on the pure-PyTorch reference engines: a tiny model learns "
-        "a built-in verifiable task. Writes config.toml, metrics.jsonl, trace.json, "
-        "summary.json, PNG plots and checkpoints/ to the run folder; SIGTERM writes a "
-        "checkpoint and stops (continue with --resume).",
+        help="the main job: async GRPO on a registered workload (default: the reference model "
+        "on a digit task, CPU), with a run folder",
+        description="Asynchronous RL on a registered workload, engines and runtime (default: "
+        "the pure-PyTorch reference engines, a tiny model learning a built-in verifiable task; "
+        "--keys lists the keys of the workload --set chooses). Writes config.toml, "
+        "metrics.jsonl, trace.json, summary.json, PNG plots and checkpoints/ to the run "
+        "folder; SIGTERM writes a checkpoint and stops (continue with --resume).",
     )
     run.add_argument("--config", default=None, metavar="FILE", help="a TOML config file")
     run.add_argument(
@@ -111,7 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument(
         "--runtime",
-        choices=("local", "ray"),
         default=None,
         help="where the job runs (= --set runtime.kind=...): local (one process, default) or "
         "ray (store and engines as Ray actors; a local cluster unless runtime.address is set)",
@@ -141,38 +143,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="list the platforms (cpu, cuda, npu, plugins): which can run here and why not",
     )
     plats.add_argument("--json", action="store_true", help="print them as one JSON list")
-    sim = sub.add_parser(
-        "simulate",
-        help="run the RL pipeline on simulated engines (virtual clock): colocated vs async",
-    )
-    sim.add_argument("--preset", default=None, help="a preset name (see --list)")
-    sim.add_argument("--list", action="store_true", help="list the presets and exit")
-    sim.add_argument("--devices", type=int, default=None, help="weak-scale to this many devices")
-    sim.add_argument("--mode", choices=("both", "async", "colocated"), default="both")
-    sim.add_argument("--staleness", type=int, default=1, help="η of the async run")
-    sim.add_argument("--weight-sync", choices=("staged", "blocking", "inflight"), default="staged")
-    sim.add_argument("--partial-rollout", action="store_true")
-    sim.add_argument("--sync-every", type=int, default=1)
-    sim.add_argument("--steps", type=int, default=None, help="optimizer steps (default: preset)")
-    sim.add_argument(
-        "--trace-dir", default=None, help="write each run's Chrome trace, metrics.jsonl (+ PNG)"
-    )
-    sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    handlers = _plugin_commands(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    if args.command == "simulate":
-        # the simulator lives with the reference engines (same distribution, not a core module)
-        simulate = importlib.import_module("asyncflow_reference.simulate")
-        return int(simulate.cli_simulate(args))
+    if args.command in handlers:
+        return int(handlers[args.command](args))
     if args.command == "platforms":
         return _platforms(args.json)
     if args.command == "trace":
         return _trace_summarize(args.file, args.json, args.throughput_task, args.png)
     if args.command == "run":
-        job = importlib.import_module("asyncflow_reference.job")
-        return int(job.main_job(args))
+        from asyncflow_core.job.command import main_job
+
+        return main_job(args)
     result = asyncio.run(_selfcheck(args.prompts, args.group, args.batch, args.seed))
     print(
         f"selfcheck ok: {result['rows']:.0f} rows streamed prompt -> rollout -> train, each "
@@ -180,6 +165,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{result['rows_per_s']:,.0f} rows/s ({result['wall_s']:.2f} s)"
     )
     return 0
+
+
+COMMANDS = "asyncflow.commands"
+"""The entry-point group of the subcommands a package adds (``asyncflow simulate``, from the
+reference backend): ``name = "module:add"``, ``add(subparsers)`` adding its parser and
+returning its handler, ``handler(args) -> int`` (the exit status)."""
+
+
+def _plugin_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Each ``asyncflow.commands`` entry point's parser added to ``sub``, by name; one whose
+    package does not import is left out with a note on stderr."""
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {}
+    for ep in sorted(importlib.metadata.entry_points(group=COMMANDS), key=lambda e: e.name):
+        try:
+            add = ep.load()
+        except ImportError as e:
+            print(
+                f"asyncflow: command {ep.name!r} ({ep.value}) is unavailable: {e}", file=sys.stderr
+            )
+            continue
+        handlers[ep.name] = add(sub)
+    return handlers
 
 
 def _platforms(as_json: bool) -> int:

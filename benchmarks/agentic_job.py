@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncflow_reference.job import RunConfig, run
-
-from asyncflow_core.flow.config import load_config
+from asyncflow_core.job import load_run_config, run
 
 
 def main() -> None:
@@ -36,7 +34,7 @@ def main() -> None:
     curves: dict[int, list[tuple[float, float]]] = {}
     for seed in args.seeds:
         sets = [f"task={args.task}", f"rl.steps={args.steps}", f"seed={seed}", *args.sets]
-        cfg = load_config(RunConfig, None, sets)
+        cfg = load_run_config(None, sets)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as out:
             output = asyncio.run(run(cfg, Path(out)))

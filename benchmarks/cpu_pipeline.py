@@ -42,15 +42,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "reference")]
 
-from asyncflow_reference.job import RunConfig, RunSummary, run  # noqa: E402
+from asyncflow_reference.workloads import ReferenceRunConfig  # noqa: E402
 
-from asyncflow_core.flow.config import apply_override, load_config, to_toml  # noqa: E402
+from asyncflow_core.flow.config import apply_override, to_toml  # noqa: E402
+from asyncflow_core.job import RunSummary, load_run_config, run  # noqa: E402
 
 TARGET_SPEEDUP = 1.3
 TARGET_REWARD_GAP = 0.05
 
 
-def _run(cfg: RunConfig, label: str) -> RunSummary:
+def _run(cfg: ReferenceRunConfig, label: str) -> RunSummary:
     """One run in a fresh interpreter, so no run inherits another's thread pools, forkserver
     or allocator state (in one process, runs after a 2-thread colocated run were slower)."""
     print(f"  running {label} ...", file=sys.stderr, flush=True)
@@ -81,7 +82,7 @@ def _median(runs: list[RunSummary]) -> RunSummary:
 
 
 def _one(config: str) -> int:
-    cfg = load_config(RunConfig, config, ())
+    cfg = load_run_config(config, ())
     print(json.dumps(asyncio.run(run(cfg)).summary.as_json()))
     return 0
 
@@ -103,7 +104,7 @@ def main() -> int:
     if args.one:
         return _one(args.one)
 
-    base = RunConfig(seed=args.seed)
+    base = ReferenceRunConfig(seed=args.seed)
     for item in args.set:
         base = apply_override(base, item)
     if args.quick:

@@ -16,9 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncflow_reference.job import RunConfig, run
-
-from asyncflow_core.flow.config import load_config
+from asyncflow_core.job import load_run_config, run
 
 
 def main() -> None:
@@ -31,7 +29,7 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         sets = [f"model.name={args.model}", f"rl.steps={args.steps}", f"seed={seed}", *args.sets]
-        cfg = load_config(RunConfig, None, sets)
+        cfg = load_run_config(None, sets)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as out:
             s = asyncio.run(run(cfg, Path(out))).summary

@@ -35,7 +35,7 @@ the 4 decode steps re-runs the whole 5-9 token sequence), no gradient checkpoint
 Reported per side: trained samples/s of the RL phase (AsyncFlow: the run's ``summary.json``;
 TRL: steps x batch over the time from ``on_train_begin`` to the last step's end), the final
 reward (the main job's evaluator for both: greedy decoding on ``eval_prompts`` held-out
-prompts, ``asyncflow_reference.job._evaluate`` on a ``TorchInferenceEngine``), the training
+prompts, ``asyncflow_reference.workloads._evaluate`` on a ``TorchInferenceEngine``), the training
 reward of the first step and of the last 10%.
 """
 
@@ -282,11 +282,9 @@ class ReverseSizes:
         return [f"{k}={getattr(self, f)}" for f, k in keys.items() if getattr(self, f) is not None]
 
     def run_config(self) -> Any:
-        from asyncflow_reference.job import RunConfig
+        from asyncflow_core.job import load_run_config
 
-        from asyncflow_core.flow.config import load_config
-
-        cfg = load_config(RunConfig, None, self.sets())
+        cfg = load_run_config(None, self.sets())
         cfg.validate()
         return cfg
 
@@ -299,7 +297,9 @@ QUICK_REVERSE = ReverseSizes(
 def prepare(sizes: ReverseSizes, out: Path) -> Path:
     """Warm the model up once, as the main job does, and save it (``OUT/reverse/warm.pt``,
     with ``warm.json``: the sha256 of its tensors and the warm-up's seconds)."""
-    from asyncflow_reference.job import DigitsWorkload, _threads
+    from asyncflow_reference.workloads import DigitsWorkload
+
+    from asyncflow_core.job.run import _threads
 
     cfg = sizes.run_config()
     folder = out / "reverse"
@@ -362,7 +362,7 @@ def _evaluate(cfg: Any, lm: TransformerLM) -> tuple[float, float]:
     """The main job's evaluator (greedy, ``cfg.eval_prompts`` prompts of seed
     10_000_019 + seed) on ``lm``."""
     from asyncflow_reference.engines import TorchInferenceEngine
-    from asyncflow_reference.job import _evaluate as job_evaluate
+    from asyncflow_reference.workloads import _evaluate as job_evaluate
 
     async def go() -> tuple[float, float]:
         engine = TorchInferenceEngine(lm, max_batch=cfg.rollout.max_batch, seed=cfg.seed)
@@ -387,7 +387,7 @@ def _last10(values: Sequence[float]) -> float:
 def run_af_default(sizes: ReverseSizes, out: Path, repeat: int) -> ReverseResult:
     """``asyncflow run --set ... --out RUN`` in this (fresh) interpreter, its workload's
     ``initial_model`` loading the shared warmed-up weights instead of warming up again."""
-    from asyncflow_reference import job
+    from asyncflow_reference import workloads
 
     from asyncflow_core import cli
 
@@ -400,7 +400,7 @@ def run_af_default(sizes: ReverseSizes, out: Path, repeat: int) -> ReverseResult
         started.append(state_hash(model.unique_state()))
         return model
 
-    job.DigitsWorkload.initial_model = initial_model  # type: ignore[method-assign]
+    workloads.DigitsWorkload.initial_model = initial_model  # type: ignore[method-assign]
     run_dir = out / "reverse" / "runs" / f"af_default-{repeat}"
     args = ["run", *(a for s in sizes.sets() for a in ("--set", s)), "--out", str(run_dir)]
     with open(os.devnull, "w") as sink:  # its progress and table: the summary is read back

@@ -146,15 +146,15 @@ def test_digits_tokenizer_round_trips_the_task_prompts(name: str) -> None:
 
 
 def test_reverse_sizes_override_only_what_they_name() -> None:
-    from asyncflow_reference.job import RunConfig
+    from asyncflow_reference.workloads import ReferenceRunConfig
 
     from asyncflow_core.contracts.errors import ConfigError
 
     v = _reverse_module()
     assert v.ReverseSizes().sets() == []
-    assert v.ReverseSizes().run_config() == RunConfig()  # the main job's defaults
+    assert v.ReverseSizes().run_config() == ReferenceRunConfig()  # the main job's defaults
     cfg = v.ReverseSizes(steps=7).run_config()
-    assert cfg.rl.steps == 7 and cfg.rl.n == RunConfig().rl.n
+    assert cfg.rl.steps == 7 and cfg.rl.n == ReferenceRunConfig().rl.n
     with pytest.raises(ConfigError, match=r"\bn must be an int"):
         v.ReverseSizes(n=0).run_config()
 

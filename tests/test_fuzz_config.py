@@ -1,4 +1,5 @@
-"""Fuzzing config files and ``--set`` overrides of the main job (``RunConfig``) with Hypothesis.
+"""Fuzzing config files and ``--set`` overrides of the main job (``ReferenceRunConfig``, the
+default workload's config) with Hypothesis.
 
 Garbage bytes, TOML documents over the real keys and made-up ones with values of every TOML
 type (huge and negative ints, NaN and infinities, dates, nested tables and arrays), and
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from asyncflow_reference.job import RunConfig
+from asyncflow_reference.workloads import ReferenceRunConfig
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ FUZZ = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-KEYS = keys(RunConfig())
+KEYS = keys(ReferenceRunConfig())
 SECTIONS = sorted({k.split(".")[0] for k in KEYS if "." in k})
 
 scalars = st.one_of(
@@ -88,7 +89,7 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def outcome(fn: Any) -> RunConfig | None:
+def outcome(fn: Any) -> ReferenceRunConfig | None:
     """``fn()``'s config, or None when it raised ``ConfigError`` (anything else propagates)."""
     try:
         cfg = fn()
@@ -96,14 +97,14 @@ def outcome(fn: Any) -> RunConfig | None:
         event("refused: ConfigError")
         return None
     event("accepted")
-    assert isinstance(cfg, RunConfig)
+    assert isinstance(cfg, ReferenceRunConfig)
     return cfg
 
 
-def round_trips(cfg: RunConfig, folder: Path) -> None:
+def round_trips(cfg: ReferenceRunConfig, folder: Path) -> None:
     path = folder / "back.toml"
     path.write_text(to_toml(cfg))
-    assert load_config(RunConfig, path) == cfg
+    assert load_config(ReferenceRunConfig, path) == cfg
 
 
 @FUZZ
@@ -111,13 +112,13 @@ def round_trips(cfg: RunConfig, folder: Path) -> None:
 def test_garbage_files(tmp_path: Path, data: bytes) -> None:
     path = tmp_path / "garbage.toml"
     path.write_bytes(data)
-    cfg = outcome(lambda: load_config(RunConfig, path))
+    cfg = outcome(lambda: load_config(ReferenceRunConfig, path))
     if cfg is not None:
         round_trips(cfg, tmp_path)
 
 
 def default_of(key: str) -> Any:
-    node: Any = RunConfig()
+    node: Any = ReferenceRunConfig()
     for part in key.split("."):
         node = getattr(node, part)
     return node
@@ -155,7 +156,7 @@ def test_toml_documents(tmp_path: Path, flat: dict[str, Any]) -> None:
         path.write_text(tomli_w.dumps(nest(flat)))
     except (TypeError, ValueError):  # not representable in TOML: nothing to load
         return
-    cfg = outcome(lambda: load_config(RunConfig, path))
+    cfg = outcome(lambda: load_config(ReferenceRunConfig, path))
     if cfg is not None:
         round_trips(cfg, tmp_path)
 
@@ -201,29 +202,29 @@ override_values = st.one_of(
     )
 )
 def test_overrides(tmp_path: Path, items: list[str]) -> None:
-    cfg = outcome(lambda: load_config(RunConfig, None, items))
+    cfg = outcome(lambda: load_config(ReferenceRunConfig, None, items))
     if cfg is not None:
         round_trips(cfg, tmp_path)
-    base = RunConfig()
+    base = ReferenceRunConfig()
     for item in items:
         try:
             apply_override(base, item, check=False)
         except ConfigError:
-            assert base == RunConfig()  # a rejected override changed nothing
+            assert base == ReferenceRunConfig()  # a rejected override changed nothing
 
 
 def test_non_finite_numbers_are_refused() -> None:
     """Found by the fuzz: ``nan`` / ``inf`` passed every range check written as ``x < 0``."""
     for item in ("train.lr=nan", "rollout.top_p=inf", "agent.tool_timeout_s=nan"):
         try:
-            load_config(RunConfig, None, [item])
+            load_config(ReferenceRunConfig, None, [item])
         except ConfigError as exc:
             assert "finite" in str(exc)
         else:
             raise AssertionError(f"{item} was accepted")
     for item in ("train.lr=1e400", f"train.lr={10**400}"):  # overflows: infinity, or no float
         try:
-            load_config(RunConfig, None, [item])
+            load_config(ReferenceRunConfig, None, [item])
         except ConfigError as exc:
             assert "finite" in str(exc)
         else:

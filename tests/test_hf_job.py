@@ -15,11 +15,10 @@ import torch
 import transformers
 from asyncflow_hf.assets import make_model_folder, write_gsm8k_jsonl
 from asyncflow_hf.models import load_causal_lm
-from asyncflow_reference.job import RunConfig, run
 
 from asyncflow_core.cli import main as cli_main
 from asyncflow_core.contracts.errors import ConfigError
-from asyncflow_core.flow.config import load_config
+from asyncflow_core.job import RunConfig, load_run_config, run
 
 SMALL = [
     "rl.steps=2", "rl.prompts_per_step=2", "rl.n=4", "eval_prompts=8", "task.warmup_steps=2",
@@ -39,7 +38,7 @@ def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def config(*sets: str) -> RunConfig:
-    return load_config(RunConfig, None, [*SMALL, *sets])
+    return load_run_config(None, [*SMALL, *sets])
 
 
 def run_cli(out: Path, *sets: str) -> int:
@@ -185,7 +184,8 @@ def _bad_field(data_file: Path, tmp: Path) -> Path:
         ("both-models", "exactly one of model.path"),
         ("no-such-reward", "my_missing_rewards"),
         ("no-data-file", "does not exist"),
-        ("digits-with-data", "apply to workload = 'hf'"),
+        ("data-without-model", "needs exactly one of model.path"),
+        ("digits-with-data", "(read as ReferenceRunConfig, the keys of workload = 'digits'"),
         ("pickle-only-folder", "has no *.safetensors weights"),
     ],
 )
@@ -207,7 +207,8 @@ def test_bad_inputs_fail_clearly_and_write_nothing(
         "both-models": [f"model.path={model_dir}", "model.name=tiny-qwen2"],
         "no-such-reward": ["model.name=tiny-qwen2", "reward=my_missing_rewards:score"],
         "no-data-file": ["model.name=tiny-qwen2", f"data.path={tmp_path / 'nope.jsonl'}"],
-        "digits-with-data": [f"data.path={data_file}"],
+        "data-without-model": [f"data.path={data_file}"],  # data.* picks hf, which needs a model
+        "digits-with-data": ["workload=digits", f"data.path={data_file}"],
         "pickle-only-folder": [f"model.path={_pickled(model_dir, tmp_path)}"],
     }
     out = tmp_path / "run"
@@ -226,7 +227,7 @@ def _pickled(model_dir: Path, tmp: Path) -> Path:
 
 
 def test_the_missing_field_error_lists_the_columns(model_dir: Path, data_file: Path) -> None:
-    from asyncflow_reference.job import make_workload
+    from asyncflow_core.job import make_workload
 
     cfg = config(f"model.path={model_dir}", f"data.path={data_file}", "data.prompt_field=q")
     with pytest.raises(ConfigError, match=r"\['question', 'answer'\]"):
@@ -259,10 +260,10 @@ def test_deepspeed_trains_an_hf_model_in_the_main_job(tmp_path: Path) -> None:
 def test_settings_that_depend_on_each_other_come_in_any_order() -> None:
     """``--set`` overrides are each checked in their section, and the whole config once at
     the end: a data key before the model key that makes the workload 'hf' is fine."""
-    early = load_config(RunConfig, None, ["data.max_tokens=6", "model.name=tiny-qwen2"])
-    late = load_config(RunConfig, None, ["model.name=tiny-qwen2", "data.max_tokens=6"])
+    early = load_run_config(None, ["data.max_tokens=6", "model.name=tiny-qwen2"])
+    late = load_run_config(None, ["model.name=tiny-qwen2", "data.max_tokens=6"])
     assert early == late and early.workload_name() == "hf"
-    with pytest.raises(ConfigError, match="apply to workload = 'hf'"):
-        load_config(RunConfig, None, ["data.max_tokens=6"])
-    with pytest.raises(ConfigError, match="runs the digits workload only so far"):
-        load_config(RunConfig, None, ["model.name=tiny-qwen2", "runtime.kind=ray"])
+    with pytest.raises(ConfigError, match=r"needs exactly one of model\.path"):
+        load_run_config(None, ["data.max_tokens=6"])  # a data key picks hf
+    with pytest.raises(ConfigError, match="the hf workload runs on 'local' so far"):
+        load_run_config(None, ["model.name=tiny-qwen2", "runtime.kind=ray"])

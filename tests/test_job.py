@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from asyncflow_reference.job import RLSection, RunConfig, StepProgress, TaskSection, run
+from asyncflow_reference.workloads import ReferenceRunConfig, TaskSection
 
 from asyncflow_core.cli import main as cli_main
 from asyncflow_core.contracts.errors import ConfigError, PlatformError, PlatformUnavailableError
 from asyncflow_core.contracts.protocols import TrainMetrics
-from asyncflow_core.flow.config import apply_override, load_config
+from asyncflow_core.flow.config import apply_override
 from asyncflow_core.flow.rlflow import StepRecord
 from asyncflow_core.infra.platform import CpuPlatform, register_platform
+from asyncflow_core.job import RLSection, RunConfig, StepProgress, load_run_config, run
 
 QUICK = [
     "rl.steps=4", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=2", "eval_prompts=8",
@@ -61,7 +62,7 @@ def test_run_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     # the written config reproduces the run's config
-    again = load_config(RunConfig, out / "config.toml")
+    again = load_run_config(out / "config.toml")
     assert again.rl.steps == 4 and again.task.warmup_steps == 2
     printed = capsys.readouterr().out
     assert "reward first → last 10%" in printed and "run folder:" in printed
@@ -105,7 +106,7 @@ def test_bad_config_is_a_clear_error_and_exit_2(
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # nothing was written
     with pytest.raises(ConfigError):
-        load_config(RunConfig, None, [override]).validate()
+        load_run_config(None, [override]).validate()
 
 
 def test_keys_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,7 +119,7 @@ def test_keys_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
 def test_config_file_and_set_compose(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[rl]\nstaleness = 3\n[train]\nloss = "decoupled-ppo"\n')
-    cfg = load_config(RunConfig, path, ["rl.staleness=2"])
+    cfg = load_run_config(path, ["rl.staleness=2"])
     assert cfg.rl.staleness == 2 and cfg.train.loss == "decoupled-ppo"
     assert cfg.rl_config().proximal_logprobs
 
@@ -134,7 +135,7 @@ def test_asyncflow_run_help_as_a_command() -> None:
 def test_trainer_in_its_own_process_learns_like_the_in_process_one() -> None:
     """``train.process = true`` hosts the trainer in a child process (``auto``, the default,
     does so for this trainer): same job, same figures as ``false``, one process."""
-    cfg = RunConfig(
+    cfg = ReferenceRunConfig(
         eval_prompts=0, task=TaskSection(warmup_steps=5),
         rl=RLSection(steps=4, prompts_per_step=4, n=4, mode="colocated", staleness=0),
     )  # fmt: skip
@@ -151,7 +152,7 @@ def test_the_deepspeed_trainer_learns_like_the_reference_one() -> None:
     end with the same micro-batching, AdamW and clipping as the reference trainer: in
     colocated mode (deterministic) the per-step losses and rewards agree to rounding."""
     pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
-    cfg = RunConfig(
+    cfg = ReferenceRunConfig(
         eval_prompts=0, task=TaskSection(warmup_steps=5),
         rl=RLSection(steps=4, prompts_per_step=4, n=4, mode="colocated", staleness=0),
     )  # fmt: skip
@@ -195,7 +196,7 @@ def test_platform_npu_without_torch_npu_fails_fast_and_clearly(
         assert "platform 'npu' cannot run here: torch_npu is not installed" in err
         assert "asyncflow[ascend]" in err and "CANN" in err
     with pytest.raises(PlatformUnavailableError):
-        load_config(RunConfig, None, ["platform=npu"]).validate()
+        load_run_config(None, ["platform=npu"]).validate()
 
 
 def test_a_named_accelerator_needs_a_trainer_that_uses_it() -> None:

@@ -9,11 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from asyncflow_reference.job import RunConfig
 
 from asyncflow_core.cli import main as cli_main
 from asyncflow_core.contracts.errors import ConfigError
-from asyncflow_core.flow.config import load_config
+from asyncflow_core.job import load_run_config
 
 QUICK = [
     "task=clock", "rl.steps=3", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=2",
@@ -61,38 +60,35 @@ def test_the_lookup_task_runs_too(tmp_path: Path) -> None:
 
 
 def test_task_shorthand_and_agent_keys_are_checked() -> None:
-    cfg = load_config(RunConfig, None, ["task=clock"])
+    cfg = load_run_config(None, ["task=clock"])
     assert cfg.task.name == "clock" and cfg.workload_name() == "agent"
     assert cfg.rl_config().trajectory_limits.max_turns == cfg.agent.max_turns
-    with pytest.raises(ConfigError, match=r"agent\.\* apply to the agentic tasks"):
-        load_config(RunConfig, None, ["agent.max_turns=5"])
+    with pytest.raises(ConfigError, match=r"agent\.\* apply to agentic workloads"):
+        load_run_config(None, ["agent.max_turns=5"])
     with pytest.raises(ConfigError, match=r"agent\.max_turns must be >= 1"):
-        load_config(RunConfig, None, ["task=clock", "agent.max_turns=0"])
+        load_run_config(None, ["task=clock", "agent.max_turns=0"])
     with pytest.raises(ConfigError, match=r"lookup task digits must be in 1\.\.6"):
-        load_config(RunConfig, None, ["task=lookup", "task.digits=7"])
+        load_run_config(None, ["task=lookup", "task.digits=7"])
     with pytest.raises(ConfigError, match=r"task\.name"):
-        load_config(RunConfig, None, ["task=nope"])
-    with pytest.raises(ConfigError, match="has not been tried on Ray"):
-        load_config(RunConfig, None, ["task=clock", "runtime.kind=ray"])
-    with pytest.raises(ConfigError, match="does not run agentic tasks yet"):
-        load_config(RunConfig, None, ["task=clock", "model.name=tiny-qwen2"])
+        load_run_config(None, ["task=nope"])
+    with pytest.raises(ConfigError, match="has not been tried on 'ray'"):
+        load_run_config(None, ["task=clock", "runtime.kind=ray"])
+    with pytest.raises(ConfigError, match=r"task is a table.*read as HFRunConfig"):
+        load_run_config(None, ["task=clock", "model.name=tiny-qwen2"])  # hf has no task.name
     with pytest.raises(ConfigError, match="do not go together"):
-        load_config(RunConfig, None, ["task=clock", "workload=digits"])
+        load_run_config(None, ["task=clock", "workload=digits"])
 
 
 def test_the_agentic_tasks_warm_the_learning_rate_up() -> None:
     from asyncflow_core.engines import registry
 
-    clock = load_config(RunConfig, None, ["task=clock"])
+    clock = load_run_config(None, ["task=clock"])
     assert clock.lr_warmup_steps() == 20
     assert registry.trainer_options(clock)["lr_warmup_steps"] == 20
-    digits = load_config(RunConfig, None, [])
+    digits = load_run_config(None, [])
     assert digits.lr_warmup_steps() == 0 and "lr_warmup_steps" not in registry.trainer_options(
         digits
     )
-    assert (
-        load_config(RunConfig, None, ["task=clock", "train.lr_warmup_steps=0"]).lr_warmup_steps()
-        == 0
-    )
+    assert load_run_config(None, ["task=clock", "train.lr_warmup_steps=0"]).lr_warmup_steps() == 0
     with pytest.raises(ConfigError, match="lr_warmup_steps applies to the torch and hf"):
-        load_config(RunConfig, None, ["task=clock", "train.engine=deepspeed"])
+        load_run_config(None, ["task=clock", "train.engine=deepspeed"])

@@ -5,8 +5,10 @@ no import cycle. Imports are read from the source with ``ast`` (those inside fun
 with the module names given to ``importlib.import_module`` as string literals and the
 packages' entry points.
 
-Known leaks that issue #26 still has to remove are listed in ``KNOWN`` with where they are;
-an entry that no longer occurs fails the test, so the list only shrinks."""
+Issue #26 removed the last known leaks (the CLI loading the main job and the simulator from the
+reference package by name; the main job, then in ``reference/``, building the Ray runtime):
+``KNOWN`` is empty and stays so. The main job (``asyncflow_core.job``) finds workloads, engines,
+runtimes and CLI commands through entry points only."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ LAYERS = [
     "sync",  # weightsync
     "engines",  # enginekit, process, lmtrain, registry
     "flow",  # workflow, staleness, vclock, rlflow, agent, chat, tools, config
+    "job",  # the main job: config, run, report, command
     "cli",  # asyncflow_core/cli.py
 ]
 RANK = {name: i for i, name in enumerate(LAYERS)}
@@ -57,14 +60,11 @@ ENGINE_PACKAGES = {
 }  # fmt: skip
 ADAPTERS = ENGINE_PACKAGES - {"asyncflow_reference"}
 
-# (importing module, imported top-level package): known leaks, removed by issue #26's later
-# steps; each must still occur (a fixed one is taken off this list)
-KNOWN = {
-    # the CLI loads the main job and the simulator from the reference package by name
-    ("asyncflow_core.cli", "asyncflow_reference"),
-    # the main job lives in reference/ and builds the Ray runtime
-    ("asyncflow_reference.job", "asyncflow_ray"),
-}
+# (importing module, imported top-level package): known leaks; none left (an entry that no
+# longer occurs fails the test, so the list could only shrink)
+KNOWN: set[tuple[str, str]] = set()
+# old paths outside the core: aliases of moved modules for one release, imported nowhere here
+OLD_PATHS = {"asyncflow_reference.job": ("asyncflow_core.job", "asyncflow_reference.workloads")}
 
 
 def _module_name(path: Path, base: Path) -> str:
@@ -144,9 +144,14 @@ def test_nothing_here_imports_an_old_path() -> None:
         for path in sorted((ROOT / d).rglob("*.py")):
             if ".egg-info" in str(path) or (path.parent == CORE and path.stem in MOVED):
                 continue
-            for dep in _imports(path, _module_name(path, ROOT)):
+            module = _module_name(path, ROOT)
+            if module.endswith(tuple(OLD_PATHS)):  # the alias itself
+                continue
+            for dep in _imports(path, module):
                 parts = dep.split(".")
                 if parts[0] == "asyncflow_core" and len(parts) > 1 and parts[1] in MOVED:
+                    bad.append(f"{path.relative_to(ROOT)}: {dep}")
+                if any(dep == old or dep.startswith(old + ".") for old in OLD_PATHS):
                     bad.append(f"{path.relative_to(ROOT)}: {dep}")
     assert not bad, "old module paths imported:\n" + "\n".join(sorted(set(bad)))
 
@@ -315,6 +320,30 @@ print(json.dumps(out))
             assert any(f"asyncflow_core.{new}" in w for w in warned), (old, warned)
 
 
+def test_the_main_jobs_old_path_is_an_alias_that_warns() -> None:
+    """``asyncflow_reference.job`` (the main job before it left ``reference/``) still imports
+    for one release: it warns where the names went and gives the moved objects themselves,
+    ``RunConfig`` being the reference workloads' config class."""
+    script = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import asyncflow_reference.job as old
+import asyncflow_core.job as job
+import asyncflow_reference.workloads as workloads
+same = all(getattr(old, n) is getattr(job, n, getattr(workloads, n, None)) for n in old.__all__
+           if n != "RunConfig")
+print(json.dumps([same, old.RunConfig is workloads.ReferenceRunConfig,
+                  [str(w.message) for w in caught if w.category is DeprecationWarning]]))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    same, run_config, warned = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert same and run_config
+    assert any("asyncflow_core.job" in w and "asyncflow_reference.workloads" in w for w in warned)
+
+
 def test_every_layer_opens_with_its_job() -> None:
     for layer in LAYERS[:-1]:
         mod = importlib.import_module(f"asyncflow_core.{layer}")
@@ -328,9 +357,10 @@ def test_entry_points_plug_engine_packages_into_the_core() -> None:
     plugin of itself), at a module that exists."""
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     groups = data["project"]["entry-points"]
-    assert {"asyncflow.workloads", "asyncflow.rollout_engines", "asyncflow.train_engines"} <= set(
-        groups
-    )
+    assert {
+        "asyncflow.workloads", "asyncflow.rollout_engines", "asyncflow.train_engines",
+        "asyncflow.runtimes", "asyncflow.commands",
+    } <= set(groups)  # fmt: skip
     roots = {"asyncflow_reference": ROOT / "reference"}
     roots |= {name: ROOT / "adapters" for name in ADAPTERS}
     for group, entries in groups.items():

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from asyncflow_reference.job import RunConfig
+from asyncflow_reference.workloads import ReferenceRunConfig
 
 from asyncflow_core.cli import main as cli_main
 from asyncflow_core.contracts.errors import ConfigError
@@ -79,11 +79,11 @@ def test_the_main_job_runs_on_a_local_ray_cluster(
         (["runtime.store=ray"], "apply to runtime.kind = 'ray'"),
         (["runtime.rollout_restarts=1"], "apply to runtime.kind = 'ray'"),
         (["runtime.kind=ray", "runtime.rollout_restarts=-1"], "must be an int >= 0, got -1"),
-        (["runtime.kind=k8s"], "runtime.kind must be one of 'local', 'ray', got 'k8s'"),
+        (["runtime.kind=k8s"], r"runtime.kind must be 'local' or a registered runtime \(ray\)"),
     ],
 )
 def test_bad_runtime_choices_are_refused(overrides: list[str], match: str) -> None:
-    cfg = RunConfig()
+    cfg = ReferenceRunConfig()
     with pytest.raises(ConfigError, match=match):
         for o in overrides:
             cfg = apply_override(cfg, o)

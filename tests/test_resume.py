@@ -324,7 +324,7 @@ def test_other_trainers_resume(tmp_path: Path, trainer: list[str]) -> None:
 
 
 def test_a_checkpoint_naming_a_foreign_trace_file_is_refused() -> None:
-    from asyncflow_reference.job import _trace_segments
+    from asyncflow_core.job.run import _trace_segments
 
     for bad in (["../../etc/x.json.gz"], "trace-0000.json.gz", [3], ["trace-1.json.gz"]):
         with pytest.raises(ConfigError, match="trace_segments"):
@@ -334,7 +334,7 @@ def test_a_checkpoint_naming_a_foreign_trace_file_is_refused() -> None:
 
 
 def test_the_trace_in_segments_starts_over_when_a_segment_is_gone(tmp_path: Path) -> None:
-    from asyncflow_reference.job import _RunFiles
+    from asyncflow_core.job.run import _RunFiles
 
     tracer = tracing.Tracer()
     root = tmp_path / "checkpoints"

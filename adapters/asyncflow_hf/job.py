@@ -50,8 +50,9 @@ from asyncflow_core.engines import registry
 from asyncflow_core.engines.lmtrain import unique_named_tensors
 from asyncflow_core.training.rl import policy_gradient_loss
 from asyncflow_hf.compat import require_transformers
+from asyncflow_hf.config import HFRunConfig
 from asyncflow_hf.inference import HFInferenceEngine
-from asyncflow_hf.models import TINY, check_model_folder, load_causal_lm, tiny_config
+from asyncflow_hf.models import check_model_folder, load_causal_lm, tiny_config
 from asyncflow_hf.reward import (
     RewardResult,
     RewardRunner,
@@ -92,20 +93,14 @@ class HFWorkload:
 
     rollout_engine = "hf"
     train_engine = "hf"
+    config = HFRunConfig
 
-    def __init__(self, cfg: Any, out_dir: Path | None = None) -> None:
+    def __init__(self, cfg: HFRunConfig, out_dir: Path | None = None) -> None:
         transformers = require_transformers(WHO)
         self.cfg = cfg
         self.out_dir = out_dir
         m, d = cfg.model, cfg.data
-        if bool(m.path) == bool(m.name):
-            raise ConfigError(
-                "workload 'hf' needs exactly one of model.path (a local model folder written by "
-                f"save_pretrained) and model.name (a tiny config: {sorted(TINY)}); got "
-                f"model.path={m.path!r}, model.name={m.name!r}"
-            )
-        if not 1 <= d.max_tokens <= 1 << 16:
-            raise ConfigError(f"data.max_tokens must be in [1, 65536], got {d.max_tokens}")
+        cfg.check()  # its keys (HFRunConfig.check), for a workload built without validate()
         self.tokenizer = self._tokenizer(transformers)
         self.model_source: Any = (
             str(check_model_folder(m.path, WHO))

@@ -1,7 +1,7 @@
-"""Named factories the main job (``asyncflow run``) builds from, open to third parties through
-entry points.
+"""Named factories the main job (``asyncflow run``, ``asyncflow_core.job``) builds from, open to
+third parties through entry points.
 
-Three kinds, each an entry-point group a package can add to (in its ``pyproject.toml``)::
+Four kinds, each an entry-point group a package can add to (in its ``pyproject.toml``)::
 
     [project.entry-points."asyncflow.workloads"]        # a model with its data and reward
     mymodel = "my_package.job:MyWorkload"
@@ -9,21 +9,31 @@ Three kinds, each an entry-point group a package can add to (in its ``pyproject.
     myengine = "my_package.job:make_rollout"
     [project.entry-points."asyncflow.train_engines"]    # a TrainEngine factory
     mytrainer = "my_package.job:make_trainer"
+    [project.entry-points."asyncflow.runtimes"]         # where the engines run
+    mycluster = "my_package.job:my_runtime"
 
 then ``asyncflow run --set workload=mymodel --set rollout.engine=myengine``. The factories'
 contracts:
 
-* workload: ``make(cfg) -> Workload`` (below), ``cfg`` being the job's ``RunConfig``
-  (``asyncflow run --keys`` lists its keys);
+* workload: ``make(cfg, out_dir) -> Workload`` (below), ``cfg`` being the job's config: an
+  instance of the factory's ``config`` attribute, a ``RunConfig`` subclass adding the
+  workload's own keys (``asyncflow_core.job.config``; ``asyncflow run --keys --set
+  workload=NAME`` lists them). Optional attributes of the factory: ``config``, ``runtimes``
+  (the ``runtime.kind`` values it runs on; default ``("local",)``) and an ``agent_loop``
+  method (the workload is agentic: ``agent.*`` apply);
 * rollout engine: ``make(model, *, cfg, index, threads) -> InferenceEngine`` for the
   ``index``-th rollout instance, ``model`` being what ``Workload.initial_model`` returned;
 * trainer: ``make(model, *, cfg, threads, platform) -> TrainEngine`` (``platform``: the
-  resolved platform's name).
+  resolved platform's name);
+* runtime: ``make(cfg, *, rollout, trainer, platform)``, an async context manager yielding
+  ``asyncflow_core.job.run.Placed`` (``rollout``: one zero-argument factory per rollout
+  engine; ``trainer``: the trainer's); ``local`` is the job's own.
 
 A factory raises ``ConfigError`` for a model or configuration it cannot serve (naming the key
-to change). This repository registers ``digits`` (the reference task), ``hf`` (Hugging Face
-models, data and rewards), the rollout engines ``torch`` and ``hf`` and the trainers
-``torch``, ``deepspeed`` and ``hf``. ``register`` adds one in-process (tests, notebooks).
+to change). This repository registers the workloads ``digits`` and ``agent`` (the reference
+model on a built-in task) and ``hf`` (Hugging Face models, data and rewards), the rollout
+engines ``torch`` and ``hf``, the trainers ``torch``, ``deepspeed`` and ``hf`` and the runtime
+``ray``. ``register`` adds one in-process (tests, notebooks).
 """
 
 from __future__ import annotations
@@ -39,16 +49,18 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from asyncflow_core.contracts.errors import ConfigError
 from asyncflow_core.contracts.protocols import InferenceEngine, SamplingParams, TrainEngine
 
-Kind = Literal["workload", "rollout", "trainer"]
+Kind = Literal["workload", "rollout", "trainer", "runtime"]
 GROUPS: dict[Kind, str] = {
     "workload": "asyncflow.workloads",
     "rollout": "asyncflow.rollout_engines",
     "trainer": "asyncflow.train_engines",
+    "runtime": "asyncflow.runtimes",
 }
 _KEYS: dict[Kind, str] = {
     "workload": "workload",
     "rollout": "rollout.engine",
     "trainer": "train.engine",
+    "runtime": "runtime.kind",
 }
 
 
@@ -160,9 +172,16 @@ def get(kind: Kind, name: str) -> Callable[..., Any]:
     try:
         loaded = ep.load()
     except ImportError as exc:
+        top = ep.value.split(".")[0].split(":")[0]
+        extra = top.removeprefix("asyncflow_") if top.startswith("asyncflow_") else ""
+        hint = (
+            f"pip install 'asyncflow[{extra}]'"
+            if dist in (None, "asyncflow") and extra
+            else f"install {dist or top} with what it needs"
+        )
         raise ConfigError(
             f"{_KEYS[kind]} = {name!r} needs a package that does not import here ({where}: "
-            f"{exc}); install its extra (e.g. pip install 'asyncflow[hf]')"
+            f"{exc}); {hint}"
         ) from exc
     if not callable(loaded):
         raise ConfigError(f"{where} is not callable ({type(loaded).__name__})")

@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -236,6 +236,7 @@ __all__ = [
     "SimMode",
     "SimRun",
     "cli_simulate",
+    "command",
     "compare",
     "format_rows",
     "run_row",
@@ -293,6 +294,29 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
             f"{bubble:>26} {r['dropped']:>8} {r['real_s']:>7.1f}"
         )
     return "\n".join(lines)
+
+
+def command(subparsers: Any) -> Callable[[Any], int]:
+    """``asyncflow simulate`` (the ``asyncflow.commands`` entry point): add its parser to the
+    CLI's ``subparsers``, return its handler."""
+    sim = subparsers.add_parser(
+        "simulate",
+        help="run the RL pipeline on simulated engines (virtual clock): colocated vs async",
+    )
+    sim.add_argument("--preset", default=None, help="a preset name (see --list)")
+    sim.add_argument("--list", action="store_true", help="list the presets and exit")
+    sim.add_argument("--devices", type=int, default=None, help="weak-scale to this many devices")
+    sim.add_argument("--mode", choices=("both", "async", "colocated"), default="both")
+    sim.add_argument("--staleness", type=int, default=1, help="η of the async run")
+    sim.add_argument("--weight-sync", choices=("staged", "blocking", "inflight"), default="staged")
+    sim.add_argument("--partial-rollout", action="store_true")
+    sim.add_argument("--sync-every", type=int, default=1)
+    sim.add_argument("--steps", type=int, default=None, help="optimizer steps (default: preset)")
+    sim.add_argument(
+        "--trace-dir", default=None, help="write each run's Chrome trace, metrics.jsonl (+ PNG)"
+    )
+    sim.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return cli_simulate
 
 
 def cli_simulate(args: Any) -> int:

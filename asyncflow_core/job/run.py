@@ -1,0 +1,578 @@
+"""The main job's run: build the workload's policy, place its engines on the runtime, train
+with RL, evaluate, write the run folder and checkpoints, resume (``run``).
+
+A run folder holds:
+
+===================== ========================================================================
+``config.toml``        the full configuration (re-run it with ``asyncflow run --config``)
+``metrics.jsonl``      one record per optimizer step (reward, loss, PPO metrics, staleness)
+``trace.json``         every span (Chrome trace: open in https://ui.perfetto.dev)
+``summary.json``       the headline figures (see ``RunSummary``)
+``reward.png``         the reward curve (with the ``plot`` extra: matplotlib)
+``timeline.png``       where the time went, per resource
+``checkpoints/``       ``step-N/`` folders: the trainer's files, the job state, the trace so far
+===================== ========================================================================
+
+**Checkpoints and resume.** The run checkpoints after every ``checkpoint.every`` steps (but
+not within ``checkpoint.min_interval_s`` seconds of the previous one), after the last one,
+and on SIGTERM (then it exits with status 0 and says how to resume); each
+checkpoint is written atomically and the newest ``checkpoint.keep`` are kept.
+``asyncflow run --resume RUN_DIR`` continues from the newest complete checkpoint, with the
+run's own ``config.toml``; only ``RESUME_KEYS`` may change with ``--set`` (e.g. ``rl.steps``
+to train longer). What a resumed run guarantees (``asyncflow_core.flow.rlflow.RLJob.resume``):
+every optimizer step is applied once (the trainer continues from the checkpoint's version;
+steps taken after it died with the run), groups trained or dropped as stale before the
+checkpoint are never fed again, groups in flight at the checkpoint are regenerated first, then
+the prompt stream continues where it was; ``metrics.jsonl`` and the trace continue.
+
+**Engines and runtimes.** The workload (``asyncflow_core.engines.registry``) gives the model;
+the rollout and train engine factories the config names build the engines; the runtime places
+them: ``local`` (this module, ``local_runtime``: engines in this process, or child processes
+with ``rollout.process`` / ``train.process``) or a runtime package's (kind ``runtime``, e.g.
+``ray`` from ``asyncflow_ray.job``), each an async context manager yielding a ``Placed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.protocols import DataStore, InferenceEngine, TrainEngine
+from asyncflow_core.engines import registry
+from asyncflow_core.engines.process import ProcessInferenceEngine
+from asyncflow_core.flow.config import to_toml
+from asyncflow_core.flow.rlflow import JobState, MakeStaged, RLEngines, RLJob, RLResult, StepRecord
+from asyncflow_core.flow.workflow import PipelineResult
+from asyncflow_core.infra.checkpoint import Checkpoints
+from asyncflow_core.job.config import RunConfig
+from asyncflow_core.job.report import RunSummary, plot_rewards
+from asyncflow_core.observability import trace as tracing
+from asyncflow_core.observability.trace import Tracer
+
+
+@dataclass
+class RunOutput:
+    summary: RunSummary
+    result: RLResult
+    out_dir: Path | None
+
+
+class RunPreempted(Exception):
+    """``run(preemptible=True)`` got SIGTERM: it wrote ``checkpoint`` (after ``steps`` steps
+    in all) and the run folder's trace and metrics so far, and stopped."""
+
+    def __init__(self, checkpoint: Path, steps: int) -> None:
+        super().__init__(f"preempted after {steps} steps; checkpoint {checkpoint}")
+        self.checkpoint = checkpoint
+        self.steps = steps
+
+
+RUN_STATE_FILE = "run.json"
+TRACE_FILE = "trace.json.gz"  # checkpoints before trace segments: the whole trace in one file
+_SEGMENT = re.compile(r"trace-\d{4}\.json\.gz")
+
+
+class _RunFiles:
+    """The main job's files in each checkpoint: the trace so far, where its clock was, the
+    RNG states and the warm-up time (``run.json``).
+
+    The trace is kept in segments, ``trace-NNNN.json.gz``: each checkpoint writes only the
+    spans recorded since the previous one and hard-links (or copies, where the file system
+    cannot link) the earlier segments from the previous checkpoint, so a checkpoint costs
+    what happened since the last one, not the whole run so far (the whole trace, rewritten
+    every ``checkpoint.every`` steps, was a fifth of a 120-step run's wall time). Every
+    checkpoint still holds its whole trace: deleting older ones loses nothing."""
+
+    def __init__(
+        self,
+        checkpoints: Path,
+        *,
+        tracer: Tracer,
+        warmup_s: float,
+        resumed_at: list[int],
+        segments: Sequence[str] = (),
+    ) -> None:
+        self.checkpoints, self.tracer = checkpoints, tracer
+        self.warmup_s, self.resumed_at = warmup_s, resumed_at
+        # what the newest checkpoint holds: its segments, and the trace mark they end at
+        self.segments = list(segments)
+        self.written = tracer.mark() if segments else tracing.START
+
+    def __call__(self, folder: Path) -> None:
+        previous = Checkpoints(self.checkpoints).latest()
+        try:
+            held = _trace_segments(_run_state(previous)) if previous is not None else None
+        except ConfigError:  # its run.json is unreadable: start the trace over
+            held = None
+        if held != self.segments or previous is None:  # not the checkpoint we wrote last
+            self.segments, self.written = [], tracing.START
+        try:
+            for name in self.segments:
+                assert previous is not None
+                try:
+                    os.link(previous / name, folder / name)
+                except OSError:  # a file system without hard links
+                    shutil.copyfile(previous / name, folder / name)
+        except OSError:  # a segment of the previous checkpoint is gone: the whole trace
+            for name in self.segments:
+                (folder / name).unlink(missing_ok=True)
+            self.segments, self.written = [], tracing.START
+        end = self.tracer.mark()
+        name = f"trace-{len(self.segments):04d}.json.gz"
+        self.tracer.write_chrome_trace(folder / name, since=self.written, until=end)
+        state = {
+            "format": "asyncflow-run/1",
+            "trace_s": self.tracer.now(),
+            "trace_segments": [*self.segments, name],
+            "warmup_s": self.warmup_s,
+            "resumed_at": self.resumed_at,
+            "rng": {"torch": torch.get_rng_state().tolist(), "python": random.getstate()},
+        }
+        (folder / RUN_STATE_FILE).write_text(json.dumps(state) + "\n")
+        self.segments.append(name)
+        self.written = end
+
+
+def _run_state(folder: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((folder / RUN_STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{folder / RUN_STATE_FILE} is not readable: {e}") from e
+    if not isinstance(state, dict):
+        raise ConfigError(f"{folder / RUN_STATE_FILE} is not a JSON object")
+    return state
+
+
+def _trace_segments(run_state: Mapping[str, Any]) -> list[str] | None:
+    """The trace segment files a checkpoint's ``run.json`` lists (None: a checkpoint of one
+    whole ``trace.json.gz``); ``ConfigError`` for a name that is not a segment's."""
+    names = run_state.get("trace_segments")
+    if names is None:
+        return None
+    if not isinstance(names, list) or not all(
+        isinstance(n, str) and _SEGMENT.fullmatch(n) for n in names
+    ):
+        raise ConfigError(
+            f"run.json: trace_segments must be a list of trace-NNNN.json.gz names, got "
+            f"{names!r:.120}"
+        )
+    return names
+
+
+def _load_trace(folder: Path, run_state: Mapping[str, Any]) -> Tracer:
+    """A checkpoint's trace: its segments in order, or the one file of older checkpoints."""
+    segments = _trace_segments(run_state)
+    if segments is None:
+        return tracing.load(folder / TRACE_FILE)
+    if not segments:
+        return Tracer()
+    first, *rest = (folder / n for n in segments)
+    return tracing.load(first, *rest)
+
+
+def _log_metrics(
+    record: StepRecord,
+    *,
+    tracer: Tracer,
+    out: Path,
+    cfg: RunConfig,
+    then: Callable[[StepRecord], None] | None,
+) -> None:
+    """Append the step's metric record to the run folder's ``metrics.jsonl``; at a fresh
+    run's first step, start the run folder with its ``config.toml`` (what ``--resume``
+    reads): a run that fails before it trained anything writes nothing."""
+    if not (out / "config.toml").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(to_toml(cfg))
+    tracer.write_metrics_jsonl(out / "metrics.jsonl", start=len(tracer.metrics) - 1)
+    if then is not None:
+        then(record)
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def resume_point(cfg: RunConfig, out: Path) -> tuple[Path, JobState, dict[str, Any]]:
+    """The newest complete checkpoint of run folder ``out``, its job state and run state;
+    ``ConfigError`` when there is none or nothing is left to train."""
+    folder = Checkpoints(out / "checkpoints").latest()
+    if folder is None:
+        raise ConfigError(
+            f"--resume {out}: {out / 'checkpoints'} holds no complete checkpoint (the run died "
+            f"before its first one, every {cfg.checkpoint.every} steps); start it again"
+        )
+    state = JobState.read(folder)
+    done = state.version - state.origin
+    if cfg.rl.steps < done or (cfg.rl.steps == done and (out / "summary.json").exists()):
+        raise ConfigError(
+            f"--resume {out}: the run already trained {done} steps of rl.steps = "
+            f"{cfg.rl.steps}; to train longer, resume with --set rl.steps=N (N > {done})"
+        )
+    try:
+        run_state = _run_state(folder)
+        _trace_segments(run_state)
+    except ConfigError as e:
+        raise ConfigError(f"--resume {out}: {e}") from e
+    return folder, state, run_state
+
+
+def _window_mean(values: Sequence[float], first: bool) -> float:
+    k = max(1, math.ceil(len(values) / 10))
+    part = values[:k] if first else values[-k:]
+    return sum(part) / len(part) if part else math.nan
+
+
+def _threads(cfg: RunConfig) -> int:
+    if cfg.threads:
+        return cfg.threads
+    cores = os.cpu_count() or 1
+    return cores if cfg.rl.mode == "colocated" else 1
+
+
+async def run(
+    cfg: RunConfig,
+    out_dir: str | Path | None = None,
+    *,
+    on_step: Callable[[StepRecord], None] | None = None,
+    resume: bool = False,
+    preemptible: bool = False,
+) -> RunOutput:
+    """Build the workload's policy (and warm it up), train with RL, evaluate, let the
+    workload finish (an HF policy is saved with ``save_pretrained``) and, with ``out_dir``,
+    write the run folder, checkpoints included (``cfg.checkpoint``). ``resume``: continue
+    the run in ``out_dir`` from its newest checkpoint (``cfg`` is its config, with only
+    ``RESUME_KEYS`` changed; a run that died after its last step but before its summary is
+    evaluated and summarised without training). ``preemptible``: on SIGTERM, write a
+    checkpoint and raise ``RunPreempted`` (installs a handler on the running loop; the main
+    thread only)."""
+    cfg = cfg.for_workload()
+    cfg.validate()
+    out = Path(out_dir) if out_dir is not None else None
+    point = None
+    if resume:
+        if out is None:
+            raise ConfigError("run(resume=True) needs out_dir, the run folder to resume")
+        point = resume_point(cfg, out)
+    torch.manual_seed(cfg.seed)
+    threads = _threads(cfg)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    workload = make_workload(cfg, out)
+    extra: dict[str, Any] = {}
+    preempted: list[Path] = []
+    try:
+        t0 = time.perf_counter()
+        fresh = getattr(workload, "fresh_model", None)
+        if point is not None and callable(fresh):  # its weights come from the checkpoint
+            model = await fresh()
+            warmup_s = float(point[2].get("warmup_s", 0.0))
+        else:
+            model = await workload.initial_model()
+            warmup_s = time.perf_counter() - t0
+        platform = cfg.trainer_platform().name  # validated above; resolved once per run
+        r = cfg.rollout
+        sampling = workload.sampling(r.temperature, r.top_p, r.top_k)
+        rl_config = cfg.rl_config(sampling)
+        resumed_at: list[int] = []
+        left = cfg.rl.steps
+        if point is not None:
+            _, state, run_state = point
+            left = cfg.rl.steps - (state.version - state.origin)
+            rl_config = replace(rl_config, steps=max(left, 1))  # 0 left: no run() below
+            resumed_at = [*run_state.get("resumed_at", []), state.version]
+        async with _placed(cfg, model, threads, platform) as placed:
+            engines, trainer, store = placed.engines, placed.trainer, placed.store
+            tracer = _load_trace(point[0], point[2]) if point is not None else Tracer()
+            checkpoints = None
+            if out is not None:
+                checkpoints = Checkpoints(
+                    out / "checkpoints", keep=cfg.checkpoint.keep,
+                    extra=_RunFiles(
+                        out / "checkpoints", tracer=tracer, warmup_s=warmup_s,
+                        resumed_at=resumed_at,
+                        segments=(_trace_segments(point[2]) or []) if point is not None else (),
+                    ),
+                )  # fmt: skip
+            step_hook = on_step
+            if out is not None:  # metrics.jsonl line by line (resumed: from the checkpoint's)
+                if point is not None:  # the folder exists; --set may have changed RESUME_KEYS
+                    (out / "config.toml").write_text(to_toml(cfg))
+                    tracer.write_metrics_jsonl(out / "metrics.jsonl")
+                step_hook = functools.partial(
+                    _log_metrics, tracer=tracer, out=out, cfg=cfg, then=on_step
+                )
+            agent_loop = getattr(workload, "agent_loop", None)
+            job = RLJob(
+                rl_config, RLEngines(engines, trainer, make_staged=placed.make_staged),
+                workload.prompts(cfg.seed),
+                None if callable(agent_loop) else workload.reward,
+                agent=agent_loop() if callable(agent_loop) else None, loss_fn=cfg.loss_fn(),
+                tracer=tracer, on_step=step_hook, store=store, checkpoints=checkpoints,
+            )  # fmt: skip
+            if point is not None:
+                await job.resume(point[0])
+                _restore_rng(point[2]["rng"])
+                tracer.continue_at(float(point[2]["trace_s"]))
+            if left:
+                with _on_sigterm(job, preempted, enabled=preemptible):
+                    result = await job.run()
+            else:  # trained to the end before it died: evaluate and summarise
+                await job.sync_rollout()
+                result = RLResult(rl_config, (), 0.0, 0, 0, PipelineResult({}, 0.0), tracer)
+            lost = dict(job.lost)
+            restarted = dict(job.restarted)
+            if point is not None:  # the whole run's records and totals
+                state = point[1]
+                result = replace(
+                    result, steps=(*state.steps, *result.steps),
+                    wall_s=state.wall_s + result.wall_s, dropped=state.dropped + result.dropped,
+                    generated=state.generated + result.generated,
+                )  # fmt: skip
+            if preempted:
+                if out is not None:
+                    tracer.write_chrome_trace(out / "trace.json")
+                raise RunPreempted(preempted[0], len(result.steps))
+            eval_reward = eval_exact = None
+            if cfg.eval_prompts:  # on a rollout engine the run did not lose
+                alive = next(e for i, e in enumerate(engines) if str(i) not in lost)
+                eval_reward, eval_exact = await workload.evaluate(
+                    alive, cfg.eval_prompts, 10_000_019 + cfg.seed
+                )
+            extra = await workload.finish(trainer, out)
+    finally:
+        torch.set_num_threads(previous_threads)
+        close = getattr(workload, "close", None)
+        if callable(close):
+            close()
+    summary = _summarize(
+        cfg, workload.label, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform
+    )
+    extra = {**extra, **_agent_figures(result)}
+    if resumed_at:
+        extra["resumed_at"] = resumed_at
+    if lost:
+        extra["lost_engines"] = lost
+    if restarted:
+        extra["restarted_engines"] = restarted
+    if placed.placement:
+        extra["placement"] = placed.placement
+    summary = replace(summary, runtime=placed.where, extra=extra)
+    if placed.trainer_label is not None:
+        summary = replace(summary, trainer=placed.trainer_label)
+    if out is not None:
+        _write_run_folder(out, cfg, summary, tracer, result)
+    return RunOutput(summary, result, out)
+
+
+@dataclass
+class Placed:
+    """What a runtime gives the job: the rollout engines, the trainer, the store (None: the
+    default in-process store), where it runs (``local``, ``ray (2 nodes, ...)``), a staged
+    weight-sync factory of its own (None: the job's default), each actor's node by name and
+    how to name the trainer's place in the summary (None: the job's own label)."""
+
+    engines: list[InferenceEngine]
+    trainer: TrainEngine
+    store: DataStore | None = None
+    where: str = "local"
+    make_staged: MakeStaged | None = None
+    placement: dict[str, str] = field(default_factory=dict)
+    trainer_label: str | None = None
+
+
+Runtime = Callable[..., contextlib.AbstractAsyncContextManager[Placed]]
+"""A runtime factory (registry kind ``runtime``): ``runtime(cfg, *, rollout, trainer,
+platform)`` with ``rollout`` one zero-argument factory per rollout engine and ``trainer`` the
+trainer's (each builds its engine where it is called, e.g. inside an actor), returning an
+async context manager that yields a ``Placed`` and closes what it made on the way out."""
+
+
+@contextlib.asynccontextmanager
+async def local_runtime(
+    cfg: RunConfig,
+    *,
+    rollout: Sequence[Callable[[], InferenceEngine]],
+    trainer: Callable[[], TrainEngine],
+    platform: str,
+) -> AsyncIterator[Placed]:
+    """The ``local`` runtime: the trainer built in this process (a trainer factory may host
+    it in a child process: ``train.process``), each rollout engine in this process or, with
+    ``rollout.process``, in a child process of its own; the default in-process store."""
+    made_trainer = trainer()
+    if cfg.rollout.process:
+        threads = _threads(cfg)
+        engines: list[InferenceEngine] = [
+            ProcessInferenceEngine(make, threads=threads, name=f"rollout-{i}")
+            for i, make in enumerate(rollout)
+        ]
+    else:
+        engines = [make() for make in rollout]
+    try:
+        yield Placed(engines, made_trainer)
+    finally:
+        for e in engines:
+            await e.close()  # type: ignore[attr-defined]  # every engine here has one
+        await made_trainer.close()  # type: ignore[attr-defined]  # every trainer here has one
+
+
+def _placed(
+    cfg: RunConfig, model: Any, threads: int, platform: str
+) -> contextlib.AbstractAsyncContextManager[Placed]:
+    """The run's engines on its runtime (``runtime.kind``), built by the engine factories the
+    config names from ``model``."""
+    rollout_name, train_name = cfg.engine_names()
+    make_rollout = registry.get("rollout", rollout_name)
+    make_trainer = registry.get("trainer", train_name)
+    rollout = [
+        functools.partial(make_rollout, model, cfg=cfg, index=i, threads=threads)
+        for i in range(cfg.rollout.engines)
+    ]
+    trainer = functools.partial(make_trainer, model, cfg=cfg, threads=threads, platform=platform)
+    runtime: Runtime = (
+        local_runtime if cfg.runtime.kind == "local" else registry.get("runtime", cfg.runtime.kind)
+    )
+    return runtime(cfg, rollout=rollout, trainer=trainer, platform=platform)
+
+
+@contextlib.contextmanager
+def _on_sigterm(job: RLJob, preempted: list[Path], *, enabled: bool) -> Iterator[None]:
+    """While the job runs: SIGTERM writes a checkpoint (after the step in progress), appends
+    its folder to ``preempted`` and stops the job."""
+    if not enabled:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def preempt() -> None:
+        preempted.append(await job.checkpoint())
+        job.pipeline.stop()
+
+    def on_term() -> None:
+        if not tasks:
+            print("asyncflow run: SIGTERM: writing a checkpoint, then stopping", file=sys.stderr)
+            tasks.append(loop.create_task(preempt()))
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def make_workload(cfg: RunConfig, out_dir: Path | None = None) -> registry.Workload:
+    """The workload ``cfg.workload`` names, built from ``cfg`` (``out_dir``: the run folder,
+    where a workload may write inputs it generates, e.g. the shipped data)."""
+    factory = registry.get("workload", cfg.workload_name())
+    workload = factory(cfg, out_dir)
+    if not isinstance(workload, registry.Workload):
+        raise ConfigError(
+            f"workload {cfg.workload_name()!r}: its factory returned {type(workload).__name__}, "
+            "which lacks the Workload methods (asyncflow_core.engines.registry.Workload)"
+        )
+    return workload
+
+
+def _trainer_label(cfg: RunConfig) -> str:
+    t = cfg.train
+    engine = cfg.engine_names()[1]
+    process = cfg.train_process()
+    if engine == "hf":
+        return "hf, process" if process else "hf, thread"
+    if engine == "deepspeed":
+        where = f"{t.ranks} rank process(es)" if t.ranks > 1 or process else "thread"
+        return f"deepspeed ZeRO-{t.zero_stage} {t.dtype}, {where}"
+    return "process" if process else "thread"
+
+
+def _summarize(
+    cfg: RunConfig,
+    label: str,
+    result: RLResult,
+    tracer: Tracer,
+    warmup_s: float,
+    eval_reward: float | None,
+    eval_exact: float | None,
+    threads: int,
+    platform: str,
+) -> RunSummary:
+    rewards = [s.reward_mean for s in result.steps]
+    trace = tracer.summary()
+    hist = trace["staleness"]["histogram"]
+    return RunSummary(
+        mode=cfg.rl.mode,
+        staleness=result.config.staleness,
+        loss=cfg.train.loss,
+        task=label,
+        steps=len(result.steps),
+        samples=result.samples,
+        tokens=result.tokens,
+        dropped=result.dropped,
+        wall_s=result.wall_s,
+        warmup_s=warmup_s,
+        samples_per_s=result.samples / result.wall_s if result.wall_s > 0 else 0.0,
+        tokens_per_s=result.tokens / result.wall_s if result.wall_s > 0 else 0.0,
+        reward_first=_window_mean(rewards, first=True),
+        reward_last=_window_mean(rewards, first=False),
+        eval_reward=eval_reward,
+        eval_exact=eval_exact,
+        bubble_ratio={k: round(v["bubble_ratio"], 4) for k, v in trace["resources"].items()},
+        staleness_hist={str(k): int(v) for k, v in hist.items()},
+        sync_exposed_s=trace["sync"]["exposed_s"],
+        sync_hidden_s=trace["sync"]["hidden_s"],
+        threads=threads,
+        trainer=_trainer_label(cfg),
+        platform=platform,
+    )
+
+
+def _agent_figures(result: RLResult) -> dict[str, Any]:
+    """Per-trajectory turns, tool calls and tool errors over the first and last 10% of the
+    steps of an agent job (none for a single-turn job)."""
+    steps = [s.metrics.extra for s in result.steps if "agent_turns" in s.metrics.extra]
+    if not steps:
+        return {}
+    figures: dict[str, Any] = {}
+    for key in ("turns", "tool_calls", "tool_errors"):
+        values = [e[f"agent_{key}"] for e in steps]
+        figures[key] = [_window_mean(values, first=True), _window_mean(values, first=False)]
+    figures["restarts"] = int(sum(e.get("agent_restarts", 0.0) for e in steps))
+    return {"agent": figures}
+
+
+def _write_run_folder(
+    out: Path, cfg: RunConfig, summary: RunSummary, tracer: Tracer, result: RLResult
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(to_toml(cfg))
+    tracer.write_metrics_jsonl(out / "metrics.jsonl")
+    tracer.write_chrome_trace(out / "trace.json")
+    (out / "summary.json").write_text(json.dumps(summary.as_json(), indent=2) + "\n")
+    try:
+        plot_rewards(result, out / "reward.png", title=f"{summary.task}, {summary.mode}")
+        tracer.plot_timeline(out / "timeline.png", title=f"{summary.task}, {summary.mode}")
+    except ImportError:
+        print(
+            "(no PNG plots: install the plot extra, pip install 'asyncflow[plot]')",
+            file=sys.stderr,
+        )
