@@ -94,6 +94,7 @@ class HFWorkload:
     rollout_engine = "hf"
     train_engine = "hf"
     config = HFRunConfig
+    runtimes = ("local",)  # not tried on Ray yet
 
     def __init__(self, cfg: HFRunConfig, out_dir: Path | None = None) -> None:
         transformers = require_transformers(WHO)

@@ -19,8 +19,8 @@ contracts:
   instance of the factory's ``config`` attribute, a ``RunConfig`` subclass adding the
   workload's own keys (``asyncflow_core.job.config``; ``asyncflow run --keys --set
   workload=NAME`` lists them). Optional attributes of the factory: ``config``, ``runtimes``
-  (the ``runtime.kind`` values it runs on; default ``("local",)``) and an ``agent_loop``
-  method (the workload is agentic: ``agent.*`` apply);
+  (the ``runtime.kind`` values it has been tried on, the others refused; default: any) and
+  an ``agent_loop`` method (the workload is agentic: ``agent.*`` apply);
 * rollout engine: ``make(model, *, cfg, index, threads) -> InferenceEngine`` for the
   ``index``-th rollout instance, ``model`` being what ``Workload.initial_model`` returned;
 * trainer: ``make(model, *, cfg, threads, platform) -> TrainEngine`` (``platform``: the

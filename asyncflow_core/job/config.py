@@ -396,8 +396,8 @@ class RunConfig:
                 "train.dtype applies to train.engine = 'deepspeed' or 'hf'; the "
                 f"{train_engine} trainer is fp32"
             )
-        runtimes = tuple(getattr(factory, "runtimes", ("local",)))
-        if self.runtime.kind not in runtimes:
+        runtimes = getattr(factory, "runtimes", None)  # None: any
+        if runtimes is not None and self.runtime.kind not in runtimes:
             raise ConfigError(
                 f"runtime.kind = {self.runtime.kind!r}: the {workload} workload runs on "
                 f"{' or '.join(map(repr, runtimes))} so far (it has not been tried on "

@@ -198,7 +198,6 @@ class DigitsWorkload:
     rollout_engine = "torch"
     train_engine = "torch"
     config = ReferenceRunConfig
-    runtimes = ("local", "ray")
 
     def __init__(self, cfg: ReferenceRunConfig, out_dir: Path | None = None) -> None:
         self.cfg = cfg
@@ -244,6 +243,7 @@ class AgentWorkload:
     rollout_engine = "torch"
     train_engine = "torch"
     config = ReferenceRunConfig
+    runtimes = ("local",)  # not tried on Ray yet
 
     def __init__(self, cfg: ReferenceRunConfig, out_dir: Path | None = None) -> None:
         self.cfg = cfg
