@@ -28,6 +28,7 @@ from asyncflow_core.job import (
     local_runtime,
     run,
 )
+from asyncflow_core.job.command import _resume_config
 from asyncflow_core.job.config import resolve_config_class, set_values
 
 QUICK = ["rl.steps=2", "rl.prompts_per_step=4", "rl.n=4", "task.warmup_steps=1", "eval_prompts=4"]
@@ -176,3 +177,31 @@ def test_a_registered_runtime_places_the_engines(tmp_path: Path) -> None:
     assert seen == {"rollout": 2, "platform": "cpu", "cfg": "ReferenceRunConfig", "closed": True}
     assert out.runtime == "watched (1 box)" and out.trainer == "box" and out.steps == 2
     assert out.extra["placement"] == {"rollout-0": "box"}
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_config_toml_written_before_the_move_still_loads(tmp_path: Path) -> None:
+    """Files ``asyncflow run`` wrote before the workload keys moved (every workload's keys,
+    at their defaults but the run's own) load into their workload's class, so old run folders
+    still ``--resume``; a retired key with a value of its own is still an error."""
+    digits = load_run_config(DATA / "config-before-26-digits.toml")
+    assert type(digits) is ReferenceRunConfig and digits.rl.steps == 5
+    assert digits.workload_name() == "digits"
+    hf = load_run_config(DATA / "config-before-26-hf.toml")
+    assert type(hf) is HFRunConfig and hf.model.name == "tiny-qwen2" and hf.data.max_tokens == 8
+    text = (DATA / "config-before-26-digits.toml").read_text()
+    assert 'prompt_field = "question"' in text
+    bad = text.replace('prompt_field = "question"', 'prompt_field = "q"')
+    assert bad != text
+    path = tmp_path / "config.toml"
+    path.write_text(bad)
+    with pytest.raises(ConfigError, match=r"needs exactly one of model\.path"):
+        load_run_config(path)  # a data key of its own: an hf config without a model
+    # --resume reads an old run folder's config.toml, with the keys that may change
+    old_run = tmp_path / "run"
+    old_run.mkdir()
+    (old_run / "config.toml").write_text(text)
+    resumed = _resume_config(old_run, ["rl.steps=9"])
+    assert type(resumed) is ReferenceRunConfig and resumed.rl.steps == 9

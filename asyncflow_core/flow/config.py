@@ -36,12 +36,18 @@ T = TypeVar("T")
 
 
 def load_config(
-    cls: type[T], toml_path: str | Path | None = None, overrides: Sequence[str] = ()
+    cls: type[T],
+    toml_path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    retired: Mapping[str, Any] | None = None,
 ) -> T:
     """``cls()`` updated by the TOML file (if any) and then by each ``key=value`` override.
     Each override is checked as it is applied (its section's ``validate``, with the override
     named in the error); the whole config's ``validate`` runs once, after the last one, so
-    settings that depend on each other may come in any order."""
+    settings that depend on each other may come in any order. ``retired``: dotted keys ``cls``
+    no longer has, with the value they had by default; a file that holds one of them at that
+    value (written by an older version, which wrote every key) loads without it."""
     cfg = cls()
     if toml_path is not None:
         path = Path(toml_path)
@@ -57,6 +63,8 @@ def load_config(
             raise ConfigError(
                 f"config file {str(path)!r} nests arrays or tables too deeply to read"
             ) from None
+        if retired:
+            data = without_retired(data, retired, known=set(keys(cfg)))
         cfg = merge(cfg, data, where=f"{path.name}: ")
     if not overrides:
         return cfg
@@ -66,6 +74,40 @@ def load_config(
     if callable(validate):
         validate()
     return cfg
+
+
+def without_retired(
+    data: Mapping[str, Any],
+    retired: Mapping[str, Any],
+    *,
+    known: set[str] | frozenset[str] = frozenset(),
+) -> dict[str, Any]:
+    """A copy of nested ``data`` without the ``retired`` keys (dotted) that hold their retired
+    value and are not ``known``; tables left empty go too."""
+
+    def strip(node: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            full = f"{prefix}{k}"
+            if isinstance(v, Mapping):
+                inner = strip(v, f"{full}.")
+                if inner or not v:
+                    out[k] = inner
+            elif not (full in retired and full not in known and _same(retired[full], v)):
+                out[k] = v
+        return out
+
+    return strip(data, "")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal and of one kind (``False`` is not ``0``; ``30`` is ``30.0``)."""
+    numbers = (int, float)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, numbers) and isinstance(b, numbers):
+        return bool(a == b)
+    return type(a) is type(b) and a == b
 
 
 def merge(cfg: T, data: Mapping[str, Any], *, where: str = "") -> T:

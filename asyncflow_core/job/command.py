@@ -15,7 +15,7 @@ from typing import Any
 from asyncflow_core.contracts.errors import CheckpointError, ConfigError, TaskFailedError
 from asyncflow_core.flow.config import keys, load_config
 from asyncflow_core.infra.checkpoint import Checkpoints
-from asyncflow_core.job.config import RESUME_KEYS, RunConfig, load_run_config
+from asyncflow_core.job.config import RESUME_KEYS, RETIRED, RunConfig, load_run_config
 from asyncflow_core.job.report import StepProgress, format_summary
 from asyncflow_core.job.run import RunPreempted, resume_point, run
 
@@ -37,7 +37,7 @@ def _resume_config(run_dir: Path, sets: Sequence[str]) -> RunConfig:
             "(its --out, e.g. runs/<timestamp>)"
         )
     base = load_run_config(saved)
-    cfg = load_config(type(base), saved, sets)  # the run's workload, whatever sets say
+    cfg = load_config(type(base), saved, sets, retired=RETIRED)  # the run's workload's class
     changed = [k for k in keys(cfg) if _config_value(cfg, k) != _config_value(base, k)]
     refused = [k for k in changed if k not in RESUME_KEYS]
     if refused:

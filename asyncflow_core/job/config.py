@@ -25,7 +25,7 @@ from asyncflow_core.contracts.errors import ConfigError
 from asyncflow_core.contracts.protocols import LossFn, SamplingParams
 from asyncflow_core.engines import registry
 from asyncflow_core.flow.agent import TrajectoryLimits
-from asyncflow_core.flow.config import load_config
+from asyncflow_core.flow.config import load_config, without_retired
 from asyncflow_core.flow.rlflow import RLConfig
 from asyncflow_core.infra.platform import Platform, get_platform, select_platform
 from asyncflow_core.training.rl import (
@@ -513,6 +513,18 @@ class RunConfig:
 
 
 _CORE_KEYS = frozenset(f.name for f in dataclasses.fields(RunConfig))
+RETIRED: dict[str, Any] = {
+    "model.path": "", "model.name": "", "model.trust_remote_code": False, "model.d_model": 64,
+    "model.n_layers": 2, "model.n_heads": 4, "model.init_std": 0.1, "task.name": "reverse",
+    "task.digits": 3, "task.warmup_steps": 60, "task.warmup_batch": 128, "data.path": "",
+    "data.prompt_field": "question", "data.messages_field": "", "data.answer_field": "answer",
+    "data.system_prompt": "", "data.max_tokens": 16, "data.limit": 0, "data.difficulty": 1,
+    "reward": "", "reward_timeout_s": 30.0,
+}  # fmt: skip
+"""The workload keys ``RunConfig`` had before they moved to the workloads' config classes,
+with their defaults. A ``config.toml`` written then holds every one of them; one still at
+its default, which its workload's class lacks, is ignored when the file is read (so runs from
+before the move still ``--resume``), and claims no workload."""
 
 
 def config_class(workload: str) -> type[RunConfig]:
@@ -546,8 +558,8 @@ def set_values(toml_path: str | Path | None, overrides: Sequence[str]) -> dict[s
     if toml_path is not None:
         try:
             with open(toml_path, "rb") as f:
-                values.update(_flat(tomllib.load(f)))
-        except (OSError, tomllib.TOMLDecodeError):
+                values.update(_flat(without_retired(tomllib.load(f), RETIRED)))
+        except (OSError, tomllib.TOMLDecodeError, RecursionError):
             pass  # load_config reports it, naming the file
     for item in overrides:
         key, sep, value = str(item).partition("=")
@@ -596,7 +608,7 @@ def load_run_config(
     class lacks, which workload's keys were read and how to list them)."""
     cls, why = _resolve(set_values(toml_path, overrides))
     try:
-        return load_config(cls, toml_path, overrides)
+        return load_config(cls, toml_path, overrides, retired=RETIRED)
     except ConfigError as e:
         if "unknown key" not in str(e) and "is a table" not in str(e):
             raise
