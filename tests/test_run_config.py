@@ -205,3 +205,30 @@ def test_a_config_toml_written_before_the_move_still_loads(tmp_path: Path) -> No
     (old_run / "config.toml").write_text(text)
     resumed = _resume_config(old_run, ["rl.steps=9"])
     assert type(resumed) is ReferenceRunConfig and resumed.rl.steps == 9
+
+
+def test_a_rollout_engine_that_cannot_be_built_closes_the_trainer() -> None:
+    closed: list[str] = []
+
+    class Trainer:
+        async def close(self) -> None:
+            closed.append("trainer")
+
+    def trainer(model: Any, *, cfg: Any, threads: int, platform: str) -> Any:
+        return Trainer()
+
+    def refuses(model: Any, *, cfg: Any, index: int, threads: int) -> Any:
+        raise ConfigError("rollout.engine = 'refuses-test' cannot serve this model")
+
+    registry.register("trainer", "closing-test", trainer, replace=True)
+    registry.register("rollout", "refuses-test", refuses, replace=True)
+    try:
+        cfg = load_run_config(
+            None, [*QUICK, "rollout.engine=refuses-test", "train.engine=closing-test"]
+        )
+        with pytest.raises(ConfigError, match="cannot serve this model"):
+            asyncio.run(run(cfg))
+    finally:
+        registry._registry.factories["trainer"].pop("closing-test", None)
+        registry._registry.factories["rollout"].pop("refuses-test", None)
+    assert closed == ["trainer"]

@@ -419,15 +419,15 @@ async def local_runtime(
     it in a child process: ``train.process``), each rollout engine in this process or, with
     ``rollout.process``, in a child process of its own; the default in-process store."""
     made_trainer = trainer()
-    if cfg.rollout.process:
-        threads = _threads(cfg)
-        engines: list[InferenceEngine] = [
-            ProcessInferenceEngine(make, threads=threads, name=f"rollout-{i}")
-            for i, make in enumerate(rollout)
-        ]
-    else:
-        engines = [make() for make in rollout]
-    try:
+    engines: list[InferenceEngine] = []
+    try:  # an engine that cannot be built closes the ones built before it
+        for i, make in enumerate(rollout):
+            if cfg.rollout.process:
+                engines.append(
+                    ProcessInferenceEngine(make, threads=_threads(cfg), name=f"rollout-{i}")
+                )
+            else:
+                engines.append(make())
         yield Placed(engines, made_trainer)
     finally:
         for e in engines:
