@@ -158,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from asyncflow_core.job.command import main_job
 
         return main_job(args)
+    if args.command != "selfcheck":  # a parser a plugin added under another name than its own
+        parser.error(f"command {args.command!r} has no handler")
     result = asyncio.run(_selfcheck(args.prompts, args.group, args.batch, args.seed))
     print(
         f"selfcheck ok: {result['rows']:.0f} rows streamed prompt -> rollout -> train, each "
@@ -174,18 +176,29 @@ returning its handler, ``handler(args) -> int`` (the exit status)."""
 
 
 def _plugin_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
-    """Each ``asyncflow.commands`` entry point's parser added to ``sub``, by name; one whose
-    package does not import is left out with a note on stderr."""
+    """Each ``asyncflow.commands`` entry point's parser added to ``sub`` (after the built-in
+    commands), by name. One is left out, with a note on stderr, when its name is taken, its
+    package does not import, or its ``add`` does not add a parser of its name and return a
+    handler: a broken plugin never breaks the other commands."""
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {}
     for ep in sorted(importlib.metadata.entry_points(group=COMMANDS), key=lambda e: e.name):
+        where = f"asyncflow: command {ep.name!r} ({ep.value})"
+        if ep.name in sub.choices:
+            print(f"{where} is left out: the name is taken", file=sys.stderr)
+            continue
         try:
-            add = ep.load()
-        except ImportError as e:
+            handler = ep.load()(sub)
+        except Exception as e:  # any failure of a plugin: note it, go on
+            print(f"{where} is unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        if ep.name not in sub.choices or not callable(handler):
             print(
-                f"asyncflow: command {ep.name!r} ({ep.value}) is unavailable: {e}", file=sys.stderr
+                f"{where} is left out: its add(subparsers) must add a parser named {ep.name!r} "
+                "and return the handler",
+                file=sys.stderr,
             )
             continue
-        handlers[ep.name] = add(sub)
+        handlers[ep.name] = handler
     return handlers
 
 

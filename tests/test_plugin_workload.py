@@ -39,6 +39,13 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # refused with the reason when named
     groups["asyncflow.workloads"]["broken"] = "no_such_module_here:Workload"
     groups["asyncflow.runtimes"] = {"broken": "no_such_module_here:runtime"}
+    # and CLI commands that cannot be added: a taken name, a missing module, a misnamed parser
+    groups["asyncflow.commands"] = {
+        "run": "badcommands:add", "gone": "no_such_module_here:add", "misnamed": "badcommands:add",
+    }  # fmt: skip
+    (folder / "badcommands.py").write_text(
+        "def add(subparsers):\n    subparsers.add_parser('elsewhere')\n    return lambda args: 0\n"
+    )
     lines = []
     for group, entries in groups.items():
         lines.append(f"[{group}]")
@@ -101,3 +108,15 @@ def test_a_plugin_workloads_keys_are_listed_and_checked(site: Path, tmp_path: Pa
     wrong = asyncflow(site, "run", *sets("parity.digits=4", "rollout.engine=hf"))
     assert wrong.returncode == 2, wrong.stderr
     assert "rollout.engine" in wrong.stderr
+
+
+def test_broken_plugin_commands_are_left_out_and_the_cli_works(site: Path) -> None:
+    done = asyncflow(site, "platforms")
+    assert done.returncode == 0, done.stderr
+    assert "command 'run' (badcommands:add) is left out: the name is taken" in done.stderr
+    assert "command 'gone' (no_such_module_here:add) is unavailable" in done.stderr
+    assert "command 'misnamed' (badcommands:add) is left out" in done.stderr
+    other = asyncflow(site, "elsewhere")  # the parser it added under another name
+    assert other.returncode == 2 and "has no handler" in other.stderr
+    sim = asyncflow(site, "simulate", "--list")  # a working plugin command still runs
+    assert sim.returncode == 0 and "qwen2.5-7b-grpo" in sim.stdout
