@@ -548,9 +548,13 @@ def test_abort_in_a_batch_ends_exactly_the_named_requests(by_value: None) -> Non
                 GenerationRequest(f"long-{i}", (1, 2, 3), SamplingParams(max_tokens=400, seed=i))
                 for i in range(3)
             ]
+            # paused ("keep"), the engine queues the requests and runs none: the abort cannot
+            # lose a race with long-1's 400th token on a loaded box (it did, once)
+            await proxy.pause("keep")
             calls = [asyncio.ensure_future(proxy.generate(r)) for r in long]
             await asyncio.sleep(0)  # the calls are made (queued for this turn's actor call)
             await proxy.abort(["long-1"])
+            await proxy.resume()
             results = await asyncio.gather(*calls)
             assert proxy.calls_sent == 1
             assert results[1].finish_reason == "abort"

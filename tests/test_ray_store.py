@@ -7,6 +7,7 @@ pickles into other actors."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -298,6 +299,19 @@ class Producer:
         return True
 
 
+def _wait_until_dead(actor: Any) -> None:
+    """Return once `actor` is dead: `ray.kill` only asks for it, so a call sent just after may
+    still run (seen in CI). Each ping answered means not yet; the 120 s are a safety net."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)  # between polls only: the loop ends on the evidence above
+    pytest.fail(f"{actor} still answered pings 120 s after ray.kill")
+
+
 def test_rows_put_by_reference_outlive_the_producer_that_put_them(
     shared_store: RayDataStore,
 ) -> None:
@@ -310,8 +324,7 @@ def test_rows_put_by_reference_outlive_the_producer_that_put_them(
     assert ray.get(producer.put.remote(n), timeout=60) == tuple(range(n))
     assert _refs_held(shared_store, "p", list(range(n)), ["x"]) == 2
     ray.kill(producer, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError):  # returns once the actor is dead
-        ray.get(producer.ping.remote(), timeout=60)
+    _wait_until_dead(producer)
     got = run(shared_store.get_data(BatchMeta("p", "t", tuple(range(n)), ("x",))))
     want = torch.arange(n * WIDE, dtype=torch.float32).reshape(n, WIDE)
     assert torch.equal(got["x"], want)
