@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 TORCH_NPU_PIN := torch-npu==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run run-hf test lint typecheck pytest bench clean venv
+.PHONY: run run-hf test lint typecheck pytest pytest-main pytest-side bench clean venv
 
 venv: $(STAMP)
 
@@ -46,12 +46,31 @@ typecheck: $(STAMP)
 
 RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py tests/test_ray_runtime_bench.py tests/test_ray_weightsync.py \
 	tests/test_ray_tq_diff.py tests/test_ray_tq_attach.py tests/test_ray_tq_bench.py
+# Benchmarks run in a subprocess, --quick, and the staleness quality guard.
+BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/test_staleness_guard.py tests/test_staleness_quality_bench.py
+# The side tests run in a pytest of their own, beside the main one: the Ray tests need a fresh
+# interpreter (Ray forks its cluster's processes from the test process, and one grown by the
+# ~1,600 tests before could not fork (ENOMEM) in CI), and both sets mostly wait on processes
+# of their own, so on 2 cores the pair takes ~28 min where one after the other took ~45.
+SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS)
+SIDE_LOG := .pytest-side.log
+
+# `make pytest-main` and `make pytest-side` run one half alone, in the foreground.
+pytest-main: $(STAMP)
+	$(PY) -m pytest -q $(addprefix --ignore=,$(SIDE_TESTS))
+
+pytest-side: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(SIDE_TESTS)
 
 pytest: $(STAMP)
-	$(PY) -m pytest -q $(addprefix --ignore=,$(RAY_TESTS))
-	# The Ray tests in a fresh interpreter: Ray forks its cluster's processes from the test
-	# process, and one grown by the ~1,600 tests before could not fork (ENOMEM) in CI.
-	$(PY) -m pytest -q $(RAY_TESTS)
+	@echo "the side tests (Ray, benchmarks) run beside these; their output follows, and is in $(SIDE_LOG) meanwhile"
+	@$(PY) -m pytest -q -p no:cacheprovider $(SIDE_TESTS) > $(SIDE_LOG) 2>&1 & side=$$!; \
+	trap 'kill $$side 2>/dev/null; exit 130' INT TERM; \
+	$(PY) -m pytest -q $(addprefix --ignore=,$(SIDE_TESTS)); main=$$?; \
+	wait $$side; side_rc=$$?; \
+	echo "== the side tests (Ray, benchmarks), run beside the above: exit $$side_rc =="; \
+	cat $(SIDE_LOG); \
+	test $$main -eq 0 && test $$side_rc -eq 0
 
 test: lint typecheck pytest
 
@@ -59,4 +78,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/datastore.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis $(SIDE_LOG)
