@@ -108,6 +108,24 @@ def test_a_file_and_overrides_set_keys_in_order(tmp_path: Path) -> None:
         load_run_config(tmp_path / "missing.toml")
 
 
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"[rl]\nsteps = \xff\n", "is not UTF-8 text"),  # a raw UnicodeDecodeError before
+        (b"[rl\nsteps = 5\n", "is not valid TOML"),
+        (b"x = " + b"[" * 100_000, "(too deeply|not valid TOML)"),
+    ],
+)
+def test_a_bad_config_file_is_a_config_error_naming_it(
+    tmp_path: Path, raw: bytes, says: str
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(raw)
+    with pytest.raises(ConfigError, match=rf"config file '.*bad\.toml' .*{says}"):
+        load_run_config(path, ["rl.steps=3"])
+    assert set_values(path, ["rl.steps=3"]) == {"rl.steps": "3"}  # the file sets nothing
+
+
 @pytest.mark.parametrize("sets", [["task=clock", "rl.n=2"], ["model.name=tiny-llama"]])
 def test_config_toml_reads_back_into_the_same_class(tmp_path: Path, sets: list[str]) -> None:
     cfg = load_run_config(None, sets)

@@ -35,37 +35,47 @@ from asyncflow_core.contracts.errors import ConfigError
 T = TypeVar("T")
 
 
+def read_toml(toml_path: str | Path) -> dict[str, Any]:
+    """The TOML file's tables; ``ConfigError`` naming the file when it cannot be read, is not
+    UTF-8 or is not valid TOML."""
+    path = Path(toml_path)
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
+    except RecursionError:
+        raise ConfigError(
+            f"config file {str(path)!r} nests arrays or tables too deeply to read"
+        ) from None
+
+
 def load_config(
     cls: type[T],
     toml_path: str | Path | None = None,
     overrides: Sequence[str] = (),
     *,
     retired: Mapping[str, Any] | None = None,
+    data: Mapping[str, Any] | None = None,
 ) -> T:
     """``cls()`` updated by the TOML file (if any) and then by each ``key=value`` override.
     Each override is checked as it is applied (its section's ``validate``, with the override
     named in the error); the whole config's ``validate`` runs once, after the last one, so
     settings that depend on each other may come in any order. ``retired``: dotted keys ``cls``
     no longer has, with the value they had by default; a file that holds one of them at that
-    value (written by an older version, which wrote every key) loads without it."""
+    value (written by an older version, which wrote every key) loads without it. ``data``: the
+    file's tables, already read (``read_toml``), in place of reading ``toml_path`` (which then
+    only names it in errors)."""
     cfg = cls()
-    if toml_path is not None:
-        path = Path(toml_path)
-        try:
-            data = tomllib.loads(path.read_bytes().decode("utf-8"))
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from e
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {e}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from e
-        except RecursionError:
-            raise ConfigError(
-                f"config file {str(path)!r} nests arrays or tables too deeply to read"
-            ) from None
+    if data is None and toml_path is not None:
+        data = read_toml(toml_path)
+    if data is not None:
         if retired:
             data = without_retired(data, retired, known=set(keys(cfg)))
-        cfg = merge(cfg, data, where=f"{path.name}: ")
+        cfg = merge(cfg, data, where="" if toml_path is None else f"{Path(toml_path).name}: ")
     if not overrides:
         return cfg
     for item in overrides:
@@ -285,4 +295,4 @@ def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
     raise ConfigError(f"{where}{key}: fields of type {_type_name(tp)} cannot be set from a config")
 
 
-__all__ = ["apply_override", "keys", "load_config", "merge", "to_dict", "to_toml"]
+__all__ = ["apply_override", "keys", "load_config", "merge", "read_toml", "to_dict", "to_toml"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from asyncflow_core.contracts.errors import ConfigError
 from asyncflow_core.contracts.protocols import LossFn, SamplingParams
 from asyncflow_core.engines import registry
 from asyncflow_core.flow.agent import TrajectoryLimits
-from asyncflow_core.flow.config import load_config, without_retired
+from asyncflow_core.flow.config import load_config, read_toml, without_retired
 from asyncflow_core.flow.rlflow import RLConfig
 from asyncflow_core.infra.platform import Platform, get_platform, select_platform
 from asyncflow_core.training.rl import (
@@ -373,7 +372,9 @@ class RunConfig:
         factory = registry.get("workload", workload)
         cls = config_class(workload)
         if not isinstance(self, cls):
-            self.for_workload()  # raises, naming the class the workload takes
+            # a plain RunConfig passes (it converts); another workload's class raises, naming
+            # the class this workload takes
+            self.for_workload()
         train_engine = self.engine_names()[1]
         if self.runtime.kind != "local" and self.rollout.process:
             raise ConfigError(
@@ -550,17 +551,25 @@ def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def set_values(toml_path: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
+def set_values(
+    toml_path: str | Path | None,
+    overrides: Sequence[str],
+    *,
+    data: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The keys a config file and ``key=value`` overrides set, flat (``{"task.name": ...}``;
     a later one wins), with values as given (strings for overrides): what ``claims`` sees.
-    A table given a plain value (``task=clock``) is its ``name``."""
+    A table given a plain value (``task=clock``) is its ``name``. ``data``: the file's tables,
+    already read (``read_toml``); otherwise a file that cannot be read counts as setting
+    nothing (``load_config`` reports it, naming the file)."""
     values: dict[str, Any] = {}
-    if toml_path is not None:
+    if data is None and toml_path is not None:
         try:
-            with open(toml_path, "rb") as f:
-                values.update(_flat(without_retired(tomllib.load(f), RETIRED)))
-        except (OSError, tomllib.TOMLDecodeError, RecursionError):
-            pass  # load_config reports it, naming the file
+            data = read_toml(toml_path)
+        except ConfigError:
+            data = None
+    if data is not None:
+        values.update(_flat(without_retired(data, RETIRED)))
     for item in overrides:
         key, sep, value = str(item).partition("=")
         if sep:
@@ -606,9 +615,10 @@ def load_run_config(
     ``--set model.path=DIR`` reads as an ``hf`` config and ``--set task=clock`` as the
     reference one; every mistake is a ``ConfigError`` naming the key (and, for a key the
     class lacks, which workload's keys were read and how to list them)."""
-    cls, why = _resolve(set_values(toml_path, overrides))
+    data = None if toml_path is None else read_toml(toml_path)  # read once, for both
+    cls, why = _resolve(set_values(toml_path, overrides, data=data))
     try:
-        return load_config(cls, toml_path, overrides, retired=RETIRED)
+        return load_config(cls, toml_path, overrides, retired=RETIRED, data=data)
     except ConfigError as e:
         if "unknown key" not in str(e) and "is a table" not in str(e):
             raise
