@@ -51,7 +51,8 @@ BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/t
 # The side tests run in a pytest of their own, beside the main one: the Ray tests need a fresh
 # interpreter (Ray forks its cluster's processes from the test process, and one grown by the
 # ~1,600 tests before could not fork (ENOMEM) in CI), and both sets mostly wait on processes
-# of their own, so on 2 cores the pair takes ~28 min where one after the other took ~45.
+# of their own. On the 2-core dev box (fresh clone, 2026-11-27) the pair took 30 min, where
+# one after the other took 42.
 SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS)
 SIDE_LOG := .pytest-side.log
 
