@@ -28,10 +28,14 @@ from asyncflow_ray.store import (  # noqa: E402
     unpack_read,
 )
 
+# A safety net, not a figure: with two busy loops beside the test a store's 3 actors took
+# ~150 s to start (2026-11-27; ~2 s idle), past the 120 s default.
+START_S = 600.0
+
 
 @pytest.fixture(scope="module")
 def shared_store(ray_runtime: Any) -> Iterator[RayDataStore]:
-    store = RayDataStore.create(2)  # ~2 s to start its 3 actors: once per module
+    store = RayDataStore.create(2, start_timeout_s=START_S)  # ~2 s idle: once per module
     yield store
     store.shutdown()
 
@@ -109,7 +113,7 @@ def test_a_dead_storage_unit_is_named_with_its_rows_and_the_rest_survive(
 ) -> None:
     from asyncflow_core.contracts.errors import StorageUnitLostError
 
-    store = RayDataStore.create(2)
+    store = RayDataStore.create(2, start_timeout_s=START_S)
     try:
         n = ROWS_PER_BLOCK + 3  # rows 0..31 on unit 0, 32..34 on unit 1
         on_1 = tuple(r for r in range(n) if unit_of(r, 2) == 1)
@@ -173,7 +177,7 @@ class Consumer:
 
 
 def test_a_killed_consumer_s_rows_go_to_another_none_lost_none_twice(ray_runtime: Any) -> None:
-    store = RayDataStore.create(2)
+    store = RayDataStore.create(2, start_timeout_s=START_S)
     try:
 
         async def produce() -> None:
@@ -206,7 +210,7 @@ def test_a_killed_consumer_s_rows_go_to_another_none_lost_none_twice(ray_runtime
 
 
 def test_the_store_works_from_inside_actors_and_by_name(ray_runtime: Any) -> None:
-    store = RayDataStore.create(2, name="shared-store-test")
+    store = RayDataStore.create(2, name="shared-store-test", start_timeout_s=START_S)
     try:
         again = RayDataStore.connect("shared-store-test")
         assert again.units and len(again.units) == 2
@@ -301,15 +305,15 @@ class Producer:
 
 def _wait_until_dead(actor: Any) -> None:
     """Return once `actor` is dead: `ray.kill` only asks for it, so a call sent just after may
-    still run (seen in CI). Each ping answered means not yet; the 120 s are a safety net."""
-    deadline = time.monotonic() + 120
+    still run (seen in CI). Each ping answered means not yet; START_S is a safety net."""
+    deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         try:
-            ray.get(actor.ping.remote(), timeout=60)
+            ray.get(actor.ping.remote(), timeout=START_S)
         except ray.exceptions.RayActorError:
             return
         time.sleep(0.05)  # between polls only: the loop ends on the evidence above
-    pytest.fail(f"{actor} still answered pings 120 s after ray.kill")
+    pytest.fail(f"{actor} still answered pings {START_S} s after ray.kill")
 
 
 def test_rows_put_by_reference_outlive_the_producer_that_put_them(
@@ -321,7 +325,7 @@ def test_rows_put_by_reference_outlive_the_producer_that_put_them(
     n = 2 * ROWS_PER_BLOCK
     run(shared_store.create_partition("p", ["x"], tasks=["t"]))
     producer = Producer.remote(shared_store)
-    assert ray.get(producer.put.remote(n), timeout=60) == tuple(range(n))
+    assert ray.get(producer.put.remote(n), timeout=START_S) == tuple(range(n))  # starts it
     assert _refs_held(shared_store, "p", list(range(n)), ["x"]) == 2
     ray.kill(producer, no_restart=True)
     _wait_until_dead(producer)
@@ -394,7 +398,7 @@ def test_rows_per_block_routes_rows_and_travels_with_the_store(ray_runtime: Any)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(BadRequestError, match="rows_per_block"):
             RayDataStore.create(2, rows_per_block=bad)  # type: ignore[arg-type]
-    store = RayDataStore.create(2, rows_per_block=1, name="block-test")
+    store = RayDataStore.create(2, rows_per_block=1, name="block-test", start_timeout_s=START_S)
     try:
         assert RayDataStore.connect("block-test").rows_per_block == 1
 
