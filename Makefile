@@ -56,18 +56,21 @@ BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/t
 SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS)
 SIDE_LOG := .pytest-side.log
 
+MAIN_PYTEST := $(PY) -m pytest -q $(addprefix --ignore=,$(SIDE_TESTS))
+SIDE_PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(SIDE_TESTS)
+
 # `make pytest-main` and `make pytest-side` run one half alone, in the foreground.
 pytest-main: $(STAMP)
-	$(PY) -m pytest -q $(addprefix --ignore=,$(SIDE_TESTS))
+	$(MAIN_PYTEST)
 
 pytest-side: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(SIDE_TESTS)
+	$(SIDE_PYTEST)
 
 pytest: $(STAMP)
 	@echo "the side tests (Ray, benchmarks) run beside these; their output follows, and is in $(SIDE_LOG) meanwhile"
-	@$(PY) -m pytest -q -p no:cacheprovider $(SIDE_TESTS) > $(SIDE_LOG) 2>&1 & side=$$!; \
+	@$(SIDE_PYTEST) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$side 2>/dev/null; exit 130' INT TERM; \
-	$(PY) -m pytest -q $(addprefix --ignore=,$(SIDE_TESTS)); main=$$?; \
+	$(MAIN_PYTEST); main=$$?; \
 	wait $$side; side_rc=$$?; \
 	echo "== the side tests (Ray, benchmarks), run beside the above: exit $$side_rc =="; \
 	cat $(SIDE_LOG); \
