@@ -56,8 +56,12 @@ BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/t
 SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS)
 SIDE_LOG := .pytest-side.log
 
-MAIN_PYTEST := $(PY) -m pytest -q $(addprefix --ignore=,$(SIDE_TESTS))
-SIDE_PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(SIDE_TESTS)
+# Every test has a per-test safety net (pytest-timeout, `timeout` in pyproject.toml). The side
+# half also stops starting tests after SIDE_LIMIT seconds (--session-timeout), so a hang there
+# ends in a report naming the test, where it once ran into CI's own limit and printed nothing.
+SIDE_LIMIT ?= 2700
+MAIN_PYTEST := $(PY) -m pytest -q --durations=10 $(addprefix --ignore=,$(SIDE_TESTS))
+SIDE_PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10 --session-timeout=$(SIDE_LIMIT) $(SIDE_TESTS)
 
 # `make pytest-main` and `make pytest-side` run one half alone, in the foreground.
 pytest-main: $(STAMP)
@@ -66,14 +70,16 @@ pytest-main: $(STAMP)
 pytest-side: $(STAMP)
 	$(SIDE_PYTEST)
 
+# Once the main half is done, the side half's log is followed live until it ends.
 pytest: $(STAMP)
-	@echo "the side tests (Ray, benchmarks) run beside these; their output follows, and is in $(SIDE_LOG) meanwhile"
-	@$(SIDE_PYTEST) > $(SIDE_LOG) 2>&1 & side=$$!; \
+	@echo "the side tests (Ray, benchmarks) run beside these, into $(SIDE_LOG); it is followed here once these end"
+	@PYTHONUNBUFFERED=1 $(SIDE_PYTEST) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$side 2>/dev/null; exit 130' INT TERM; \
 	$(MAIN_PYTEST); main=$$?; \
+	echo "== the side tests (Ray, benchmarks), run beside the above =="; \
+	tail -n +1 -f --pid=$$side $(SIDE_LOG); \
 	wait $$side; side_rc=$$?; \
-	echo "== the side tests (Ray, benchmarks), run beside the above: exit $$side_rc =="; \
-	cat $(SIDE_LOG); \
+	echo "== main tests: exit $$main; side tests: exit $$side_rc =="; \
 	test $$main -eq 0 && test $$side_rc -eq 0
 
 test: lint typecheck pytest
