@@ -4,13 +4,55 @@ every process it started."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network from tests
+
+# A safety net for the test process's own exit, after its summary: Python waits there for every
+# non-daemon thread and then runs atexit hooks (Ray's shutdown among them), and a thread blocked
+# for good would hold the run (and CI) until an outside limit killed it, with nothing printed.
+EXIT_GRACE_S = float(os.environ.get("ASYNCFLOW_TEST_EXIT_GRACE_S", "300"))
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    status = config.stash.get(_EXIT_STATUS, 0)
+
+    def start() -> None:
+        threading.Thread(
+            target=_exit_watchdog, args=(status,), name="exit-watchdog", daemon=True
+        ).start()
+
+    # Armed when the interpreter starts to exit (before it waits for the other threads, as
+    # concurrent.futures' own exit hook is), so a pytest run inside a longer process arms nothing.
+    threading._register_atexit(start)  # type: ignore[attr-defined]
+
+
+def _exit_watchdog(status: int) -> None:
+    time.sleep(EXIT_GRACE_S)  # a daemon thread: a process that exits ends it here
+    sys.stderr.write(
+        f"\n!!! the test process had not exited {EXIT_GRACE_S:.0f} s after its tests ended; "
+        "every thread's stack follows, then it exits with a failure !!!\n"
+    )
+    for thread in threading.enumerate():
+        kind = "daemon" if thread.daemon else "non-daemon"
+        sys.stderr.write(f"  thread {thread.ident or 0:#x} {thread.name!r} ({kind})\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(status or 1)
 
 
 @pytest.fixture(scope="module")
