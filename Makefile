@@ -56,9 +56,11 @@ BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/t
 SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS)
 SIDE_LOG := .pytest-side.log
 
-# Every test has a per-test safety net (pytest-timeout, `timeout` in pyproject.toml). The side
-# half also stops starting tests after SIDE_LIMIT seconds (--session-timeout), so a hang there
-# ends in a report naming the test, where it once ran into CI's own limit and printed nothing.
+# Safety nets, so that a hang ends in a report naming where it hung (CI at 8fc05d9 ran into its
+# own 90-min limit after the main half's summary and printed nothing more): every test has a
+# per-test timeout (pytest-timeout, `timeout` in pyproject.toml), the side half starts no test
+# after SIDE_LIMIT seconds (--session-timeout), and a test process that has not exited 5 min
+# after its summary prints its threads' stacks and fails (tests/conftest.py).
 SIDE_LIMIT ?= 2700
 MAIN_PYTEST := $(PY) -m pytest -q --durations=10 $(addprefix --ignore=,$(SIDE_TESTS))
 SIDE_PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10 --session-timeout=$(SIDE_LIMIT) $(SIDE_TESTS)
