@@ -4,8 +4,11 @@ every process it started."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -17,8 +20,11 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network from tests
 
 # A safety net for the test process's own exit, after its summary: Python waits there for every
-# non-daemon thread and then runs atexit hooks (Ray's shutdown among them), and a thread blocked
-# for good would hold the run (and CI) until an outside limit killed it, with nothing printed.
+# non-daemon thread, then runs atexit hooks (multiprocessing's joins its live children, Ray's
+# shuts its cluster down), and one blocked for good would hold the run (and CI) until an outside
+# limit killed it, with nothing printed. After the grace this prints what is left (threads and
+# their stacks, child processes), kills those children so none holds the run's output open, and
+# exits with a failure.
 EXIT_GRACE_S = float(os.environ.get("ASYNCFLOW_TEST_EXIT_GRACE_S", "300"))
 _EXIT_STATUS = pytest.StashKey[int]()
 
@@ -42,17 +48,52 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def _exit_watchdog(status: int) -> None:
     time.sleep(EXIT_GRACE_S)  # a daemon thread: a process that exits ends it here
-    sys.stderr.write(
+    err = sys.stderr
+    err.write(
         f"\n!!! the test process had not exited {EXIT_GRACE_S:.0f} s after its tests ended; "
-        "every thread's stack follows, then it exits with a failure !!!\n"
+        "its threads, their stacks and its child processes follow; the children are killed "
+        "and it exits with a failure !!!\n"
     )
     for thread in threading.enumerate():
         kind = "daemon" if thread.daemon else "non-daemon"
-        sys.stderr.write(f"  thread {thread.ident or 0:#x} {thread.name!r} ({kind})\n")
-    sys.stderr.flush()
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
+        err.write(f"  thread {thread.ident or 0:#x} {thread.name!r} ({kind})\n")
+    err.flush()
+    faulthandler.dump_traceback(file=err, all_threads=True)
+    for pid, cmdline in _descendants(os.getpid()):
+        err.write(f"  child process {pid}: {cmdline[:300]}\n")
+        with contextlib.suppress(OSError):  # gone already
+            os.kill(pid, signal.SIGKILL)
+    err.flush()
     os._exit(status or 1)
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """Every live descendant of ``root`` with its command line, read from ``/proc`` (Linux);
+    elsewhere, multiprocessing's own children only."""
+    if not os.path.isdir("/proc/self"):
+        return [(p.pid or 0, p.name) for p in multiprocessing.active_children()]
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone, or not a process we can read
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[tuple[int, str]] = []
+    stack = [root]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmdline = "?"
+            found.append((pid, cmdline))
+            stack.append(pid)
+    return found
 
 
 @pytest.fixture(scope="module")
