@@ -21,6 +21,11 @@ ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (
 
 from asyncflow_ray import RayDataStore, RayRuntime  # noqa: E402
 
+# A safety net for a store's actors to start, as in test_ray_store.py: ~2 s idle, but 72 s for
+# three units on the one-CPU head beside the main suite, past the store's 120 s default on a
+# slower run.
+START_S = 600.0
+
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Any]:
@@ -64,7 +69,8 @@ class Reader:
 def test_units_spread_over_nodes_and_reads_cross_them(two_nodes: Any) -> None:
     nodes = [n.node_id for n in two_nodes.nodes()]
     assert len(nodes) == 2
-    store = RayDataStore.create(2, rows_per_block=1)  # rows alternate units, so nodes
+    # one row per block: rows alternate units, so reads cross nodes
+    store = RayDataStore.create(2, rows_per_block=1, start_timeout_s=START_S)
     try:
         placement = asyncio.run(store.placement())
         assert sorted(p.node_id for p in placement) == sorted(nodes), placement
@@ -99,7 +105,7 @@ def test_placing_units_on_named_nodes_and_unknown_ones(two_nodes: Any) -> None:
     from asyncflow_core.contracts.errors import ConfigError
 
     head = next(n.node_id for n in two_nodes.nodes() if n.is_head)
-    store = RayDataStore.create(3, nodes=[head])
+    store = RayDataStore.create(3, nodes=[head], start_timeout_s=START_S)
     try:
         assert {p.node_id for p in asyncio.run(store.placement())} == {head}
     finally:
