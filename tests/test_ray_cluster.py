@@ -21,9 +21,9 @@ ray = pytest.importorskip("ray", reason="the Ray runtime needs the [ray] extra (
 
 from asyncflow_ray import RayDataStore, RayRuntime  # noqa: E402
 
-# A safety net for a store's actors to start, as in test_ray_store.py: ~2 s idle, but 72 s for
-# three units on the one-CPU head beside the main suite, past the store's 120 s default on a
-# slower run.
+# A safety net for a store's actors to start and for its reads, as in test_ray_store.py: ~2 s
+# idle, 72 s for three units on the one-CPU head beside the main suite, and past the store's
+# 120 s default on a slower run.
 START_S = 600.0
 
 
@@ -92,9 +92,9 @@ def test_units_spread_over_nodes_and_reads_cross_them(two_nodes: Any) -> None:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
             ).remote()
             assert ray.get(reader.node.remote()) == node
-            assert ray.get(reader.read.remote(store, tuple(range(8))), timeout=60) == want
+            assert ray.get(reader.read.remote(store, tuple(range(8))), timeout=START_S) == want
             # each unit's 2 MiB share went by reference; one of them lives on the other node
-            assert ray.get(reader.sums.remote(store, (0, 1)), timeout=60) == [2.0**19, 2.0**20]
+            assert ray.get(reader.sums.remote(store, (0, 1)), timeout=START_S) == [2.0**19, 2.0**20]
             remote_units = [u for u, n in node_of_unit.items() if n != node]
             assert remote_units, "one unit lives on the other node"
     finally:
@@ -125,7 +125,7 @@ def test_shutdown_leaves_no_ray_process_behind(tmp_path: Path) -> None:
         from asyncflow_ray.runtime import _cluster_pids, _alive, import_ray
 
         rt = RayRuntime(num_cpus=2, object_store_bytes=128 << 20).start()
-        store = RayDataStore.create(2)
+        store = RayDataStore.create(2, start_timeout_s=600.0)
         async def go():
             await store.create_partition("p", ["x"])
             await store.put("p", {"x": [1, 2, 3]})
@@ -141,7 +141,7 @@ def test_shutdown_leaves_no_ray_process_behind(tmp_path: Path) -> None:
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=900,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -175,7 +175,7 @@ def test_a_local_cluster_listens_on_loopback_only() -> None:
         from asyncflow_ray import RayDataStore, RayRuntime
 
         rt = RayRuntime(num_cpus=2, object_store_bytes=128 << 20).start()
-        store = RayDataStore.create(2)
+        store = RayDataStore.create(2, start_timeout_s=600.0)
         async def go():
             await store.create_partition("p", ["x"])
             await store.put("p", {"x": [1, 2, 3]})
@@ -204,4 +204,4 @@ def test_a_local_cluster_listens_on_loopback_only() -> None:
         with contextlib.suppress(BrokenPipeError):  # a child that died already says why below
             child.stdin.write("\n")
             child.stdin.flush()
-        assert child.wait(180) == 0
+        assert child.wait(900) == 0
