@@ -72,27 +72,18 @@ def _descendants(root: int) -> list[tuple[int, str]]:
     elsewhere, multiprocessing's own children only."""
     if not os.path.isdir("/proc/self"):
         return [(p.pid or 0, p.name) for p in multiprocessing.active_children()]
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    from test_sockets import process_tree  # this folder's /proc walk
+
+    found: list[tuple[int, str]] = []
+    for pid in process_tree(root):
+        if pid == root:
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # gone, or not a process we can read
-        children.setdefault(ppid, []).append(int(entry))
-    found: list[tuple[int, str]] = []
-    stack = [root]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                cmdline = "?"
-            found.append((pid, cmdline))
-            stack.append(pid)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            cmdline = "?"
+        found.append((pid, cmdline))
     return found
 
 
