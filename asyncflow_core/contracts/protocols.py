@@ -595,6 +595,29 @@ def inflight_load_refusal(engine: object) -> str | None:
     return reason if isinstance(reason, str) and reason else None
 
 
+def tensor_load_refusal(engine: object) -> str | None:
+    """Why ``engine``'s ``load_weights`` cannot take tensors (only a version bump), or None
+    when it can or does not say: e.g. an HTTP client of a server whose routes carry no tensors.
+    Such an engine sets ``tensor_load_refusal: str | None`` (a property where it depends on
+    the server it reached); the RL job then refuses, before anything runs, a weight sync that
+    would hand it tensors (the default staged and blocking ones), naming one that works."""
+    reason = getattr(engine, "tensor_load_refusal", None)
+    return reason if isinstance(reason, str) and reason else None
+
+
+def unavailable_ability(engine: object, ability: str) -> str | None:
+    """Why ``engine`` cannot use ``ability`` (a ``Supports*`` protocol's name, or
+    ``GroupReceiver``) although it has the methods, or None. The platform or the way an engine
+    was started may take an ability away (vLLM on a CPU cannot sleep); such an engine lists
+    them in ``unavailable_abilities: Mapping[str, str]`` (name -> reason), its calls of them
+    raise an error with the reason, and the conformance suites skip their laws with it."""
+    declared = getattr(engine, "unavailable_abilities", None)
+    if not isinstance(declared, Mapping):
+        return None
+    reason = declared.get(ability)
+    return reason if isinstance(reason, str) and reason else None
+
+
 # --------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------

@@ -21,11 +21,13 @@ that each maps the engine onto the ``InferenceEngine`` protocol the same way:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import importlib
+import logging
 import math
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from types import ModuleType
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
@@ -40,7 +42,10 @@ from asyncflow_core.contracts.protocols import (
     Version,
 )
 
+_log = logging.getLogger(__name__)
+
 __all__ = [
+    "InFlight",
     "ModelSpec",
     "PauseGate",
     "abort_ids",
@@ -373,6 +378,95 @@ class PauseGate:
             if self._open.is_set():
                 return
             await self._open.wait()
+
+
+class InFlight:
+    """A client-side adapter's requests in flight, and aborts that hold.
+
+    An engine may drop an abort that reaches it before it registered the request (vLLM:
+    ``v1/engine/output_processor.py``, ``abort_requests`` skips unknown ids), and a request
+    that raced a pause to the engine may sit there until resume. So ``abort`` marks the
+    requests aborted here first (``aborted``: a request not yet sent is then never sent, and
+    one waiting at a pause gate returns at once), sends the abort, and sends it again, less
+    and less often, until every request has ended (up to ``timeout_s``)."""
+
+    def __init__(self) -> None:
+        self._ended: dict[str, asyncio.Event] = {}
+        self._abort: dict[str, asyncio.Event] = {}
+        self.aborted: set[str] = set()
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._ended
+
+    def ids(self) -> list[str]:
+        return list(self._ended)
+
+    def start(self, rid: str) -> None:
+        self._ended[rid] = asyncio.Event()
+        self._abort[rid] = asyncio.Event()
+
+    def end(self, rid: str) -> None:
+        self._abort.pop(rid, None)
+        self.aborted.discard(rid)
+        event = self._ended.pop(rid, None)
+        if event is not None:
+            event.set()
+
+    async def gate(self, gate: PauseGate, rid: str) -> bool:
+        """Wait for ``gate`` to open (``EngineError`` if it is closed): True; or False at once
+        when ``rid`` is aborted meanwhile (or was before)."""
+        while rid not in self.aborted:
+            signal = self._abort.get(rid)
+            if not gate.paused or signal is None:
+                await gate.wait()
+                return rid not in self.aborted
+            opened = asyncio.ensure_future(gate.wait())
+            aborted = asyncio.ensure_future(signal.wait())
+            done, pending = await asyncio.wait(
+                {opened, aborted}, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in pending:
+                task.cancel()
+            if opened in done:
+                opened.result()  # a closed gate raises
+        return False
+
+    async def abort(
+        self,
+        rids: Sequence[str],
+        send: Callable[[list[str]], Awaitable[Any]],
+        *,
+        timeout_s: float,
+    ) -> None:
+        """Abort those of ``rids`` in flight: mark them, ``send(ids)``, then send again for
+        those still running, 0.05 s, 0.1 s, ... up to 1 s apart, until all have ended or
+        ``timeout_s`` passed. A repeated send's errors are ignored (the first's are not)."""
+        live = [rid for rid in rids if rid in self._ended]
+        _log.debug("abort %s: in flight %s", list(rids), live)
+        if not live:
+            return
+        for rid in live:
+            self.aborted.add(rid)
+            self._abort[rid].set()
+        await send(live)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pause = 0.05
+        while True:
+            running = [self._ended[rid] for rid in live if rid in self._ended]
+            left = deadline - loop.time()
+            if not running or left <= 0:
+                return
+            waits = [asyncio.ensure_future(e.wait()) for e in running]
+            _, pending = await asyncio.wait(waits, timeout=min(pause, left))
+            for w in pending:
+                w.cancel()
+            again = [rid for rid in live if rid in self._ended]
+            if again:
+                _log.debug("abort %s again: still running", again)
+                with contextlib.suppress(Exception):
+                    await send(again)
+            pause = min(pause * 2, 1.0)
 
 
 def describe(value: Any, limit: int = 200) -> str:

@@ -100,6 +100,8 @@ from asyncflow_core.contracts.protocols import (
     WeightBucket,
     WeightSync,
     inflight_load_refusal,
+    tensor_load_refusal,
+    unavailable_ability,
 )
 from asyncflow_core.data.scheduling import (
     FillView,
@@ -710,6 +712,28 @@ def _check_loss_fields(loss_fn: LossFn, config: RLConfig) -> None:
         )
 
 
+def _check_tensor_loads(config: RLConfig, engines: RLEngines) -> None:
+    """The default weight syncs hand the rollout engines tensors (``load_weights``): the
+    staged one (its swap) unless ``make_staged`` is given, the others unless
+    ``make_transport`` is. Refuse, before anything runs, an engine that cannot take them."""
+    staged_default = config.weight_sync == "staged" and engines.make_staged is None
+    direct_default = (
+        config.weight_sync != "staged" and engines.make_transport is InProcessWeightSync
+    )
+    if not (staged_default or direct_default):
+        return
+    for i, engine in enumerate(engines.rollout):
+        reason = tensor_load_refusal(engine)
+        if reason is not None:
+            raise ConfigError(
+                f"weight_sync={config.weight_sync!r}: rollout engine {i} "
+                f"({type(engine).__name__}) cannot take tensors through load_weights: "
+                f"{reason}. Use weight_sync='blocking' with RLEngines(make_transport=...) a "
+                "transport the engine receives from (e.g. asyncflow_vllm.VLLMWeightSync over "
+                "the engine's NCCL group), or give the engine a way to take tensors"
+            )
+
+
 def _sample_cell(sample: object, group: int | str) -> dict[str, Any]:
     """An agent job's sample as a store cell (a JSON-able dict)."""
     if not isinstance(sample, Mapping):
@@ -805,6 +829,7 @@ class RLJob:
                         "weight_sync='staged' (the transfer hidden, only the swap exposed) or "
                         "'blocking'"
                     )
+        _check_tensor_loads(config, engines)
         self.config = config
         self.engines = engines
         self.prompts = prompts
@@ -1619,20 +1644,25 @@ class RLJob:
         await self.gate.drained()
         if not self._sleeping:
             t0 = self._now()
-            await asyncio.gather(
-                *(e.sleep(1) for _, e in self._live() if isinstance(e, SupportsSleep))
-            )
+            await asyncio.gather(*(e.sleep(1) for e in self._sleepers()))
             self._sleeping = True
             self._span("offload", "devices", t0, True, None)
 
     async def _wake(self) -> None:
         if self._sleeping:
             t0 = self._now()
-            await asyncio.gather(
-                *(e.wake_up() for _, e in self._live() if isinstance(e, SupportsSleep))
-            )
+            await asyncio.gather(*(e.wake_up() for e in self._sleepers()))
             self._sleeping = False
             self._span("onload", "devices", t0, True, None)
+
+    def _sleepers(self) -> list[SupportsSleep]:
+        """The live rollout engines that can release their memory while the trainer runs
+        (those declaring sleep unavailable where they run, e.g. vLLM on a CPU, keep it)."""
+        return [
+            e
+            for _, e in self._live()
+            if isinstance(e, SupportsSleep) and unavailable_ability(e, "SupportsSleep") is None
+        ]
 
     # -- running -------------------------------------------------------------------------------
     def _begin(self, start: Version) -> None:

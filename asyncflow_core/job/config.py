@@ -45,8 +45,13 @@ class RolloutSection:
 
     engine: str = "auto"
     """The rollout engine (``asyncflow_core.engines.registry``): ``torch`` (the reference engine),
-    ``hf`` (transformers' continuous batching) or a plugin's; ``auto``: the workload's."""
+    ``hf`` (transformers' continuous batching), ``vllm`` (vLLM, in this process or a running
+    server: ``url``) or a plugin's; ``auto``: the workload's."""
     engines: int = 1
+    url: str = ""
+    """Servers to generate on, for a rollout engine that can be a client of one (``vllm``:
+    a ``vllm serve`` started as ``docs/vllm.md`` says): one URL per rollout engine, separated
+    by commas. Empty: the engine runs here."""
     process: bool = False
     """Run each rollout engine in a child process of its own (``ProcessInferenceEngine``):
     it then does not share the interpreter lock with the trainer, and an engine process that
@@ -59,11 +64,22 @@ class RolloutSection:
     def validate(self) -> None:
         if self.engines < 1:
             raise ConfigError(f"rollout.engines must be >= 1, got {self.engines}")
+        urls = self.urls()
+        if urls and len(urls) != self.engines:
+            raise ConfigError(
+                f"rollout.url names {len(urls)} server(s) but rollout.engines is "
+                f"{self.engines}: give one URL per rollout engine (or set rollout.engines="
+                f"{len(urls)})"
+            )
         if not self.temperature > 0:
             raise ConfigError(
                 f"rollout.temperature must be > 0 for RL (sampling explores), got "
                 f"{self.temperature}"
             )
+
+    def urls(self) -> list[str]:
+        """``url`` as a list (empty: none)."""
+        return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
 @dataclass(frozen=True)
@@ -261,7 +277,8 @@ class CheckpointSection:
 RESUME_KEYS = (
     "rl.steps", "eval_prompts", "threads", "checkpoint.every", "checkpoint.keep",
     "checkpoint.min_interval_s",
-    "rollout.engines", "rollout.max_batch", "rollout.process", "train.process", "runtime.kind",
+    "rollout.engines", "rollout.url", "rollout.max_batch", "rollout.process", "train.process",
+    "runtime.kind",
     "runtime.address", "runtime.store",
     "runtime.storage_units", "runtime.rollout_restarts",
 )  # fmt: skip

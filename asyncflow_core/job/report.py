@@ -96,8 +96,14 @@ def format_summary(s: RunSummary) -> str:
         ("samples/s, tokens/s", f"{s.samples_per_s:.1f}, {s.tokens_per_s:.0f}"),
         ("reward first → last 10%", f"{s.reward_first:.3f} → {s.reward_last:.3f}"),
     ]
+    before = s.extra.get("eval_before")
+    if before:
+        rows.append(
+            ("greedy eval before RL", f"reward {before['reward']:.3f}, exact {before['exact']:.1%}")
+        )
     if s.eval_reward is not None and s.eval_exact is not None:
-        rows.append(("greedy eval", f"reward {s.eval_reward:.3f}, exact {s.eval_exact:.1%}"))
+        label = "greedy eval after RL" if before else "greedy eval"
+        rows.append((label, f"reward {s.eval_reward:.3f}, exact {s.eval_exact:.1%}"))
     if s.extra.get("lost_engines"):
         lost = s.extra["lost_engines"]
         rows.append(("lost rollout engines", f"{len(lost)} ({', '.join(sorted(lost))}), survived"))

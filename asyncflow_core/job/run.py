@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
@@ -46,7 +47,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -333,6 +334,13 @@ async def run(
                 await job.resume(point[0])
                 _restore_rng(point[2]["rng"])
                 tracer.continue_at(float(point[2]["trace_s"]))
+            eval_before: tuple[float, float] | None = None
+            if cfg.eval_prompts and point is None and not hasattr(workload, "evaluations"):
+                # where RL starts from (the engines hold the trainer's first weights), greedy;
+                # a workload that evaluates itself (agents) keeps its own
+                eval_before = await workload.evaluate(
+                    engines[0], cfg.eval_prompts, 10_000_019 + cfg.seed
+                )
             if left:
                 with _on_sigterm(job, preempted, enabled=preemptible):
                     result = await job.run()
@@ -368,6 +376,8 @@ async def run(
         cfg, workload.label, result, tracer, warmup_s, eval_reward, eval_exact, threads, platform
     )
     extra = {**extra, **_agent_figures(result)}
+    if eval_before is not None and not any(math.isnan(v) for v in eval_before):
+        extra["eval_before"] = {"reward": eval_before[0], "exact": eval_before[1]}
     if resumed_at:
         extra["resumed_at"] = resumed_at
     if lost:
@@ -411,13 +421,14 @@ async context manager that yields a ``Placed`` and closes what it made on the wa
 async def local_runtime(
     cfg: RunConfig,
     *,
-    rollout: Sequence[Callable[[], InferenceEngine]],
+    rollout: Sequence[Callable[[], InferenceEngine | Awaitable[InferenceEngine]]],
     trainer: Callable[[], TrainEngine],
     platform: str,
 ) -> AsyncIterator[Placed]:
     """The ``local`` runtime: the trainer built in this process (a trainer factory may host
     it in a child process: ``train.process``), each rollout engine in this process or, with
-    ``rollout.process``, in a child process of its own; the default in-process store."""
+    ``rollout.process``, in a child process of its own; the default in-process store. A
+    rollout factory may return an awaitable (an engine that must connect or start first)."""
     made_trainer = trainer()
     engines: list[InferenceEngine] = []
     try:  # an engine that cannot be built closes the ones built before it
@@ -427,7 +438,8 @@ async def local_runtime(
                     ProcessInferenceEngine(make, threads=_threads(cfg), name=f"rollout-{i}")
                 )
             else:
-                engines.append(make())
+                made = make()  # an engine, or an awaitable of one (e.g. a server's client)
+                engines.append(await made if inspect.isawaitable(made) else made)
         yield Placed(engines, made_trainer)
     finally:
         for e in engines:
@@ -443,6 +455,12 @@ def _placed(
     rollout_name, train_name = cfg.engine_names()
     make_rollout = registry.get("rollout", rollout_name)
     make_trainer = registry.get("trainer", train_name)
+    if cfg.rollout.urls() and not getattr(make_rollout, "connects_to_servers", False):
+        raise ConfigError(
+            f"rollout.url names servers, but rollout.engine = {rollout_name!r} runs its "
+            "engines here and connects to none: set rollout.engine = 'vllm' (a factory that "
+            "connects sets connects_to_servers = True), or leave rollout.url empty"
+        )
     rollout = [
         functools.partial(make_rollout, model, cfg=cfg, index=i, threads=threads)
         for i in range(cfg.rollout.engines)

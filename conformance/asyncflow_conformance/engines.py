@@ -29,9 +29,10 @@ Usage::
 
 Every law is a test method running on fresh engines. A law that needs an optional ability
 the engine lacks (detected with the runtime protocols ``SupportsPause``, ``SupportsSleep``,
-``SupportsLoadWeights``) or that the class declares it lacks (``supports_seed_determinism``,
-``supports_real_logprobs``, ``computes_loss``, a ``target_weights`` hook, exported tensors
-that hold data) is skipped with the reason.
+``SupportsLoadWeights``), that the engine declares unavailable where it runs
+(``unavailable_abilities``: vLLM on a CPU cannot sleep) or that the class declares it lacks
+(``supports_seed_determinism``, ``supports_real_logprobs``, ``computes_loss``, a
+``target_weights`` hook, exported tensors that hold data) is skipped with the reason.
 
 Nothing may hang: each law runs its async body on a fresh event loop in a helper thread; every
 await on the engine is bounded by ``timeout_s`` seconds of the loop's clock (a hung call fails
@@ -84,6 +85,7 @@ from asyncflow_core.contracts.protocols import (
     Version,
     WeightBucket,
     WeightSync,
+    unavailable_ability,
 )
 from asyncflow_core.flow.vclock import SimulationDeadlockError
 from asyncflow_core.training.rl import policy_gradient_loss
@@ -1380,6 +1382,9 @@ class InferenceEngineConformance(_Suite):
     def _require(self, engine: Any, ability: type, name: str) -> None:
         if not isinstance(engine, ability):
             pytest.skip(f"{type(engine).__name__} does not implement {name} (optional ability)")
+        reason = unavailable_ability(engine, name)
+        if reason is not None:
+            pytest.skip(f"{type(engine).__name__} declares {name} unavailable here: {reason}")
 
 
 # --------------------------------------------------------------------------------------------
