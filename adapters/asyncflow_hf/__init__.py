@@ -2,15 +2,16 @@
 and engines over transformers.
 
 Needs the ``[hf]`` extra (``pip install 'asyncflow[hf]'``, transformers pinned to the 5.24
-series); importing this package does not import transformers, building an engine or loading a
-model does (and raises ``MissingExtraError`` naming the extra when it is absent).
+series; all but ``HFInferenceEngine`` also run on 5.19, the vLLM CPU build's: ``compat``);
+importing this package does not import transformers, building an engine or loading a model
+does (and raises ``MissingExtraError`` naming the extra when it is absent).
 """
 
 from __future__ import annotations
 
 from asyncflow_hf.assets import build_tokenizer, gsm8k_rows, make_model_folder, write_gsm8k_jsonl
 from asyncflow_hf.chat import HFChatFormat
-from asyncflow_hf.compat import TESTED, require_transformers
+from asyncflow_hf.compat import MODELS_TESTED, TESTED, require_transformers
 from asyncflow_hf.data import Prompt, load_prompts, render_prompt
 from asyncflow_hf.inference import HFInferenceEngine
 from asyncflow_hf.models import TINY, check_model_folder, load_causal_lm, tiny_config
@@ -26,6 +27,7 @@ from asyncflow_hf.reward import (
 from asyncflow_hf.train import HFTrainEngine
 
 __all__ = [
+    "MODELS_TESTED",
     "TESTED",
     "TINY",
     "HFChatFormat",

@@ -156,7 +156,7 @@ class HFInferenceEngine:
     ) -> None:
         who = f"HFInferenceEngine {name!r}"
         self.name = name
-        transformers = require_transformers(who)
+        transformers = require_transformers(who, continuous_batching=True)
         for arg, value, low in (
             ("max_batch", max_batch, 1),
             ("page_size", page_size, 4),

@@ -45,9 +45,42 @@ def _tiny_llama(transformers: Any, vocab_size: int) -> Any:
     )
 
 
-TINY: dict[str, Callable[[Any, int], Any]] = {"tiny-qwen2": _tiny_qwen2, "tiny-llama": _tiny_llama}
-"""Named tiny configs (random init, a few hundred thousand parameters): ``tiny-qwen2`` ties
-its embeddings, ``tiny-llama`` does not."""
+def _small_qwen2(transformers: Any, vocab_size: int) -> Any:
+    return transformers.Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+
+
+def _small_llama(transformers: Any, vocab_size: int) -> Any:
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+
+
+TINY: dict[str, Callable[[Any, int], Any]] = {
+    "tiny-qwen2": _tiny_qwen2,
+    "tiny-llama": _tiny_llama,
+    "small-qwen2": _small_qwen2,
+    "small-llama": _small_llama,
+}
+"""Named tiny configs (random init): ``tiny-qwen2`` (ties its embeddings) and ``tiny-llama``
+(does not), width 64 with 16-dim heads, a few hundred thousand parameters; ``small-qwen2`` and
+``small-llama``, the same at width 128 with 32-dim heads, the smallest head vLLM's CPU
+attention serves (``v1/attention/backends/cpu_attn.py``: 32, 64, 80, ...)."""
 
 
 def tiny_config(name: str, *, vocab_size: int = 256) -> Any:

@@ -10,6 +10,7 @@ travel under, the model's config in checkpoints, and ``save_pretrained``.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 from collections.abc import Mapping
@@ -167,7 +168,12 @@ class HFTrainEngine(AdamWTrainer):
         self.max_seq_len = int(positions) if isinstance(positions, int) else None
         self.device = next(self.model.parameters()).device
         forward = inspect.signature(self.model.forward).parameters
-        self._keeps_logits = "logits_to_keep" in forward
+        # Per-row positions in logits_to_keep (a [B, R] index) need transformers' 2-D slicing
+        # (modeling_utils.slice_logits_to_keep, 5.24); before it (5.19, the vLLM CPU build's)
+        # a 2-D index slices wrongly, so the logits of every position are computed and the
+        # response positions gathered from them (the same values, more compute)
+        utils = importlib.import_module("transformers.modeling_utils")
+        self._keeps_logits = "logits_to_keep" in forward and hasattr(utils, "slice_logits_to_keep")
         self._start(threads, who)
 
     # -- the model's forward ---------------------------------------------------------------------
