@@ -1156,7 +1156,13 @@ def test_engine_args_follow_the_platform(monkeypatch: pytest.MonkeyPatch) -> Non
         "weight_transfer_config": {"backend": "nccl"},
     }
     assert mine == {"enable_sleep_mode": True}  # the caller's dict is not changed
-    assert "weight_transfer_config" not in engine_args_for(get_platform("cpu"), {})
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cpu = engine_args_for(get_platform("cpu"), {})
+    assert "weight_transfer_config" not in cpu
+    assert cpu["kv_cache_memory_bytes"] == 2 << 30  # not 92% of the machine's memory
+    assert "kv_cache_memory_bytes" not in cuda
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM's own setting stands
+    assert "kv_cache_memory_bytes" not in engine_args_for(get_platform("cpu"), {})
     given = {"weight_transfer_config": {"backend": "ipc"}}
     assert engine_args_for(get_platform("cuda"), given)["weight_transfer_config"] == {
         "backend": "ipc"

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -563,6 +564,9 @@ class VLLMEngine:
             shutdown = getattr(self.engine, "shutdown", None)
             if callable(shutdown):
                 shutdown()
+            # let it go now: AsyncLLM.__del__ shuts down again, which fails noisily when it
+            # runs at interpreter exit, after the modules it needs are gone
+            self.engine = None
 
     # -- internals -----------------------------------------------------------------------------
     def _usable(self) -> None:
@@ -722,15 +726,26 @@ def _engine_ranks(engine: Any) -> int:
     return int(world) * int(dp) if is_int(world) and is_int(dp) else 1
 
 
+CPU_KV_CACHE_BYTES = 2 << 30
+"""The KV cache ``VLLMEngine.create`` gives vLLM on a CPU unless told otherwise
+(``kv_cache_memory_bytes=...``, or ``VLLM_CPU_KVCACHE_SPACE`` in GiB)."""
+
+
 def engine_args_for(
     platform: Platform, engine_args: dict[str, Any], *, colocated: bool = False, who: str = "vllm"
 ) -> dict[str, Any]:
     """``engine_args`` (a copy) completed for ``platform`` as ``VLLMEngine.create`` uses them:
-    ``logprobs_mode="processed_logprobs"`` and, on cuda / npu, ``weight_transfer_config``
+    ``logprobs_mode="processed_logprobs"``; on a CPU ``kv_cache_memory_bytes`` (2 GiB, unless
+    given or ``VLLM_CPU_KVCACHE_SPACE`` is set); on cuda / npu ``weight_transfer_config``
     with the platform's backend, unless given; on npu, ``VLLM_ASCEND_ENABLE_NZ=0`` in the
     environment (set when unset; another value is a ``ConfigError``, environment unchanged)."""
     out = dict(engine_args)
     out.setdefault("logprobs_mode", "processed_logprobs")
+    if platform.name == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        # Without a KV cache size, vLLM's CPU worker reserves gpu_memory_utilization (0.92)
+        # of the machine's memory and refuses to start when other processes use more than
+        # 8% of it (v1/worker/cpu_worker.py, seen live): a fixed size instead
+        out.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
     if "weight_transfer_config" not in out and platform.name in WEIGHT_TRANSFER_BACKENDS:
         backend = weight_transfer_backend(platform, colocated=colocated)
         out["weight_transfer_config"] = {"backend": backend}
@@ -742,8 +757,6 @@ def engine_args_for(
 def _weights_not_nz(who: str) -> None:
     """vllm-ascend's worker refuses ``start_weight_update`` and ``wake_up`` while weights are
     kept in the NZ layout (``VLLM_ASCEND_ENABLE_NZ``, default 1; its ``worker/worker.py``)."""
-    import os
-
     value = os.environ.get("VLLM_ASCEND_ENABLE_NZ")
     if value is None:
         os.environ["VLLM_ASCEND_ENABLE_NZ"] = "0"
