@@ -856,7 +856,7 @@ class ReplayVLLMServer:
             result = fn(*args)
         except Exception as exc:
             raise _error(500, RPC_FAILED.format(exc)) from exc
-        if method == "asyncflow_commit_load":
+        if method in ("asyncflow_commit_load", "asyncflow_load"):
             loaded, self.worker.loaded = self.worker.loaded, []
             await self.engine.load_weights(loaded, self.engine.weight_version)
             if loaded:

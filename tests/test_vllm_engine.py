@@ -950,17 +950,27 @@ def test_pause_sleep_and_load_weights_call_vllms_methods() -> None:
             assert ("pause_generation", ("keep", False)) in fake.calls
             assert ("pause_generation", ("abort", True)) in fake.calls
             assert ("sleep", (2, "abort")) in fake.calls
-            # held by a keep pause of its own: begin, one piece, commit, then the new label
-            assert names[-7:] == [
-                "pause_generation", "collective_rpc", "collective_rpc", "collective_rpc",
-                "reset_prefix_cache", "update_weight_version", "resume_generation",
+            # held by a keep pause of its own: one call (the whole load fits one piece),
+            # then the new label
+            assert names[-5:] == [
+                "pause_generation", "collective_rpc", "reset_prefix_cache",
+                "update_weight_version", "resume_generation",
             ]  # fmt: skip
-            assert fake.calls[-7] == ("pause_generation", ("keep", False))
+            assert fake.calls[-4] == ("collective_rpc", "asyncflow_load")
+            assert fake.calls[-5] == ("pause_generation", ("keep", False))
             assert fake.calls[-2] == ("update_weight_version", "5")
+
             assert adapter.weight_version == fake.ref.weight_version == 5
-            await adapter.load_weights([], 6)  # a version bump alone
-            assert fake.calls[-1] == ("update_weight_version", "6")
-            assert await adapter.refresh_version() == 6
+            adapter.piece_bytes = 1024  # now in pieces: begin, pieces, commit
+            await adapter.load_weights(weights, 6)
+            assert adapter.last_load is not None
+            made = [c[1] for c in fake.calls if c[0] == "collective_rpc"]
+            rpcs = made[-adapter.last_load.calls :]
+            assert rpcs[0] == "asyncflow_begin_load" and rpcs[-1] == "asyncflow_commit_load"
+            assert set(rpcs[1:-1]) == {"asyncflow_load_pieces"}
+            await adapter.load_weights([], 7)  # a version bump alone
+            assert fake.calls[-1] == ("update_weight_version", "7")
+            assert await adapter.refresh_version() == 7
         finally:
             await close(adapter)
 

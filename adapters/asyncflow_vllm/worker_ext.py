@@ -35,6 +35,8 @@ single message carries more than one piece:
    ``UnquantizedEmbeddingMethod.process_weights_after_loading``) and the reload does not touch
    it. Returns ``{"tensors", "bytes", "load_s"}``.
 
+``asyncflow_load(manifest, pieces)`` does the three in one call, for a load that fits one
+piece (each call is a round trip through vLLM's engine core, between two of its steps).
 ``asyncflow_abort_load()`` drops a load in progress. One load at a time per worker; a new
 ``begin`` replaces an unfinished one.
 
@@ -76,7 +78,8 @@ DEFAULT_PIECE_BYTES = 256 << 20
 is small, small enough that each copy along vLLM's link stays modest."""
 
 METHODS = ("asyncflow_begin_load", "asyncflow_load_pieces", "asyncflow_commit_load")
-"""The extension's load methods, in call order."""
+"""The extension's load methods, in call order (``asyncflow_load``: all three in one call,
+for a load that fits one piece)."""
 
 Manifest = list[tuple[str, torch.dtype, tuple[int, ...]]]
 
@@ -156,6 +159,13 @@ async def send_weights(
     changed). ``text``: arguments as JSON text and base64 (HTTP's ``/collective_rpc``)."""
     t0 = time.perf_counter()
     manifest = weight_manifest(weights)
+    total = sum(t.numel() * t.element_size() for _, t in weights)
+    if total <= piece_bytes:  # one call: begin, the one piece, commit (the worker's load)
+        batches = list(weight_pieces(weights, piece_bytes, text=text))
+        pieces = batches[0] if batches else []
+        args = (json.dumps(manifest), json.dumps(pieces)) if text else (manifest, pieces)
+        results = await rpc("asyncflow_load", args)
+        return _report(manifest, total, 1, t0, results)
     await rpc("asyncflow_begin_load", (json.dumps(manifest) if text else manifest,))
     calls = 1
     try:
@@ -168,11 +178,17 @@ async def send_weights(
         with contextlib.suppress(Exception):  # the first error is the one to report
             await rpc("asyncflow_abort_load", ())
         raise
+    return _report(manifest, total, calls, t0, results)
+
+
+def _report(
+    manifest: list[list[Any]], total: int, calls: int, t0: float, results: Any
+) -> LoadReport:
     first = results[0] if isinstance(results, list) and results else {}
     first = first if isinstance(first, dict) else {}
     return LoadReport(
         tensors=len(manifest),
-        bytes=sum(t.numel() * t.element_size() for _, t in weights),
+        bytes=total,
         calls=calls,
         seconds=time.perf_counter() - t0,
         load_s=float(first.get("load_s", 0.0)),
@@ -479,6 +495,14 @@ class WeightUpdateExtension:
             "load_s": time.perf_counter() - t0,
             "retied": retied,
         }
+
+    def asyncflow_load(self, manifest: Any, pieces: Any) -> dict[str, Any]:
+        """``asyncflow_begin_load``, ``asyncflow_load_pieces`` and ``asyncflow_commit_load`` in
+        one call, for a load that fits one piece (one round trip through the engine core
+        instead of three)."""
+        self.asyncflow_begin_load(manifest)
+        self.asyncflow_load_pieces(pieces)
+        return self.asyncflow_commit_load()
 
     def asyncflow_abort_load(self) -> None:
         """Drop a load in progress (nothing was loaded)."""
