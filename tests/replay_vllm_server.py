@@ -426,6 +426,7 @@ class ReplayVLLMServer:
         self.device = "cuda"
         self.sleep_mode = True
         self.logprobs_mode = "processed_logprobs"
+        self.dtype = "torch.float32"  # vLLM writes the torch.dtype's str
         self.worker_extension = EXTENSION
         self.weight_transfer: str | None = "nccl"
         self.openapi = True  # FastAPI's /openapi.json (off: --disable-fastapi-docs)
@@ -831,6 +832,7 @@ class ReplayVLLMServer:
             "model_config": {
                 "logprobs_mode": self.logprobs_mode,
                 "enable_sleep_mode": self.sleep_mode,
+                "dtype": self.dtype,
             },
             "device_config": {"device": self.device},
             "parallel_config": {"worker_extension_cls": self.worker_extension},

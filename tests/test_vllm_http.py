@@ -96,6 +96,7 @@ def test_connect_reads_version_weight_info_and_world_size() -> None:
             facts = engine.facts
             assert (facts.device, facts.sleep_mode, facts.weight_transfer) == ("cuda", True, "nccl")
             assert facts.extension == EXTENSION and "/collective_rpc" in facts.routes
+            assert facts.dtype == "float32"
             assert engine.unavailable_abilities == {} and engine.tensor_load_refusal is None
         finally:
             await shut(server, engine)
@@ -1007,3 +1008,38 @@ def test_vllm_and_sglang_adapters_refuse_inflight_weight_sync() -> None:
     ):
         reason = inflight_load_refusal(cls)
         assert reason is not None and words in reason, cls
+
+
+@pytest.mark.parametrize(("served", "warned"), [("torch.float32", False), ("torch.bfloat16", True)])
+def test_the_job_warns_when_a_server_computes_in_another_dtype_than_the_trainer(
+    served: str, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``rollout.url``: vLLM's ``--dtype auto`` serves a float32 checkpoint in 16 bits; the
+    rollouts' log-probs would then differ from the trainer's. The job says so, naming both
+    and the flag that matches them."""
+    import types
+
+    from asyncflow_vllm.job import vllm_rollout
+
+    async def main() -> None:
+        server = ReplayVLLMServer(TorchInferenceEngine(MODEL, max_batch=8, seed=0, threads=1))
+        server.dtype = served
+        url = await server.start()
+        cfg = types.SimpleNamespace(
+            seed=0, rollout=types.SimpleNamespace(process=False, urls=lambda: [url])
+        )
+        engine = await vllm_rollout(torch.nn.Linear(2, 2), cfg=cfg, index=0, threads=1)
+        try:
+            assert isinstance(engine, VLLMHTTPEngine)
+            assert engine.facts.dtype == served.removeprefix("torch.")
+        finally:
+            await shut(server, engine)
+
+    with caplog.at_level("WARNING", logger="asyncflow_vllm.job"):
+        run(main())
+    messages = [r.getMessage() for r in caplog.records if r.name == "asyncflow_vllm.job"]
+    if warned:
+        assert len(messages) == 1, messages
+        assert "bfloat16" in messages[0] and "--dtype float32" in messages[0], messages
+    else:
+        assert messages == []

@@ -145,7 +145,9 @@ class EngineFacts:
     ``device`` (``cpu``, ``cuda``, ...), ``sleep_mode`` (started with ``enable_sleep_mode``),
     ``logprobs_mode``, ``extension`` (its ``worker_extension_cls``, "" for none),
     ``weight_transfer`` (its weight-transfer backend, None: none configured), ``routes`` (HTTP
-    only; empty: not known). ``None`` in a field: the engine did not say."""
+    only; empty: not known), ``dtype`` (what it computes in, ``float32``, ``bfloat16``, ...:
+    with ``--dtype auto``, vLLM's default, a float32 checkpoint is served in 16 bits,
+    ``config/model.py``, ``_resolve_auto_dtype``). ``None`` in a field: the engine did not say."""
 
     device: str | None = None
     sleep_mode: bool | None = None
@@ -153,6 +155,7 @@ class EngineFacts:
     extension: str | None = None
     weight_transfer: str | None = None
     routes: frozenset[str] = frozenset()
+    dtype: str | None = None
 
     @classmethod
     def from_config(cls, config: Any, routes: frozenset[str] = frozenset()) -> EngineFacts:
@@ -169,6 +172,7 @@ class EngineFacts:
         backend = part(transfer, "backend") if transfer is not None else None
         sleep = part(model, "enable_sleep_mode")
         mode = part(model, "logprobs_mode")
+        dtype = part(model, "dtype")
         parallel = part(config, "parallel_config")
         extension = None if parallel is None else part(parallel, "worker_extension_cls")
         return cls(
@@ -178,6 +182,7 @@ class EngineFacts:
             extension=None if extension is None else str(extension),
             weight_transfer=None if backend is None else str(backend),
             routes=routes,
+            dtype=None if dtype is None else str(dtype).removeprefix("torch."),
         )
 
     def unavailable(self) -> dict[str, str]:

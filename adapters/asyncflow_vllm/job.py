@@ -19,15 +19,20 @@ then be on loopback. The job's ``staged`` (default) and ``blocking`` syncs both 
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from asyncflow_core.contracts.errors import ConfigError
 from asyncflow_core.contracts.protocols import InferenceEngine
 from asyncflow_vllm.engine import VLLMEngine
 from asyncflow_vllm.http import VLLMHTTPEngine
+
+_log = logging.getLogger(__name__)
 
 
 class _OwnedFolder(VLLMEngine):
@@ -61,6 +66,13 @@ async def vllm_rollout(model: Any, *, cfg: Any, index: int, threads: int) -> Inf
         except BaseException:
             await engine.close()
             raise
+        served, trained = engine.facts.dtype, _dtype_of(model)
+        if served is not None and trained is not None and served != trained:
+            _log.warning(
+                "%s: the server at %s computes in %s, the trainer in %s: the rollouts' "
+                "log-probs will differ from the trainer's by that precision (start the server "
+                "with --dtype %s to match)", name, urls[index], served, trained, trained,
+            )  # fmt: skip
         return engine
     if not (callable(getattr(model, "save_pretrained", None)) and hasattr(model, "config")):
         raise ConfigError(
@@ -76,6 +88,10 @@ async def vllm_rollout(model: Any, *, cfg: Any, index: int, threads: int) -> Inf
             name=name,
             skip_tokenizer_init=True,
             enforce_eager=True,
+            # vLLM's "auto" serves a float32 checkpoint in 16 bits (config/model.py,
+            # _resolve_auto_dtype): the rollouts would sample from another policy than the
+            # one the trainer scores
+            dtype=_dtype_of(model) or "auto",
             seed=cfg.seed * 1000 + index,
             max_num_seqs=cfg.rollout.max_batch,
         )
@@ -85,6 +101,17 @@ async def vllm_rollout(model: Any, *, cfg: Any, index: int, threads: int) -> Inf
     assert isinstance(local, _OwnedFolder)
     local.folder = folder
     return local
+
+
+def _dtype_of(model: Any) -> str | None:
+    """The floating dtype of ``model``'s parameters (``float32``, ``bfloat16``, ...), or None."""
+    parameters = getattr(model, "parameters", None)
+    if not callable(parameters):
+        return None
+    for p in parameters():
+        if isinstance(p, torch.Tensor) and p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return None
 
 
 vllm_rollout.connects_to_servers = True  # type: ignore[attr-defined]  # rollout.url: its servers

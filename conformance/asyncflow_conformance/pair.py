@@ -99,14 +99,21 @@ class Agreement:
     max_abs: float
     rows: tuple[float, ...]
     """Per row: the mean absolute difference over its compared tokens (nan: none compared)."""
+    worst: tuple[tuple[int, int, int, float, float], ...] = ()
+    """The largest differences (at most 3): (row, response position, token, engine's
+    log-prob, trainer's)."""
 
     def within(self, mean_atol: float, max_atol: float) -> bool:
         return self.tokens > 0 and self.mean_abs <= mean_atol and self.max_abs <= max_atol
 
     def describe(self) -> str:
+        worst = "; ".join(
+            f"row {r} token {i} (id {t}): engine {e:.6g}, trainer {m:.6g}"
+            for r, i, t, e, m in self.worst
+        )
         return (
             f"mean |difference| {self.mean_abs:.3g}, max {self.max_abs:.3g} over "
-            f"{self.tokens} tokens"
+            f"{self.tokens} tokens" + (f" (largest: {worst})" if worst else "")
         )
 
 
@@ -133,10 +140,19 @@ def logprob_agreement(
     every = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
     if not every.numel():
         return Agreement(0, math.nan, math.nan, tuple(rows))
+    places = [
+        (i, (start[i] if start else 0) + j) for i, d in enumerate(diffs) for j in range(len(d))
+    ]
+    order = torch.nan_to_num(every, nan=math.inf).argsort(descending=True)[:3].tolist()
+    worst = tuple(
+        (i, j, int(results[i].tokens[j]), float(results[i].logprobs[j]), float(trainer[i, j]))
+        for i, j in (places[k] for k in order)
+    )
     nonfinite = ~torch.isfinite(every)
     if bool(nonfinite.any()):
-        return Agreement(int(every.numel()), math.inf, math.inf, tuple(rows))
-    return Agreement(int(every.numel()), float(every.mean()), float(every.max()), tuple(rows))
+        return Agreement(int(every.numel()), math.inf, math.inf, tuple(rows), worst)
+    mean, largest = float(every.mean()), float(every.max())
+    return Agreement(int(every.numel()), mean, largest, tuple(rows), worst)
 
 
 async def rollout_batch(

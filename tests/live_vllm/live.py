@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +31,12 @@ import torch
 from asyncflow_core.engines.process import free_port
 
 MODELS = {"qwen2": "small-qwen2", "llama": "small-llama"}
+
+MAX_MODEL_LEN = 2048
+"""Context of both engines (the models' ``max_position_embeddings`` raised to it): long
+enough that a long request outlasts the stalls a busy 2-core machine gives the test's own
+process (vLLM's workers spin on their queues between steps), so the laws that abort or pause
+requests in flight catch them generating."""
 """The live models: Qwen2 ties its embeddings, Llama does not (both head size 32, the smallest
 vLLM's CPU attention serves)."""
 
@@ -59,7 +66,11 @@ def model_folder(key: str) -> Path:
 
             if _root is None:
                 _root = Path(tempfile.mkdtemp(prefix="asyncflow-live-vllm-"))
-            _folders[key] = make_model_folder(_root / key, model=MODELS[key], seed=0)
+            folder = make_model_folder(_root / key, model=MODELS[key], seed=0)
+            config = json.loads((folder / "config.json").read_text())
+            config["max_position_embeddings"] = MAX_MODEL_LEN  # rotary: any length works
+            (folder / "config.json").write_text(json.dumps(config, indent=2))
+            _folders[key] = folder
         return _folders[key]
 
 
@@ -92,7 +103,8 @@ class Server:
         self.command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(folder), "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", "512",
+            "--dtype", "float32", "--enforce-eager", "--seed", "0",
+            "--max-model-len", str(MAX_MODEL_LEN),
             "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
             "--worker-extension-cls", "asyncflow_vllm.worker_ext.WeightUpdateExtension",
         ]  # fmt: skip
@@ -182,7 +194,7 @@ def host(key: str) -> Any:
             _hosts[key] = EngineHost(
                 lambda: VLLMEngine.create(
                     folder, name=f"live-{key}", ignore_eos=True, dtype="float32",
-                    enforce_eager=True, seed=0, max_model_len=512,
+                    enforce_eager=True, seed=0, max_model_len=MAX_MODEL_LEN,
                 ),
                 name=f"vllm AsyncLLM ({key})",
                 timeout_s=START_S,

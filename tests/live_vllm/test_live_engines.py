@@ -16,10 +16,10 @@ from asyncflow_vllm import VLLMHTTPEngine
 
 class _Live(InferenceEngineConformance):
     key = "qwen2"
-    long_max_tokens = 256
+    long_max_tokens = 1536  # a few seconds each (live.MAX_MODEL_LEN)
     timeout_s = 120.0
     real_timeout_s = 600.0
-    context_window = 512
+    context_window = live.MAX_MODEL_LEN
 
     def prompt_tokens(self, index: int) -> Sequence[int]:
         vocab = live.vocab_size(self.key)

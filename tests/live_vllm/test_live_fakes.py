@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,12 @@ from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the fakes
 
+LONG = 1500
+"""A long request's cap: seconds on the live engines, so an abort catches it generating."""
+
+ABORT_ATTEMPTS: list[Any] = []
+"""Each script's abort attempts, printed with the observations."""
+
 KNOWN_DIFFERENCES: dict[str, str] = {}
 """Observation -> why the fake answers otherwise, on purpose."""
 
@@ -33,8 +40,9 @@ def req(rid: str, max_tokens: int = 6, **params: Any) -> GenerationRequest:
     return GenerationRequest(rid, (4, 5, 6, 7), SamplingParams(max_tokens=max_tokens, **params))
 
 
-async def script(engine: Any) -> dict[str, Any]:
-    """The request script, through an adapter; returns what it saw."""
+async def script(engine: Any, long_tokens: int = LONG) -> dict[str, Any]:
+    """The request script, through an adapter; returns what it saw (``long_tokens``: the cap
+    of the requests it aborts)."""
     seen: dict[str, Any] = {}
     await engine.load_weights((), 3)
     greedy = await engine.generate(req("f-greedy", temperature=0.0))
@@ -69,16 +77,25 @@ async def script(engine: Any) -> dict[str, Any]:
     outcomes = []
     for attempt in range(3):
         rid = f"f-long-{attempt}"
-        long = asyncio.ensure_future(engine.generate(req(rid, max_tokens=400)))
+        t0 = time.perf_counter()
+        long = asyncio.ensure_future(engine.generate(req(rid, max_tokens=long_tokens)))
         await asyncio.sleep(0)  # in flight
         await engine.abort([rid])
-        outcomes.append((await long).finish_reason)
-        if outcomes[-1] == "abort":
+        aborted_s = time.perf_counter() - t0
+        result = await long
+        outcomes.append(
+            (result.finish_reason, len(result.tokens), round(aborted_s, 3),
+             round(time.perf_counter() - t0, 3))
+        )  # fmt: skip
+        if result.finish_reason == "abort":
             break
-    seen["abort"] = "abort" in outcomes
+    ABORT_ATTEMPTS.append(outcomes)  # (finish, tokens, abort returned at s, ended at s)
+    seen["abort"] = any(o[0] == "abort" for o in outcomes)
     outcomes = []
     for attempt in range(3):
-        long = asyncio.ensure_future(engine.generate(req(f"f-paused-{attempt}", max_tokens=400)))
+        long = asyncio.ensure_future(
+            engine.generate(req(f"f-paused-{attempt}", max_tokens=long_tokens))
+        )
         await asyncio.sleep(0)
         await engine.pause("abort")
         done = long.done()  # pause("abort") returns once the requests in flight ended
@@ -171,7 +188,7 @@ def test_the_replay_server_answers_as_vllm_serve_does() -> None:
         fake_engine = VLLMHTTPEngine(url, ignore_eos=True)
         real_engine = VLLMHTTPEngine(live.server("qwen2").url, ignore_eos=True)
         try:
-            fake = await script(fake_engine)
+            fake = await script(fake_engine, 400)
             real = await script(real_engine)
             return fake, real, await raw_statuses(url), await raw_statuses(real_engine.base_url)
         finally:
@@ -181,6 +198,7 @@ def test_the_replay_server_answers_as_vllm_serve_does() -> None:
 
     fake, real, fake_raw, real_raw = asyncio.run(main())
     print(f"replay: {fake}\nvLLM:   {real}\nraw replay: {fake_raw}\nraw vLLM:   {real_raw}")
+    print(f"abort attempts (replay, vLLM): {ABORT_ATTEMPTS[-2:]}")
     assert compare(fake, real) == []
     assert fake_raw == real_raw
 
@@ -195,13 +213,14 @@ def test_the_fake_async_llm_answers_as_async_llm_does() -> None:
         adapter = make_adapter(FakeAsyncLLM032, ignore_eos=True)
         adapter.facts = dataclasses.replace(adapter.facts, device="cpu")  # as the live one
         try:
-            return await script(adapter)
+            return await script(adapter, 400)
         finally:
             await adapter.close()
             await adapter.engine.ref.close()
 
     fake = asyncio.run(fake_run())
     print(f"fake AsyncLLM: {fake}\nAsyncLLM:      {real}")
+    print(f"abort attempts (fake, AsyncLLM): {ABORT_ATTEMPTS[-2:]}")
     assert compare(fake, real) == []
 
 

@@ -55,6 +55,9 @@ def test_the_job_runs_on_vllm_in_process(tmp_path: Path) -> None:
     )  # fmt: skip
     s = check_run(done, out)
     assert s["sync_exposed_s"] > 0  # the swaps happened
+    # vLLM's own engine-config line: it computes in the trainer's dtype (its "auto" would
+    # serve this float32 checkpoint in 16 bits)
+    assert "dtype=torch.float32," in done.stdout + done.stderr, done.stderr[-3000:]
 
 
 def test_the_job_runs_against_a_vllm_server(tmp_path: Path) -> None:
