@@ -287,17 +287,25 @@ class VLLMEngine:
         async_llm = importlib.import_module("vllm.v1.engine.async_llm")
         engine_args.setdefault("worker_extension_cls", EXTENSION)  # load_weights needs it
         args = arg_utils.AsyncEngineArgs(model=model, **engine_args)
-        engine = async_llm.AsyncLLM.from_engine_args(args)
+        # The AsyncLLM is never a local of this frame: importing vLLM's lazy names (above)
+        # leaves a traceback behind that holds this frame, and a local here would keep the
+        # engine alive after close(), to be shut down again by its __del__ at interpreter
+        # exit, which fails noisily once the modules it needs are gone.
+        adapter = cls._owning(
+            async_llm.AsyncLLM.from_engine_args(args), name=name, types=types,
+            ignore_eos=ignore_eos, piece_bytes=piece_bytes,
+        )  # fmt: skip
+        await adapter.refresh_version()
+        return adapter
+
+    @classmethod
+    def _owning(cls, engine: Any, **kw: Any) -> VLLMEngine:
+        """An adapter owning ``engine`` (shut down if the adapter cannot be made)."""
         try:
-            adapter = cls(
-                engine, name=name, owns_engine=True, types=types, ignore_eos=ignore_eos,
-                piece_bytes=piece_bytes,
-            )  # fmt: skip
+            return cls(engine, owns_engine=True, **kw)
         except BaseException:
             engine.shutdown()
             raise
-        await adapter.refresh_version()
-        return adapter
 
     # -- InferenceEngine -----------------------------------------------------------------------
     @property

@@ -58,6 +58,9 @@ def test_the_job_runs_on_vllm_in_process(tmp_path: Path) -> None:
     # vLLM's own engine-config line: it computes in the trainer's dtype (its "auto" would
     # serve this float32 checkpoint in 16 bits)
     assert "dtype=torch.float32," in done.stdout + done.stderr, done.stderr[-3000:]
+    # the job's AsyncLLM was let go at close, not left to its __del__ at interpreter exit
+    # (which fails there: "TypeError: 'NoneType' object is not callable")
+    assert "AsyncLLM.__del__" not in done.stderr, done.stderr[-3000:]
 
 
 def test_the_job_runs_against_a_vllm_server(tmp_path: Path) -> None:
