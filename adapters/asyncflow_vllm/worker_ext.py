@@ -76,8 +76,8 @@ largest piece one ``collective_rpc`` argument can carry over vLLM's msgpack link
 DEFAULT_PIECE_BYTES = 16 << 20
 """Bytes per ``asyncflow_load_pieces`` call by default: vLLM's shared-memory queue to its
 workers holds 16 MiB per message (``VLLM_MQ_MAX_CHUNK_BYTES_MB``); a larger one goes through a
-socket beside it. Measured on vLLM 0.32's CPU build (``benchmarks/vllm_weight_load.py``, 108 MB):
-8-16 MiB pieces loaded at 310-410 MB/s, 64 MiB and 256 MiB ones at 150 MB/s."""
+socket beside it. Measured on vLLM 0.32's CPU build (``benchmarks/vllm_weight_load.py``, 108 MB,
+three runs): 8-16 MiB pieces loaded in 0.26-0.54 s, 256 MiB ones in 0.82-1.26 s."""
 
 METHODS = ("asyncflow_begin_load", "asyncflow_load_pieces", "asyncflow_commit_load")
 """The extension's load methods, in call order (``asyncflow_load``: all three in one call,
