@@ -161,7 +161,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--local-pieces", type=int, nargs="+", default=[8 << 20, 16 << 20, 256 << 20])
+    pieces = [8 << 20, 16 << 20, 256 << 20]
+    parser.add_argument("--local-pieces", type=int, nargs="+", default=pieces)
     parser.add_argument("--http-pieces", type=int, nargs="+", default=[16 << 20])
     asyncio.run(main_async(parser.parse_args()))
 
