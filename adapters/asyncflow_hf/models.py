@@ -19,63 +19,29 @@ Dtype = Literal["fp32", "bf16"]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _tiny_qwen2(transformers: Any, vocab_size: int) -> Any:
-    return transformers.Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+def _preset(architecture: str, width: int, kv_heads: int, tied: bool) -> Callable[[Any, int], Any]:
+    """A named tiny config: 2 layers, 4 heads, an MLP twice ``width``, 512 positions."""
 
+    def config(transformers: Any, vocab_size: int) -> Any:
+        return getattr(transformers, architecture)(
+            vocab_size=vocab_size,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=512,
+            tie_word_embeddings=tied,
+        )
 
-def _tiny_llama(transformers: Any, vocab_size: int) -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-
-
-def _small_qwen2(transformers: Any, vocab_size: int) -> Any:
-    return transformers.Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-
-
-def _small_llama(transformers: Any, vocab_size: int) -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
+    return config
 
 
 TINY: dict[str, Callable[[Any, int], Any]] = {
-    "tiny-qwen2": _tiny_qwen2,
-    "tiny-llama": _tiny_llama,
-    "small-qwen2": _small_qwen2,
-    "small-llama": _small_llama,
+    "tiny-qwen2": _preset("Qwen2Config", 64, kv_heads=2, tied=True),
+    "tiny-llama": _preset("LlamaConfig", 64, kv_heads=4, tied=False),
+    "small-qwen2": _preset("Qwen2Config", 128, kv_heads=2, tied=True),
+    "small-llama": _preset("LlamaConfig", 128, kv_heads=2, tied=False),
 }
 """Named tiny configs (random init): ``tiny-qwen2`` (ties its embeddings) and ``tiny-llama``
 (does not), width 64 with 16-dim heads, a few hundred thousand parameters; ``small-qwen2`` and

@@ -92,7 +92,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
-import ipaddress
 import json
 import logging
 import math
@@ -114,6 +113,7 @@ from asyncflow_core.flow.agent import (
 )
 from asyncflow_core.flow.chat import AssistantMessage, ChatFormat, message_tool_calls
 from asyncflow_core.flow.tools import load_json
+from asyncflow_core.infra.platform import is_loopback_literal
 
 try:
     from aiohttp import web
@@ -348,7 +348,7 @@ class ChatEndpoint:
         """Bind and serve; returns ``url``. Starting twice is refused."""
         if self._runner is not None:
             raise ConfigError("ChatEndpoint: already started")
-        if not _loopback(self.host):
+        if not is_loopback_literal(self.host):
             log.warning(
                 "ChatEndpoint listens on %s, not loopback: anyone who can reach it and holds "
                 "the run token can generate with the policy",
@@ -1143,15 +1143,6 @@ async def _call(agent: AgentProgram, sample: dict[str, Any], session: Session) -
 
 def _header_safe(token: str) -> bool:
     return all(33 <= ord(c) <= 126 for c in token)
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _name(agent: object) -> str:

@@ -69,6 +69,7 @@ from asyncflow_core.engines.enginekit import (
     abort_ids,
     assemble,
     check_request,
+    check_weight_pairs,
     continuation,
     describe,
     finish_reason,
@@ -430,17 +431,7 @@ class VLLMEngine:
         self._usable()
         self._check_version(version)
         weights = list(weights)
-        for i, item in enumerate(weights):
-            if not (
-                isinstance(item, tuple)
-                and len(item) == 2
-                and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)
-            ):
-                raise EngineError(
-                    f"{self.name}: load_weights takes (name, tensor) pairs; item {i} is "
-                    f"{describe(item, 80)}"
-                )
+        check_weight_pairs(self.name, weights)
         if not weights:
             await self._label(version)
             return

@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import math
 import re
 import urllib.parse
@@ -111,6 +110,7 @@ from asyncflow_core.engines.enginekit import (
     abort_ids,
     assemble,
     check_request,
+    check_weight_pairs,
     continuation,
     describe,
     finish_reason,
@@ -119,6 +119,7 @@ from asyncflow_core.engines.enginekit import (
     versions_from_spans,
 )
 from asyncflow_core.infra.httpclient import JsonClient
+from asyncflow_core.infra.platform import is_loopback_literal
 from asyncflow_core.sync.transports import GroupWire
 from asyncflow_vllm.compat import (
     INSTALL_CLIENT,
@@ -374,7 +375,9 @@ class VLLMHTTPEngine:
         refusal = extension_refusal(self.facts.extension)
         if refusal is not None:
             return f"the server's {refusal}"
-        if self.weight_rpc is None and not _loopback(self.base_url):
+        if self.weight_rpc is None and not is_loopback_literal(
+            urllib.parse.urlsplit(self.base_url).hostname or ""
+        ):
             return (
                 f"the server ({self.base_url}) is not on loopback, and /collective_rpc runs any "
                 "worker method for whoever reaches the port: keep such a server on loopback, "
@@ -635,17 +638,7 @@ class VLLMHTTPEngine:
                     "master_address=..., master_port=...) over vLLM's NCCL weight-transfer "
                     "group (a GPU), or call load_weights((), version) to set the version only"
                 )
-            for i, item in enumerate(weights):
-                if not (
-                    isinstance(item, tuple)
-                    and len(item) == 2
-                    and isinstance(item[0], str)
-                    and isinstance(item[1], torch.Tensor)
-                ):
-                    raise EngineError(
-                        f"{self.name}: load_weights takes (name, tensor) pairs; item {i} is "
-                        f"{describe(item, 80)}"
-                    )
+            check_weight_pairs(self.name, weights)
             # Paused ("keep") unless the caller paused it: no token is sampled between the
             # load and the new label; requests in flight recompute their KV afterwards.
             hold = not self._gate.paused
@@ -963,14 +956,3 @@ class VLLMHTTPEngine:
     def _expect(self, data: Any, key: str, value: str, where: str) -> None:
         if self._key(data, key, where) != value:
             raise self._malformed(where, data, f"{key!r} is not {value!r}")
-
-
-def _loopback(url: str) -> bool:
-    """Whether ``url``'s host is a loopback address (or ``localhost``)."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -53,6 +53,7 @@ __all__ = [
     "build_module",
     "check_request",
     "check_version",
+    "check_weight_pairs",
     "continuation",
     "describe",
     "finish_reason",
@@ -219,6 +220,21 @@ def abort_ids(who: str, request_ids: object) -> list[str]:
             "wrap a single id in a list"
         )
     return [rid for rid in dict.fromkeys(request_ids) if isinstance(rid, str)]
+
+
+def check_weight_pairs(who: str, weights: Sequence[Any]) -> None:
+    """``EngineError`` naming the first item of ``weights`` that is not a ``(name, tensor)``
+    pair (what ``load_weights`` takes)."""
+    for i, item in enumerate(weights):
+        if not (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)
+        ):
+            raise EngineError(
+                f"{who}: load_weights takes (name, tensor) pairs; item {i} is {describe(item, 80)}"
+            )
 
 
 def resume_after(request: GenerationRequest, aborted: GenerationResult) -> GenerationRequest:

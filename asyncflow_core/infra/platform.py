@@ -543,6 +543,17 @@ def _resolve(host: str) -> tuple[socket.AddressFamily, str]:
     return family, str(sockaddr[0])
 
 
+def is_loopback_literal(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address as written (no name lookup: for
+    checks that run often, or before anything may touch the network)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine's loopback (127.0.0.0/8, ``::1``, ``localhost``)."""
     try:
