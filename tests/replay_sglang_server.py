@@ -90,7 +90,15 @@ from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_core.contracts.errors import AsyncFlowError
 from asyncflow_core.contracts.protocols import GenerationRequest, SamplingParams
 
+# sampling_params the replay cannot apply, with the value that means "off"
+# (srt/sampling/sampling_params.py defaults); a request that sets another is refused
+_NOT_EMULATED: dict[str, Any] = {
+    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "logit_bias": None,
+    "stop": None, "stop_regex": None, "ignore_eos": False,
+}  # fmt: skip
 SGLANG_VERSION = "0.5.23"
+DETERMINISTIC_SEED = 42  # sampling_batch_info.py: an unseeded request's seed when deterministic
 MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
 
 # Fields of /generate (GenerateReqInput: sglang/srt/managers/io_struct.py) and of its
@@ -144,14 +152,20 @@ class SGLangSampling:
             top_k = TOP_K_ALL
         return cls(temperature, top_k, top_p, greedy)
 
-    def reference_params(self, sp: dict[str, Any]) -> SamplingParams:
-        """What the reference engine samples with: SGLang's greedy as temperature 0."""
+    def reference_params(self, sp: dict[str, Any], *, deterministic: bool) -> SamplingParams:
+        """What the reference engine samples with: SGLang's greedy as temperature 0; its seed
+        as SGLang's: the request's ``sampling_seed`` only with
+        ``--enable-deterministic-inference``, which gives an unseeded request seed 42
+        (``srt/sampling/sampling_batch_info.py``, ``SamplingBatchInfo.from_schedule_batch``;
+        the seeded sampler is a function of seed and position: ``srt/layers/sampler.py``,
+        ``multinomial_with_seed``), and none without it (the field is ignored)."""
+        seed = sp.get("sampling_seed", DETERMINISTIC_SEED) if deterministic else None
         return SamplingParams(
             max_tokens=int(sp.get("max_new_tokens", 128)),
             temperature=0.0 if self.greedy else self.temperature,
             top_p=self.top_p,
             top_k=0 if self.top_k == TOP_K_ALL else self.top_k,
-            seed=sp.get("sampling_seed"),
+            seed=DETERMINISTIC_SEED if deterministic and seed is None else seed,
             stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
         )
 
@@ -341,11 +355,15 @@ class ReplayServer:
         api_key: str | None = None,
         admin_api_key: str | None = None,
         deterministic: bool = True,
+        preferred_sampling_params: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine or TorchInferenceEngine(MODEL, max_batch=8, seed=seed, threads=1)
         # --enable-deterministic-inference (on, as the README's launch line): without it
         # SGLang ignores sampling_seed (sampling_batch_info.py); the replay reports it only
         self.deterministic = deterministic
+        # --preferred-sampling-params: merged under each request's (tokenizer_manager.py)
+        self.preferred = dict(preferred_sampling_params or {})
+        self.effective: list[dict[str, Any]] = []  # each /generate's merged sampling_params
         self.api_key = api_key  # --api-key
         self.admin_api_key = admin_api_key  # --admin-api-key
         self.version = version
@@ -356,6 +374,9 @@ class ReplayServer:
         self._weights_lock = asyncio.Lock()  # tensor loads vs teacher-forced passes
         self.label = "default"  # SGLang's --weight-version default
         self.session_open = False  # WeightUpdater._session (weight_updater.py)
+        self.paused_mode: str | None = None  # /pause_generation's mode until continued
+        self.dead = False  # the scheduler died (an assert): the server is gone
+        self._connections: set[asyncio.BaseTransport] = set()  # of requests being answered
         self.requests: list[tuple[str, Any]] = []
         self.faults: dict[str, Fault] = {}
         self.groups: dict[str, Any] = {}
@@ -444,6 +465,10 @@ class ReplayServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.dead:  # the launcher took the whole server down
+            if request.transport is not None:
+                request.transport.close()
+            return web.Response(status=503, text="server is gone")
         raw = await request.read()
         try:
             body = json.loads(raw) if raw else None
@@ -466,10 +491,15 @@ class ReplayServer:
                     else '{"error": {"message": "injected"}}',
                     content_type="application/json",
                 )
+        transport = request.transport
+        if transport is not None:
+            self._connections.add(transport)
         try:
             return await handler(request)  # type: ignore[no-any-return]
         except AsyncFlowError as exc:  # SGLang's _create_error_response shape
             return web.json_response({"error": {"message": str(exc)}}, status=400)
+        finally:
+            self._connections.discard(transport)  # type: ignore[arg-type]
 
     @staticmethod
     async def _json(request: web.Request) -> dict[str, Any]:
@@ -497,6 +527,12 @@ class ReplayServer:
         ids = body.get("input_ids")
         if not isinstance(rid, str) or not isinstance(ids, list):
             return web.json_response({"error": {"message": "need rid and input_ids"}}, status=400)
+        sp = {**self.preferred, **sp}  # tokenizer_manager.py: preferred under the request's
+        self.effective.append(sp)
+        unemulated = {k: v for k, v in sp.items() if k in _NOT_EMULATED and v != _NOT_EMULATED[k]}
+        if unemulated:  # the reference engine has no penalties, biases or grammars
+            msg = f"the replay cannot emulate sampling_params {unemulated} (SGLang applies them)"
+            return web.json_response({"error": {"message": msg}}, status=400)
         want_mask = bool(body.get("return_sampling_mask"))
         mode = body.get("sampling_logprobs_mode")
         sampling = SGLangSampling.of(sp)
@@ -511,7 +547,7 @@ class ReplayServer:
             )
         if refusal is not None:
             return web.json_response({"error": {"message": refusal}}, status=400)
-        params = sampling.reference_params(sp)
+        params = sampling.reference_params(sp, deterministic=self.deterministic)
         result = await self.engine.generate(GenerationRequest(rid, tuple(ids), params))
         tokens, lps, versions = list(result.tokens), list(result.logprobs), result.versions
         async with self._weights_lock:
@@ -572,15 +608,22 @@ class ReplayServer:
         if mode not in ("abort", "retract", "in_place"):
             return web.json_response({"detail": f"bad mode {mode!r}"}, status=422)
         await self.engine.pause("abort" if mode == "abort" else "keep")
+        self.paused_mode = mode
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self.engine.resume()
+        self.paused_mode = None
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def release_memory(self, request: web.Request) -> web.Response:
         self.memory_tags.append(("release", (await self._json(request)).get("tags")))
-        if self.engine.running:  # weight_updater.py, release_memory_occupation: an assert
+        if not self._idle():  # weight_updater.py, release_memory_occupation: an assert in
+            # the scheduler process, which dies of it; the launcher then kills the whole
+            # server (srt/entrypoints/engine.py: a dead child takes the server down)
+            self.dead = True
+            for transport in list(self._connections):  # every client loses its connection
+                transport.close()
             return web.Response(status=500, text="Internal Server Error")
         await self.engine.sleep()
         return web.json_response(None)  # the route returns None: FastAPI sends "null"
@@ -590,8 +633,18 @@ class ReplayServer:
         await self.engine.wake_up()
         return web.json_response(None)
 
+    def _idle(self) -> bool:
+        """``Scheduler.is_fully_idle(ignore_waiting=self._engine_paused)``
+        (``srt/managers/scheduler.py``): nothing running, and nothing waiting unless the
+        engine is paused. A ``"retract"`` pause moves running requests back to the waiting
+        queue (so a paused server is idle), an ``"abort"`` one ends them, an ``"in_place"`` one
+        holds the running batch (busy)."""
+        if self.paused_mode is not None:
+            return self.paused_mode != "in_place" or not self.engine.running
+        return not (self.engine.running or self.engine.queued)
+
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.engine.running or self.engine.queued:
+        if not self._idle():  # scheduler.py, Scheduler.flush_cache
             return web.Response(status=400, text="Flush cache failed.\n")
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details.\n")
 
@@ -620,7 +673,7 @@ class ReplayServer:
                 "served_model_name": "replay/tiny",
                 "tokenizer_path": None,
                 "is_generation": True,
-                "preferred_sampling_params": None,
+                "preferred_sampling_params": json.dumps(self.preferred) if self.preferred else None,
                 "weight_version": self.label,
                 "load_format": "auto",
                 "model_type": "replay",
@@ -650,6 +703,8 @@ class ReplayServer:
         from asyncflow_sglang.group import join_sglang_group
 
         body = await self._json(request)
+        if self.dp_size != 1:  # tokenizer_control_mixin.py: assert dp_size == 1 (an HTTP 500)
+            return web.Response(status=500, text="Internal Server Error")
         name = body.get("group_name", "weight_update_group")
         try:
             pg = await asyncio.to_thread(

@@ -156,10 +156,10 @@ def test_generate_sends_the_documented_body_and_reads_the_answer() -> None:
         sent2 = server.bodies("/generate")[-1]
         assert sent2["input_ids"] == [1, 2, 3, 4, 5, 6]
         assert sent2["sampling_params"]["max_new_tokens"] == 3
-        assert (
-            sent2["sampling_params"]["top_k"] == 3
-            and "sampling_seed" not in sent2["sampling_params"]
-        )
+        # unseeded: a deterministic server (the replay's default) would seed it 42, so the
+        # adapter sends a seed of its own
+        assert sent2["sampling_params"]["top_k"] == 3
+        assert isinstance(sent2["sampling_params"]["sampling_seed"], int)
         assert sent2["return_sampling_mask"] is True
         assert sent2["sampling_logprobs_mode"] == "selected"
         assert resumed.tokens[:2] == (5, 6) and resumed.logprobs[:2] == (-0.5, -0.25)
@@ -196,13 +196,7 @@ def test_connect_reads_server_version_ranks_and_weight_version() -> None:
     run(counted_early, server_kw={"tp_size": 2})
 
 
-def test_ranks_need_an_explicit_count_with_data_parallel() -> None:
-    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
-        await engine.connect()
-        with pytest.raises(EngineError, match="weight_group_ranks"):
-            await engine.join_weight_group("127.0.0.1", 1, 1, 2)
-
-    run(body, server_kw={"dp_size": 2})
+def test_an_explicit_rank_count_is_used_as_given() -> None:
     assert SGLangHTTPEngine("http://127.0.0.1:1", weight_group_ranks=4).weight_group_ranks == 4
 
 
@@ -1035,11 +1029,12 @@ class FakeTokenizerManager:
         self.calls: list[tuple[str, Any]] = []
         self.server_args = SimpleNamespace(
             tp_size=2, dp_size=1, pp_size=1, sampling_mask_max_tokens=4096,
-            sampling_backend="flashinfer",
+            sampling_backend="flashinfer", enable_deterministic_inference=True,
         )  # fmt: skip
         self.label = "default"
         self.tasks: list[asyncio.Future[None]] = []
         self.session_open = False  # WeightUpdater._session (weight_updater.py)
+        self.preferred_sampling_params: dict[str, Any] | None = None  # tokenizer_manager.py
 
     async def generate_request(self, obj: Any, request: Any) -> AsyncIterator[dict[str, Any]]:
         """As TokenizerManager.generate_request (an async generator; non-streaming: one
@@ -1154,7 +1149,10 @@ class FakeSGLangEngine:
             )
             if refusal is not None:
                 raise ValueError(refusal)
-        params = sampling.reference_params(sampling_params)
+        args = self.tokenizer_manager.server_args
+        params = sampling.reference_params(
+            sampling_params, deterministic=args.enable_deterministic_inference
+        )
         r = await self.ref.generate(GenerationRequest(rid, tuple(input_ids), params))
         meta = sglang_logprob_meta(
             self.ref.model, input_ids, r.tokens, r.logprobs, sampling,
@@ -1410,3 +1408,210 @@ def test_in_process_seed_refused_without_deterministic_inference() -> None:
         await fake.ref.close()
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------------------------
+# Silent failures of a real SGLang our replay lacked (issue #40), each with its upstream file
+# --------------------------------------------------------------------------------------------
+def test_unseeded_samples_of_one_prompt_differ_on_a_deterministic_server() -> None:
+    """With --enable-deterministic-inference SGLang seeds every unseeded request 42 and its
+    seeded sampler is a function of seed and position (sampling_batch_info.py, sampler.py):
+    the replay does so (raw requests collapse), and the adapter sends each request a seed of
+    its own, so a GRPO group keeps its spread."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        raw = []
+        for i in range(4):  # what SGLang does to unseeded requests: one sample, four times
+            out = await engine.client.call(
+                "POST",
+                "/generate",
+                json_body={
+                    "input_ids": [1, 2, 3, 4],
+                    "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
+                    "return_logprob": True,
+                    "rid": f"raw{i}",
+                    "stream": False,
+                },
+            )
+            raw.append(tuple(out["output_ids"]))
+        assert len(set(raw)) == 1
+        results = [await engine.generate(req(f"s{i}", 8, temperature=1.0)) for i in range(8)]
+        assert len({r.tokens for r in results}) > 1
+        seeds = [b["sampling_params"]["sampling_seed"] for b in server.bodies("/generate")[4:]]
+        assert len(set(seeds)) == 8
+
+    run(body)
+
+
+def test_in_process_unseeded_samples_differ_on_a_deterministic_engine() -> None:
+    async def main() -> None:
+        fake = FakeSGLangEngine()
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        results = [await engine.generate(req(f"s{i}", 8, temperature=1.0)) for i in range(8)]
+        assert len({r.tokens for r in results}) > 1
+        seeds = {c["sampling_params"]["sampling_seed"] for c in fake.generate_calls}
+        assert len(seeds) == 8
+        await engine.close()
+        await fake.ref.close()
+
+    asyncio.run(main())
+
+
+def test_a_session_a_dead_trainer_left_open_is_ended_and_begun_again() -> None:
+    """A trainer killed mid-sync leaves SGLang's weight-update session open; every later
+    /begin_weight_update is refused until it is ended (weight_updater.py,
+    WeightUpdater.begin_weight_update). A new engine (the resumed run's) ends it once."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        server.session_open = True  # the dead trainer's
+        await engine.begin_weight_update()
+        paths = [p for p, _ in server.requests if "weight_update" in p]
+        assert paths == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update"]
+        assert server.session_open
+        await engine.commit_weights(1)
+        assert not server.session_open and engine.weight_version == 1
+
+    run(body)
+
+    async def in_process() -> None:
+        fake = FakeSGLangEngine()
+        fake.tokenizer_manager.session_open = True
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        await engine.begin_weight_update()
+        calls = [n for n, _ in fake.tokenizer_manager.calls if "weight_update" in n]
+        assert calls == ["begin_weight_update", "end_weight_update", "begin_weight_update"]
+        await engine.close()
+        await fake.ref.close()
+
+    asyncio.run(in_process())
+
+
+def test_a_data_parallel_server_is_refused_a_weight_group_naming_why() -> None:
+    """SGLang asserts dp_size == 1 on every distributed-update route
+    (tokenizer_control_mixin.py); no weight_group_ranks= makes it work, so none is advised."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        await engine.connect()
+        with pytest.raises(EngineError, match="dp_size == 1") as info:
+            await engine.join_weight_group("127.0.0.1", 1, 1, 2)
+        assert "weight_group_ranks" not in str(info.value)
+        assert not server.bodies("/init_weights_update_group")
+
+    run(body, server_kw={"dp_size": 2})
+    run(body, server_kw={"dp_size": 2}, weight_group_ranks=1)
+
+    async def in_process() -> None:
+        fake = FakeSGLangEngine()
+        fake.tokenizer_manager.server_args.dp_size = 2
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        with pytest.raises(EngineError, match="dp_size == 1"):
+            await engine.join_weight_group("127.0.0.1", 1, 1, 2)
+        with pytest.raises(EngineError, match="dp_size == 1"):
+            _ = engine.weight_group_ranks
+        await engine.close()
+        await fake.ref.close()
+
+    asyncio.run(in_process())
+
+
+def test_releasing_memory_while_busy_kills_the_replay_as_it_kills_sglang() -> None:
+    """release_memory_occupation asserts an idle scheduler (weight_updater.py); the assert
+    kills the scheduler process and the launcher takes the server down. The replay does the
+    same, so a client that asks anyway is seen failing."""
+    from replay_vllm_server import FirstTokenFreeze
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        await engine.connect()
+        with FirstTokenFreeze(server.engine) as freeze:
+            task = asyncio.ensure_future(engine.generate(req("busy", 40)))
+            await freeze.frozen()
+            with pytest.raises(EngineError):
+                await engine.client.call("POST", "/release_memory_occupation", json_body={})
+        assert server.dead
+        with pytest.raises(EngineError):
+            await engine.model_info()
+        with pytest.raises(EngineError):
+            await task
+        await server.engine.resume()  # the frozen request's handler ends before the close
+
+    run(body)
+
+
+def test_in_process_sleep_while_busy_is_refused_before_the_scheduler_asserts() -> None:
+    from replay_vllm_server import FirstTokenFreeze
+
+    async def main() -> None:
+        fake = FakeSGLangEngine()
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        with FirstTokenFreeze(fake.ref) as freeze:
+            task = asyncio.ensure_future(engine.generate(req("busy", 40)))
+            await freeze.frozen()
+        with pytest.raises(EngineError, match="kills the server"):
+            await engine.sleep(1)
+        assert not [n for n, _ in fake.tokenizer_manager.calls if "memory" in n]
+        await engine.pause("abort")  # ended: the scheduler is idle
+        assert (await task).finish_reason == "abort"
+        await engine.sleep(1)
+        await engine.wake_up()
+        await engine.resume()
+        await engine.close()
+        await fake.ref.close()
+
+    asyncio.run(main())
+
+
+def test_a_retracting_pause_leaves_the_server_idle_for_flush_and_sleep() -> None:
+    """A paused scheduler ignores its waiting queue (Scheduler.is_fully_idle(ignore_waiting=
+    self._engine_paused): scheduler.py flush_cache, weight_updater.py release_memory_
+    occupation), and a "retract" pause moves running requests there: flush_cache and sleep
+    work with a request held, which then finishes after resume."""
+    from replay_vllm_server import FirstTokenFreeze
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        await engine.connect()
+        with FirstTokenFreeze(server.engine) as freeze:
+            task = asyncio.ensure_future(engine.generate(req("held", 6)))
+            await freeze.frozen()
+            await engine.pause("keep")  # keep_mode "retract"
+        await engine.flush_cache()
+        await engine.sleep(1)
+        await engine.wake_up()
+        await engine.resume()
+        assert (await task).finish_reason in ("length", "stop")
+        assert not server.dead
+
+    run(body)
+
+
+def test_preferred_sampling_params_of_the_server_are_undone_on_every_request() -> None:
+    """SGLang merges --preferred-sampling-params under every request's sampling_params
+    (tokenizer_manager.py); a preferred repetition penalty would make its log-probs differ
+    from the trainer's. The adapter reads them from /model_info and sends the neutral value
+    for each; one it cannot undo is refused when connecting, naming it."""
+
+    async def body(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        result = await engine.generate(req("p", 4, temperature=1.0))
+        assert result.tokens
+        (effective,) = server.effective
+        assert effective["repetition_penalty"] == 1.0 and effective["min_p"] == 0.0
+        assert effective["stop"] is None
+
+    preferred = {"repetition_penalty": 1.3, "min_p": 0.1, "stop": ["x"], "no_stop_trim": True}
+    run(body, server_kw={"preferred_sampling_params": preferred})
+
+    async def refused(server: ReplayServer, engine: SGLangHTTPEngine) -> None:
+        with pytest.raises(EngineError, match=r"\['watermark'\]"):
+            await engine.connect()
+
+    run(refused, server_kw={"preferred_sampling_params": {"watermark": {"on": True}}})
+
+    async def in_process() -> None:
+        fake = FakeSGLangEngine()
+        fake.tokenizer_manager.preferred_sampling_params = {"frequency_penalty": 0.5}
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        await engine.generate(req("p", 3))
+        assert fake.generate_calls[-1]["sampling_params"]["frequency_penalty"] == 0.0
+        await engine.close()
+        await fake.ref.close()
+
+    asyncio.run(in_process())

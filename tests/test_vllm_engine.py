@@ -1142,8 +1142,11 @@ def test_packing_is_refused_where_vllm_has_none() -> None:
 
 def test_the_platform_picks_the_weight_transfer_backend_and_group() -> None:
     assert weight_transfer_backend("cuda") == "nccl"
-    with pytest.raises(ConfigError, match="IPCTrainerWeightTransferEngine"):
+    with pytest.raises(ConfigError, match="IPCTrainerWeightTransferEngine") as refused:
         weight_transfer_backend("cuda", colocated=True)  # #20 item 6: refused, not half-done
+    # #40 item 4: it recommends only what works; NCCL refuses two ranks on one GPU
+    assert "on the same GPU)" not in str(refused.value)
+    assert "Duplicate GPU detected" in str(refused.value)
     with pytest.raises(ConfigError, match="'ipc' backend is not supported"):
         engine_args_for(get_platform("cuda"), {}, colocated=True)
     assert weight_transfer_backend("npu") == "hccl"

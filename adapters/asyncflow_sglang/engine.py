@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any, ClassVar, Literal
@@ -50,6 +51,10 @@ from .compat import (
     NO_INFLIGHT_LOAD,
     SAMPLING_MASK_MAX_TOKENS,
     SEEDS_IGNORED,
+    STALE_SESSION,
+    data_parallel_refusal,
+    neutralizing,
+    request_seed,
     require_sglang,
 )
 from .group import DEFAULT_GROUP_NAME
@@ -58,6 +63,7 @@ from .http import (
     KeepMode,
     _Flight,
     abort_until_done,
+    check_idle_for_sleep,
     mark_aborted,
     read_output,
     sampling_params,
@@ -171,6 +177,14 @@ class SGLangEngine:
         self._sampling_backend = backend if isinstance(backend, str) else None
         # without it SGLang ignores sampling_seed (sampling_batch_info.py)
         self._seeds_ignored = getattr(args, "enable_deterministic_inference", None) is False
+        # with it, an unseeded request gets seed 42 (compat.DETERMINISTIC_SEED)
+        self._deterministic = getattr(args, "enable_deterministic_inference", None) is True
+        self._seed_salt = os.urandom(16)
+        self._server_pause: str | None = None  # the mode of the scheduler's pause, until resumed
+        try:  # --preferred-sampling-params, merged under every request (tokenizer_manager.py)
+            self._neutral = neutralizing(self.who, getattr(tm, "preferred_sampling_params", None))
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
         config_value = getattr(tm, "config_value", None)
         raw = config_value("weight_version") if callable(config_value) else None
         self._version: Version = parse_version(raw, who=self.who)
@@ -237,16 +251,18 @@ class SGLangEngine:
             if remaining == 0:
                 return assemble(req, [], [], [], "length", who=self.who)
             flight.sent = True
+            seed = request_seed(self._seed_salt, rid) if self._deterministic else None
+            params = sampling_params(req, remaining, seed=seed, neutral=self._neutral)
             try:
                 if send is None:
                     out = await self.engine.async_generate(
                         input_ids=prompt,
-                        sampling_params=sampling_params(req, remaining),
+                        sampling_params=params,
                         return_logprob=True,
                         rid=rid,
                     )
                 else:
-                    out = await send(prompt, sampling_params(req, remaining), rid)
+                    out = await send(prompt, params, rid)
             except Exception as exc:
                 if flight.was_aborted():
                     return assemble(req, [], [], [], "abort", who=self.who)
@@ -303,12 +319,14 @@ class SGLangEngine:
         self._gate.pause()
         server_mode = "abort" if mode == "abort" else self.keep_mode
         await pause(self._req("PauseGenerationReqInput", mode=server_mode))
+        self._server_pause = server_mode
         if mode == "abort":
             await self.abort([rid for rid, f in self._inflight.items() if f.sent])
 
     async def resume(self) -> None:
         cont = self._tm_method("continue_generation")
         await cont(self._req("ContinueGenerationReqInput"))
+        self._server_pause = None
         self._gate.resume()
 
     # ---- SupportsSleep ----------------------------------------------------------------------
@@ -317,6 +335,7 @@ class SGLangEngine:
             raise EngineError(f"{self.who}: sleep level must be 1 or 2, got {level!r}")
         if self._asleep:
             return
+        check_idle_for_sleep(self.who, self._inflight, self._server_pause)
         tags = list(_SLEEP_TAGS[level])
         await self._control(
             "release_memory_occupation", "ReleaseMemoryOccupationReqInput", tags=tags
@@ -357,17 +376,24 @@ class SGLangEngine:
             return self._explicit_ranks
         args = getattr(getattr(self.engine, "tokenizer_manager", None), "server_args", None)
         tp = getattr(args, "tp_size", None)
-        dp, pp = getattr(args, "dp_size", 1), getattr(args, "pp_size", 1)
-        if not is_int(tp) or tp < 1 or dp != 1 or pp != 1:
+        pp = getattr(args, "pp_size", 1)
+        refusal = data_parallel_refusal(self.who, getattr(args, "dp_size", 1))
+        if refusal is not None:
+            raise EngineError(refusal)
+        if not is_int(tp) or tp < 1 or pp != 1:
             raise EngineError(
                 f"{self.who}: cannot tell the engine's weight-group ranks (tp_size={tp!r}, "
-                f"dp_size={dp!r}, pp_size={pp!r}); pass weight_group_ranks="
+                f"pp_size={pp!r}); pass weight_group_ranks="
             )
         return tp
 
     async def join_weight_group(
         self, master_address: str, master_port: int, rank_offset: int, world_size: int
     ) -> None:
+        args = getattr(getattr(self.engine, "tokenizer_manager", None), "server_args", None)
+        refusal = data_parallel_refusal(self.who, getattr(args, "dp_size", 1))
+        if refusal is not None:
+            raise EngineError(refusal)
         await self._control(
             "init_weights_update_group",
             "InitWeightsUpdateGroupReqInput",
@@ -384,11 +410,20 @@ class SGLangEngine:
         ``update_weights_from_distributed`` (``tokenizer_control_mixin.py``,
         ``begin_weight_update``; refused outside one by ``scheduler_components/
         weight_updater.py``, ``WeightUpdater.update_weights_from_distributed``). A session a
-        failed sync left open is ended first."""
+        failed sync left open is ended first, and so is one another client left (a trainer
+        that died mid-sync: ``compat.STALE_SESSION``), once."""
         if self._session_open:
             with contextlib.suppress(EngineError):  # the begin below tells the truth
                 await self._end_session()
-        await self._control("begin_weight_update", "BeginWeightUpdateReqInput", selector="all")
+        try:
+            await self._control("begin_weight_update", "BeginWeightUpdateReqInput", selector="all")
+        except EngineError as exc:
+            if STALE_SESSION not in str(exc):
+                raise
+            # another client's (a trainer that died mid-sync): end it, begin once more
+            with contextlib.suppress(EngineError):
+                await self._end_session()
+            await self._control("begin_weight_update", "BeginWeightUpdateReqInput", selector="all")
         self._session_open = True
 
     async def _end_session(self) -> None:

@@ -90,6 +90,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -120,7 +121,11 @@ from .compat import (
     NO_INFLIGHT_LOAD,
     SAMPLING_MASK_MAX_TOKENS,
     SEEDS_IGNORED,
+    STALE_SESSION,
     check_sglang_version,
+    data_parallel_refusal,
+    neutralizing,
+    request_seed,
 )
 from .group import DEFAULT_GROUP_NAME
 
@@ -188,11 +193,42 @@ async def abort_until_done(
             w.cancel()
 
 
-def sampling_params(request: GenerationRequest, max_new_tokens: int) -> dict[str, Any]:
+def check_idle_for_sleep(
+    who: str, inflight: Mapping[str, _Flight], server_pause: str | None
+) -> None:
+    """Refuse ``sleep`` unless SGLang would find its scheduler idle. Its
+    ``release_memory_occupation`` *asserts* ``is_fully_idle(ignore_waiting=paused)``
+    (``srt/managers/scheduler_components/weight_updater.py``; ``srt/managers/scheduler.py``,
+    ``Scheduler.is_fully_idle``): a busy scheduler dies of it, and the server with it. Idle:
+    no request of this engine generating, or the server paused with ``"abort"`` (they ended)
+    or ``"retract"`` (they wait, which a paused scheduler ignores); ``"in_place"`` holds them
+    running. (Requests of other clients of the same server are not seen here.)"""
+    if server_pause in ("abort", "retract"):
+        return
+    busy = sorted(rid for rid, flight in inflight.items() if flight.sent)
+    if busy:
+        raise EngineError(
+            f"{who}: sleep needs the server idle, but {len(busy)} request(s) of this engine "
+            f"are generating ({busy[:4]}); SGLang asserts an idle scheduler in "
+            "release_memory_occupation (srt/managers/scheduler_components/weight_updater.py) "
+            "and the assert kills the server: let them finish, or pause('abort') first (or "
+            "pause('keep') with keep_mode='retract')"
+        )
+
+
+def sampling_params(
+    request: GenerationRequest,
+    max_new_tokens: int,
+    *,
+    seed: int | None = None,
+    neutral: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """SGLang's ``sampling_params`` for ``request`` (``SamplingParams`` in
     ``sglang/srt/sampling/sampling_params.py``): ``top_k`` -1 is "off" there (0 is rejected
     by ``verify``: "top_k must be -1 (disable) or at least 1"); the seed field is
-    ``sampling_seed``; temperature 0 is greedy (SGLang turns it into top_k = 1)."""
+    ``sampling_seed`` (the request's, else ``seed``: see ``compat.request_seed``);
+    temperature 0 is greedy (SGLang turns it into top_k = 1). ``neutral``: the values that undo
+    the server's preferred sampling params (``compat.neutralizing``), for fields not set."""
     p = request.params
     params: dict[str, Any] = {
         "max_new_tokens": int(max_new_tokens),
@@ -202,8 +238,12 @@ def sampling_params(request: GenerationRequest, max_new_tokens: int) -> dict[str
     }
     if p.seed is not None:
         params["sampling_seed"] = int(p.seed)
+    elif seed is not None:
+        params["sampling_seed"] = int(seed)
     if p.stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in p.stop_token_ids]
+    for key, value in (neutral or {}).items():
+        params.setdefault(key, value)
     return params
 
 
@@ -409,8 +449,9 @@ class SGLangHTTPEngine:
     **Connecting.** ``connect()`` (also run on first use) reads ``/server_info``: its
     ``"version"`` must lie in ``compat.TESTED`` (``ConfigError`` otherwise;
     ``check_server_version=False`` skips it) and its ``tp_size`` is ``weight_group_ranks``
-    (a server with ``dp_size``/``pp_size`` > 1 needs ``weight_group_ranks`` passed: SGLang
-    joins at ``rank_offset + tp_rank``); then ``/model_info``'s ``weight_version`` (SGLang's
+    (a server with ``pp_size`` > 1 needs ``weight_group_ranks`` passed: SGLang joins at
+    ``rank_offset + tp_rank``; one with ``dp_size`` > 1 cannot join a weight group at all:
+    ``compat.data_parallel_refusal``); then ``/model_info``'s ``weight_version`` (SGLang's
     ``"default"`` = 0) sets ``weight_version``.
 
     **Generation.** Each request is checked (``enginekit.check_request``, and
@@ -510,6 +551,7 @@ class SGLangHTTPEngine:
         self._explicit_ranks = weight_group_ranks
         self._ranks: int | None = None
         self._ranks_problem: str | None = None
+        self._dp_refusal: str | None = None  # compat.data_parallel_refusal
         self._reported_ranks: int | None = None
         self._mask_max_tokens: int | None = None  # --sampling-mask-max-tokens, once connected
         self._sampling_backend: str | None = None
@@ -522,6 +564,10 @@ class SGLangHTTPEngine:
         self._asleep = False
         self._session_open = False  # a weight-update session we opened and did not end
         self._seeds_ignored = False  # the server reports enable_deterministic_inference=False
+        self._deterministic = False  # ... =True: unseeded requests get seed 42 there
+        self._seed_salt = os.urandom(16)  # compat.request_seed
+        self._server_pause: str | None = None  # the mode of the server's pause, until resumed
+        self._neutral: dict[str, Any] = {}  # undoes --preferred-sampling-params
         self._closed = False
 
     # ---- construction -------------------------------------------------------------------
@@ -563,18 +609,20 @@ class SGLangHTTPEngine:
             sizes = {k: info.get(k, 1) for k in ("tp_size", "dp_size", "pp_size")}
             if all(is_int(v) and v >= 1 for v in sizes.values()):
                 self._ranks = int(sizes["tp_size"])
-                if sizes["dp_size"] != 1 or sizes["pp_size"] != 1:
+                if sizes["pp_size"] != 1:
                     self._ranks_problem = (
-                        f"the server runs dp_size={sizes['dp_size']}, "
-                        f"pp_size={sizes['pp_size']}, where SGLang joins weight groups at "
-                        "rank_offset + tp_rank; pass weight_group_ranks= explicitly"
+                        f"the server runs pp_size={sizes['pp_size']}, where SGLang joins "
+                        "weight groups at rank_offset + tp_rank; pass weight_group_ranks= "
+                        "explicitly"
                     )
             else:
                 self._ranks_problem = f"/server_info reports parallel sizes {sizes}"
+            self._dp_refusal = data_parallel_refusal(self.who, sizes["dp_size"])
             # /server_info carries the resolved server arguments (build_server_info in
             # sglang/srt/utils/common.py: ServerArgs.resolved_dict()).
             deterministic = info.get("enable_deterministic_inference")
             self._seeds_ignored = deterministic is False
+            self._deterministic = deterministic is True
             limit = info.get("sampling_mask_max_tokens")
             self._mask_max_tokens = (
                 int(limit) if is_int(limit) and limit >= 1 else SAMPLING_MASK_MAX_TOKENS
@@ -582,6 +630,10 @@ class SGLangHTTPEngine:
             backend = info.get("sampling_backend")
             self._sampling_backend = backend if isinstance(backend, str) else None
             model = await self.model_info()
+            try:
+                self._neutral = neutralizing(self.who, model.get("preferred_sampling_params"))
+            except ValueError as exc:
+                raise EngineError(str(exc)) from None
             self._version = parse_version(model.get("weight_version"), who=self.who)
             self._connected = True
 
@@ -628,7 +680,9 @@ class SGLangHTTPEngine:
                 return assemble(req, [], [], [], "length", who=self.who)
             body: dict[str, Any] = {
                 "input_ids": prompt,
-                "sampling_params": sampling_params(req, remaining),
+                "sampling_params": sampling_params(
+                    req, remaining, seed=self._seed_for(rid), neutral=self._neutral
+                ),
                 "return_logprob": True,
                 "rid": rid,
                 "stream": False,
@@ -649,6 +703,11 @@ class SGLangHTTPEngine:
         finally:
             del self._inflight[rid]
             flight.done.set()
+
+    def _seed_for(self, request_id: str) -> int | None:
+        """The seed an unseeded request gets from a deterministic server's adapter (None
+        elsewhere): ``compat.request_seed``, since such a server seeds it 42 otherwise."""
+        return request_seed(self._seed_salt, request_id) if self._deterministic else None
 
     def _wants_sampling_mask(self, request: GenerationRequest) -> bool:
         return wants_sampling_mask(
@@ -687,6 +746,7 @@ class SGLangHTTPEngine:
             if not was_paused:
                 self._gate.resume()
             raise
+        self._server_pause = server_mode
         if mode == "abort":
             # Requests that reached the server after its abort-all wait there for
             # continue_generation; they were in flight at the pause, so abort them too.
@@ -698,6 +758,7 @@ class SGLangHTTPEngine:
     async def resume(self) -> None:
         await self.connect()
         await self._call("POST", "/continue_generation", {})
+        self._server_pause = None
         self._gate.resume()
 
     @property
@@ -714,15 +775,7 @@ class SGLangHTTPEngine:
         await self.connect()
         if self._asleep:
             return
-        busy = sorted(rid for rid, flight in self._inflight.items() if flight.sent)
-        if busy:  # SGLang asserts an idle scheduler (weight_updater.py,
-            # release_memory_occupation) and its HTTP call then fails with no clear reason
-            raise EngineError(
-                f"{self.who}: sleep needs the server idle, but {len(busy)} request(s) of this "
-                f"engine are generating ({busy[:4]}); SGLang releases memory only when idle "
-                "(srt/managers/scheduler_components/weight_updater.py): let them finish or "
-                "pause('abort') first"
-            )
+        check_idle_for_sleep(self.who, self._inflight, self._server_pause)
         tags = list(_SLEEP_TAGS[level])
         await self._call("POST", "/release_memory_occupation", {"tags": tags})
         self._sleep_tags, self._asleep = tags, True
@@ -771,6 +824,8 @@ class SGLangHTTPEngine:
         return self._reported_ranks
 
     def _check_ranks(self) -> None:
+        if self._dp_refusal is not None:
+            raise EngineError(self._dp_refusal)
         if self._explicit_ranks is not None:
             return
         if self._ranks_problem is not None:
@@ -804,12 +859,21 @@ class SGLangHTTPEngine:
         ``/end_weight_update`` (``srt/managers/scheduler_components/weight_updater.py``,
         ``WeightUpdater.update_weights_from_distributed``), before it receives anything, so
         the trainer's broadcast would wait for no one. A session a failed sync left open is
-        ended first (``begin_weight_update`` refuses while one is open)."""
+        ended first (``begin_weight_update`` refuses while one is open), and so is one another
+        client left (a trainer that died mid-sync: ``compat.STALE_SESSION``), once."""
         await self.connect()
         if self._session_open:
             with contextlib.suppress(EngineError):  # the begin below tells the truth
                 await self._end_session()
-        await self._control("/begin_weight_update", {"selector": "all"})
+        try:
+            await self._control("/begin_weight_update", {"selector": "all"})
+        except EngineError as exc:
+            if STALE_SESSION not in str(exc):
+                raise
+            # another client's (a trainer that died mid-sync): end it, begin once more
+            with contextlib.suppress(EngineError):
+                await self._end_session()
+            await self._control("/begin_weight_update", {"selector": "all"})
         self._session_open = True
 
     async def _end_session(self) -> None:

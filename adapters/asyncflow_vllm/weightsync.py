@@ -54,9 +54,11 @@ against it yet."""
 COLOCATED_CUDA_REFUSED = (
     "colocated weight sync over vLLM's CUDA 'ipc' backend is not supported: vLLM 0.33 drives "
     "it from the trainer through IPCTrainerWeightTransferEngine "
-    "(vllm/distributed/weight_transfer/ipc_engine.py), which AsyncFlow does not implement; "
-    "colocate with the 'nccl' backend (VLLMEngine.create(colocated=False) and VLLMWeightSync "
-    "on the same GPU) or load weights with VLLMEngine.load_weights"
+    "(vllm/distributed/weight_transfer/ipc_engine.py), which AsyncFlow does not implement. "
+    "The 'nccl' backend cannot stand in on one GPU: NCCL refuses two ranks of one "
+    "communicator on the same device ('Duplicate GPU detected'). Load weights with "
+    "VLLMEngine.load_weights (the job's default staged sync does), or give the trainer and "
+    "vLLM GPUs of their own and sync with VLLMWeightSync ('nccl')"
 )
 
 
