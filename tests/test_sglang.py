@@ -1615,3 +1615,77 @@ def test_preferred_sampling_params_of_the_server_are_undone_on_every_request() -
         await fake.ref.close()
 
     asyncio.run(in_process())
+
+
+# --------------------------------------------------------------------------------------------
+# A job built with defaults syncs into SGLang (issue #40 item 2)
+# --------------------------------------------------------------------------------------------
+def _sglang_job(engines: list[Any], trainer: TorchTrainEngine, **knobs: Any) -> Any:
+    from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+
+    cfg = RLConfig(steps=2, prompts_per_step=2, n=2, sampling=SamplingParams(max_tokens=3), **knobs)
+    return RLJob(
+        cfg, RLEngines(engines, trainer), ([1, 2, 3] for _ in range(10_000)),
+        lambda p, r: float(len(r)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("weight_sync", ["staged", "blocking"])
+def test_a_job_built_with_defaults_syncs_into_sglang_over_its_group(
+    weight_sync: str, two_replay_servers: list[str]
+) -> None:
+    """RLConfig's default staged sync (and blocking) once handed SGLang tensors through
+    load_weights, which it refuses: the first swap failed. Now the job stages on the trainer's
+    side and swaps through the engines' own weight group (the trainer's side on loopback);
+    both servers' weights then equal the trainer's, and their tokens carry its version."""
+    import hashlib
+
+    async def main() -> None:
+        engines = [SGLangHTTPEngine(u, weight_backend="gloo") for u in two_replay_servers]
+        trainer = TorchTrainEngine(MODEL, seed=7, threads=1)  # weights neither server holds
+        try:
+            job = _sglang_job(engines, trainer, weight_sync=weight_sync)
+            result = await job.run()
+            assert len(result.steps) == 2
+            await job.sync_rollout()  # a staged job's last version waits for a safe point
+            sent = {}
+            async for bucket in trainer.export_weights(1 << 30):
+                for name, tensor in bucket:
+                    raw = tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                    sent[name] = hashlib.sha256(raw).hexdigest()
+            for engine in engines:
+                assert engine.weight_version == trainer.weight_version == 2
+                served = await engine.client.call("GET", "/replay/weights_digest")
+                assert sent and {n: served[n] for n in sent} == sent
+                after = await engine.generate(req("after", 3, temperature=0.0))
+                assert set(after.versions) == {2}
+        finally:
+            await trainer.close()
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_a_job_into_a_remote_sglang_is_refused_naming_the_setting() -> None:
+    """The job opens the trainer's side of the group on loopback only: a server elsewhere is
+    refused when the job is built (nothing ran), naming make_transport=SGLangWeightSync."""
+    from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+
+    engine = SGLangHTTPEngine("http://10.0.0.7:30000", weight_backend="gloo")
+    trainer = TorchTrainEngine(MODEL, seed=1, threads=1)
+    with pytest.raises(ConfigError, match="SGLangWeightSync") as refused:
+        _sglang_job([engine], trainer)
+    assert "not on loopback" in str(refused.value)
+    # given the transport, the same job is built
+    RLJob(
+        RLConfig(steps=1, prompts_per_step=1, n=2),
+        RLEngines(
+            [engine], trainer,
+            make_transport=lambda e: SGLangWeightSync(
+                e, master_address="10.0.0.1", master_port=29600, backend="gloo"
+            ),
+        ),
+        ([1] for _ in range(10)), lambda p, r: 0.0,
+    )  # fmt: skip
+    asyncio.run(trainer.close())

@@ -1043,3 +1043,49 @@ def test_the_job_warns_when_a_server_computes_in_another_dtype_than_the_trainer(
         assert "bfloat16" in messages[0] and "--dtype float32" in messages[0], messages
     else:
         assert messages == []
+
+
+def test_a_default_job_into_a_server_without_tensor_loads_is_refused_naming_what_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """#40 item 2: a server that takes no tensors (no worker extension) on a CPU trainer, where
+    vLLM has no weight group: the job is refused when built, naming the worker extension
+    (the path that works on CPU), not a transport that cannot run here. On a CUDA trainer the
+    same job is built: its sync goes over the server's own NCCL group (on loopback), and a
+    server elsewhere is refused naming VLLMWeightSync(master_address=...)."""
+    from asyncflow_reference.engines import TorchTrainEngine
+
+    from asyncflow_core.contracts.errors import ConfigError
+    from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+    from asyncflow_core.infra import platform as platforms
+
+    async def main() -> None:
+        server, engine = await serve()
+        server.worker_extension = ""
+        client = VLLMHTTPEngine(server.base_url)
+        trainer = TorchTrainEngine(ModelConfig(vocab_size=16, d_model=32, n_layers=1,
+                                               n_heads=2, max_seq_len=512), threads=1)  # fmt: skip
+        try:
+            await client.connect()
+            assert client.tensor_load_refusal is not None
+
+            def job() -> RLJob:
+                return RLJob(
+                    RLConfig(steps=1, prompts_per_step=1, n=2), RLEngines([client], trainer),
+                    ([1] for _ in range(10)), lambda p, r: 0.0,
+                )  # fmt: skip
+
+            with pytest.raises(ConfigError, match="worker-extension-cls") as refused:
+                job()
+            assert "VLLMWeightSync" not in str(refused.value)
+            cuda = platforms.get_platform("cuda")
+            monkeypatch.setattr("asyncflow_vllm.weightsync.current_platform", lambda: cuda)
+            job()  # built: the NCCL group of a GPU server on loopback
+            remote = VLLMHTTPEngine("http://10.1.2.3:8000")
+            assert "VLLMWeightSync" in (remote.own_transport_refusal([remote]) or "")
+        finally:
+            await trainer.close()
+            await client.close()
+            await shut(server, engine)
+
+    run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -172,3 +173,25 @@ def neutralizing(who: str, preferred: object) -> dict[str, Any]:
             f"{sorted(NEUTRAL_SAMPLING)})"
         )
     return {k: NEUTRAL_SAMPLING[k] for k in preferred if k in NEUTRAL_SAMPLING}
+
+
+NO_TENSOR_LOADS = (
+    "SGLang takes new weights over its weight group (update_weights_from_distributed) or from "
+    "disk, not as tensors through load_weights"
+)
+"""Why SGLang engines refuse tensors in ``load_weights`` (``tensor_load_refusal``); the RL
+job's default syncs then go through their own transport (``SGLangWeightSync``)."""
+
+
+def same_group_settings(who: str, engines: Sequence[Any]) -> str | None:
+    """Why one ``SGLangWeightSync`` cannot serve ``engines`` (their ``group_name`` or
+    ``weight_backend`` differ), or None."""
+    names = {getattr(e, "group_name", None) for e in engines}
+    backends = {getattr(e, "weight_backend", None) for e in engines}
+    if len(names) > 1 or len(backends) > 1:
+        return (
+            f"{who}: the engines join weight groups with different settings (group_name "
+            f"{sorted(map(str, names))}, weight_backend {sorted(map(str, backends))}); one "
+            "sync cannot serve them all: build them alike"
+        )
+    return None

@@ -33,8 +33,13 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from asyncflow_core.contracts.errors import AsyncFlowError, EngineError
-from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.contracts.errors import AsyncFlowError, ConfigError, EngineError
+from asyncflow_core.contracts.protocols import (
+    GenerationRequest,
+    GenerationResult,
+    Version,
+    WeightSync,
+)
 from asyncflow_core.engines.enginekit import (
     PauseGate,
     assemble,
@@ -49,6 +54,7 @@ from asyncflow_core.sync.transports import GroupWire
 from .compat import (
     INSTALL,
     NO_INFLIGHT_LOAD,
+    NO_TENSOR_LOADS,
     SAMPLING_MASK_MAX_TOKENS,
     SEEDS_IGNORED,
     STALE_SESSION,
@@ -56,6 +62,7 @@ from .compat import (
     neutralizing,
     request_seed,
     require_sglang,
+    same_group_settings,
 )
 from .group import DEFAULT_GROUP_NAME
 from .http import (
@@ -64,6 +71,7 @@ from .http import (
     _Flight,
     abort_until_done,
     check_idle_for_sleep,
+    loopback_sglang_sync,
     mark_aborted,
     read_output,
     sampling_params,
@@ -349,6 +357,21 @@ class SGLangEngine:
             "resume_memory_occupation", "ResumeMemoryOccupationReqInput", tags=self._sleep_tags
         )
         self._sleep_tags, self._asleep = None, False
+
+    tensor_load_refusal: ClassVar[str] = NO_TENSOR_LOADS
+    """The RL job's default syncs reach this engine through ``own_weight_transport``."""
+
+    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None:
+        """None when ``engines`` share their group settings: in-process engines' schedulers
+        run on this host, so the group opens on loopback."""
+        return same_group_settings(self.who, engines)
+
+    def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync:
+        """``SGLangWeightSync`` into ``engines``, the trainer's side on 127.0.0.1."""
+        refusal = self.own_transport_refusal(engines)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        return loopback_sglang_sync(self, engines)
 
     # ---- SupportsLoadWeights ------------------------------------------------------------
     async def load_weights(

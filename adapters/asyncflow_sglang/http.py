@@ -92,6 +92,7 @@ import contextlib
 import math
 import os
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -99,7 +100,12 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from asyncflow_core.contracts.errors import ConfigError, EngineError, UnsupportedEngineError
-from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.contracts.protocols import (
+    GenerationRequest,
+    GenerationResult,
+    Version,
+    WeightSync,
+)
 from asyncflow_core.engines.enginekit import (
     PauseGate,
     abort_ids,
@@ -112,13 +118,16 @@ from asyncflow_core.engines.enginekit import (
     parse_version,
     versions_from_spans,
 )
+from asyncflow_core.engines.process import free_port
 from asyncflow_core.infra.httpclient import JsonClient
+from asyncflow_core.infra.platform import is_loopback_literal
 from asyncflow_core.sync.transports import GroupWire
 
 from .compat import (
     GREEDY_BELOW,
     INSTALL_CLIENT,
     NO_INFLIGHT_LOAD,
+    NO_TENSOR_LOADS,
     SAMPLING_MASK_MAX_TOKENS,
     SEEDS_IGNORED,
     STALE_SESSION,
@@ -126,8 +135,9 @@ from .compat import (
     data_parallel_refusal,
     neutralizing,
     request_seed,
+    same_group_settings,
 )
-from .group import DEFAULT_GROUP_NAME
+from .group import DEFAULT_GROUP_NAME, SGLangWeightSync
 
 __all__ = ["SGLangHTTPEngine", "read_output", "sampling_params", "wants_sampling_mask"]
 
@@ -191,6 +201,18 @@ async def abort_until_done(
         await asyncio.wait(waits, timeout=0.05)
         for w in waits:
             w.cancel()
+
+
+def loopback_sglang_sync(first: Any, engines: Sequence[Any]) -> WeightSync:
+    """``SGLangWeightSync(engines)`` with the trainer's side on 127.0.0.1 at a free port, over
+    ``first``'s ``group_name`` and ``weight_backend`` (the engines share them)."""
+    return SGLangWeightSync(
+        list(engines),
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        group_name=first.group_name,
+        backend=first.weight_backend,
+    )
 
 
 def check_idle_for_sleep(
@@ -802,6 +824,41 @@ class SGLangHTTPEngine:
                 "update_weights_from_disk(path, version)"
             )
         await self.commit_weights(version)
+
+    tensor_load_refusal: ClassVar[str] = NO_TENSOR_LOADS
+    """The RL job's default syncs reach this engine through ``own_weight_transport``."""
+
+    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None:
+        """Why the RL job cannot sync ``engines`` over a weight group of its own making, or
+        None. It opens the group on loopback (secure by default), so every server must be on
+        loopback too; for servers elsewhere, pass the group yourself:
+        ``RLEngines(make_transport=lambda engines: SGLangWeightSync(engines,
+        master_address=<this host's address the servers reach>, master_port=<free port>))``."""
+        alike = same_group_settings(self.who, engines)
+        if alike is not None:
+            return alike
+        remote = [
+            e.base_url
+            for e in engines
+            if not is_loopback_literal(urllib.parse.urlsplit(e.base_url).hostname or "")
+        ]
+        if remote:
+            return (
+                f"server(s) {remote} are not on loopback, and the job opens the trainer's side "
+                "of the weight group on loopback only; pass RLEngines(make_transport=lambda "
+                "engines: asyncflow_sglang.SGLangWeightSync(engines, master_address=<this "
+                "host's address on a network only the trainer and the servers share>, "
+                "master_port=<a free port>, backend=<the servers' weight_backend>))"
+            )
+        return None
+
+    def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync:
+        """``SGLangWeightSync`` into ``engines`` with the trainer's side on 127.0.0.1 at a free
+        port, over the engines' ``group_name`` and ``weight_backend``."""
+        refusal = self.own_transport_refusal(engines)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        return loopback_sglang_sync(self, engines)
 
     # ---- GroupReceiver ----------------------------------------------------------------------
     @property

@@ -62,7 +62,12 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from asyncflow_core.contracts.errors import ConfigError, EngineError
-from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.contracts.protocols import (
+    GenerationRequest,
+    GenerationResult,
+    Version,
+    WeightSync,
+)
 from asyncflow_core.engines.enginekit import (
     InFlight,
     PauseGate,
@@ -90,7 +95,12 @@ from asyncflow_vllm.compat import (
     packing_for,
     require_vllm,
 )
-from asyncflow_vllm.weightsync import WEIGHT_TRANSFER_BACKENDS, weight_transfer_backend
+from asyncflow_vllm.weightsync import (
+    WEIGHT_TRANSFER_BACKENDS,
+    loopback_vllm_sync,
+    own_transport_refusal,
+    weight_transfer_backend,
+)
 from asyncflow_vllm.worker_ext import (
     DEFAULT_PIECE_BYTES,
     EXTENSION,
@@ -331,6 +341,19 @@ class VLLMEngine:
     def tensor_load_refusal(self) -> str | None:
         """Why ``load_weights`` cannot take tensors here, or None (it can, or cannot tell)."""
         return extension_refusal(self.facts.extension)
+
+    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None:
+        """Why the RL job cannot sync ``engines`` (which refuse tensors) over a vLLM weight
+        group it opens itself, or None (``weightsync.own_transport_refusal``)."""
+        return own_transport_refusal(engines, servers=False)
+
+    def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync:
+        """``VLLMWeightSync`` into ``engines`` over this platform's vLLM group, the trainer's
+        side on 127.0.0.1: the RL job's default sync for engines that refuse tensors."""
+        refusal = self.own_transport_refusal(engines)
+        if refusal is not None:
+            raise ConfigError(f"{self.name}: {refusal}")
+        return loopback_vllm_sync(engines)
 
     async def refresh_version(self) -> Version:
         """Read the engine's version label (``get_weight_version``) into ``weight_version``."""

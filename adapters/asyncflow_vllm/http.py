@@ -103,7 +103,12 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from asyncflow_core.contracts.errors import ConfigError, EngineError, UnsupportedEngineError
-from asyncflow_core.contracts.protocols import GenerationRequest, GenerationResult, Version
+from asyncflow_core.contracts.protocols import (
+    GenerationRequest,
+    GenerationResult,
+    Version,
+    WeightSync,
+)
 from asyncflow_core.engines.enginekit import (
     InFlight,
     PauseGate,
@@ -132,6 +137,7 @@ from asyncflow_vllm.compat import (
     check_vllm_version,
     packing_for,
 )
+from asyncflow_vllm.weightsync import loopback_vllm_sync, own_transport_refusal
 from asyncflow_vllm.worker_ext import LoadReport, extension_refusal, send_weights
 
 HTTP_PIECE_BYTES = 16 << 20
@@ -384,6 +390,19 @@ class VLLMHTTPEngine:
                 "or pass weight_rpc=True if its port is reachable by the trainer only"
             )
         return None
+
+    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None:
+        """Why the RL job cannot sync ``engines`` (which refuse tensors) over a vLLM weight
+        group it opens itself, or None (``weightsync.own_transport_refusal``)."""
+        return own_transport_refusal(engines, servers=True)
+
+    def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync:
+        """``VLLMWeightSync`` into ``engines`` over this platform's vLLM group, the trainer's
+        side on 127.0.0.1: the RL job's default sync for engines that refuse tensors."""
+        refusal = self.own_transport_refusal(engines)
+        if refusal is not None:
+            raise ConfigError(f"{self.name}: {refusal}")
+        return loopback_vllm_sync(engines)
 
     @property
     def asleep(self) -> bool:

@@ -31,13 +31,20 @@ from __future__ import annotations
 import abc
 import importlib
 import inspect
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from asyncflow_core.contracts.errors import ConfigError, WeightSyncError
-from asyncflow_core.infra.platform import Platform, current_platform, get_platform, select_platform
+from asyncflow_core.infra.platform import (
+    Platform,
+    current_platform,
+    get_platform,
+    is_loopback_literal,
+    select_platform,
+)
 from asyncflow_core.sync.transports import EngineGroupWeightSync, GroupFactory, GroupReceiver
 from asyncflow_vllm.compat import INSTALL_ASCEND, require_vllm
 
@@ -213,3 +220,49 @@ def VLLMWeightSync(
         make_group=make_group,
         timeout_s=timeout_s,
     )
+
+
+def own_transport_refusal(engines: Sequence[Any], *, servers: bool) -> str | None:
+    """Why the RL job cannot open a vLLM weight group into ``engines`` by itself, or None: it
+    needs the trainer's platform to have one (cuda: NCCL, npu: HCCL), each engine to have
+    joined one at start (its ``unavailable_abilities`` lacks ``GroupReceiver``), and, for
+    ``servers`` (HTTP engines), every server on loopback: the job opens the trainer's side of
+    the group on loopback only."""
+    from asyncflow_core.contracts.protocols import unavailable_ability
+
+    platform = current_platform().name
+    if platform not in _GROUPS:
+        return (
+            f"vLLM has no weight-transfer group on this trainer's platform ({platform}); give "
+            "the engines tensors instead: run vLLM with the AsyncFlow worker extension "
+            "(--worker-extension-cls asyncflow_vllm.worker_ext.AsyncFlowWorkerExtension, and "
+            "VLLM_SERVER_DEV_MODE=1 for a server: docs/vllm.md), which the default sync then "
+            "uses"
+        )
+    for engine in engines:
+        reason = unavailable_ability(engine, "GroupReceiver")
+        if reason is not None:
+            return f"{getattr(engine, 'name', type(engine).__name__)}: {reason}"
+    if servers:
+        remote = [
+            e.base_url
+            for e in engines
+            if not is_loopback_literal(urllib.parse.urlsplit(e.base_url).hostname or "")
+        ]
+        if remote:
+            return (
+                f"server(s) {remote} are not on loopback, and the job opens the trainer's side "
+                "of the weight group on loopback only; pass RLEngines(make_transport=lambda "
+                "engines: asyncflow_vllm.VLLMWeightSync(engines, master_address=<this host's "
+                "address on a network only the trainer and the servers share>, "
+                "master_port=<a free port>))"
+            )
+    return None
+
+
+def loopback_vllm_sync(engines: Sequence[Any]) -> EngineGroupWeightSync:
+    """``VLLMWeightSync(engines)`` over this platform's vLLM group, the trainer's side on
+    127.0.0.1 at a free port."""
+    from asyncflow_core.engines.process import free_port
+
+    return VLLMWeightSync(list(engines), master_address="127.0.0.1", master_port=free_port())

@@ -123,7 +123,13 @@ from asyncflow_core.flow.workflow import Pipeline, PipelineResult, Source, Task,
 from asyncflow_core.infra.checkpoint import Checkpoints, failpoint
 from asyncflow_core.observability.trace import Tracer
 from asyncflow_core.sync.strategies import StagedUpdate, SyncTiming, _pause, _resume
-from asyncflow_core.sync.transports import InProcessWeightSync
+from asyncflow_core.sync.transports import (
+    InProcessWeightSync,
+    SupportsOwnTransport,
+    close_transport,
+    engine_transport,
+    needs_own_transport,
+)
 from asyncflow_core.training.rl import (
     LOSS_MASK,
     PROX_LOGPROBS,
@@ -715,15 +721,32 @@ def _check_loss_fields(loss_fn: LossFn, config: RLConfig) -> None:
 def _check_tensor_loads(config: RLConfig, engines: RLEngines) -> None:
     """The default weight syncs hand the rollout engines tensors (``load_weights``): the
     staged one (its swap) unless ``make_staged`` is given, the others unless
-    ``make_transport`` is. Refuse, before anything runs, an engine that cannot take them."""
+    ``make_transport`` is. An engine that cannot take them but has a transport of its own
+    (``SupportsOwnTransport``: SGLang's weight group, vLLM's) gets its weights through that
+    one instead (the staged swap through ``make_transport`` when one is given). Refuse, before
+    anything runs, an engine that can do neither, or whose own transport cannot be used here
+    (naming the setting that works)."""
     staged_default = config.weight_sync == "staged" and engines.make_staged is None
     direct_default = (
         config.weight_sync != "staged" and engines.make_transport is InProcessWeightSync
     )
     if not (staged_default or direct_default):
         return
+    custom_swap = staged_default and engines.make_transport is not InProcessWeightSync
     for i, engine in enumerate(engines.rollout):
         reason = tensor_load_refusal(engine)
+        if reason is not None and isinstance(engine, SupportsOwnTransport):
+            if custom_swap:
+                continue  # the staged swap goes through the user's transport
+            same = [e for e in engines.rollout if type(e) is type(engine)]
+            refusal = engine.own_transport_refusal(same)
+            if refusal is None:
+                continue
+            raise ConfigError(
+                f"weight_sync={config.weight_sync!r}: rollout engine {i} "
+                f"({type(engine).__name__}) takes no tensors through load_weights ({reason}), "
+                f"and its own weight transport cannot be set up by default: {refusal}"
+            )
         if reason is not None:
             raise ConfigError(
                 f"weight_sync={config.weight_sync!r}: rollout engine {i} "
@@ -875,6 +898,8 @@ class RLJob:
         self._t0 = 0.0
         self._staged: StagedSync | None = None
         self._transport: WeightSync | None = None
+        self._own_transport = False  # _transport is one the job built (closed after run())
+        self._closing_transport: asyncio.Future[None] | None = None  # _drop_transport's
         self._transport_ready = False
         self._sleeping = False
         self._closing = False
@@ -1408,8 +1433,7 @@ class RLJob:
                 e for e in self._staged.engines if getattr(e, "engine", e) is not engine
             ]
         if self._transport is not None:  # rebuilt over the live engines at the next sync
-            self._transport = None
-            self._transport_ready = False
+            self._drop_transport()
         live = len(self.engines.rollout) - len(self.lost)
         restart = isinstance(engine, SupportsRestart) and not self._closing and self._can_rejoin()
         _log.warning(
@@ -1492,8 +1516,7 @@ class RLJob:
             guarded = _Guarded(cast(SupportsLoadWeights, engine), name, self._engine_lost)
             self._staged.engines = [*self._staged.engines, guarded]
         if self._transport is not None:  # rebuilt over the live engines at the next sync
-            self._transport = None
-            self._transport_ready = False
+            self._drop_transport()
         self.router.add_instance(name)
 
     async def _rollout_ready(self) -> None:
@@ -1514,22 +1537,60 @@ class RLJob:
         # transport is
         if self._staged is None:
             mode: Literal["abort", "keep"] = "abort" if self.config.partial_rollout else "keep"
+            targets = self._load_targets()
             if self.engines.make_staged is not None:
-                self._staged = self.engines.make_staged(self._load_targets(), mode)
-            else:
+                self._staged = self.engines.make_staged(targets, mode)
+            elif needs_own_transport(targets):
+                # engines that take no tensors: stage here, swap through their own transport
+                # (or the one the user gave) at the safe point
+                custom = self.engines.make_transport is not InProcessWeightSync
                 self._staged = StagedUpdate(
-                    self._load_targets(), self.engines.make_transport, pause_mode=mode
+                    targets,
+                    pause_mode=mode,
+                    swap_with=self.engines.make_transport if custom else engine_transport,
+                    swap_bucket_bytes=self.config.bucket_bytes,
                 )
+            else:
+                self._staged = StagedUpdate(targets, self.engines.make_transport, pause_mode=mode)
         return self._staged
+
+    def _drop_transport(self) -> None:
+        """Forget the direct transport (the engines changed); one the job built is closed
+        in the background (its engines leave the group) before the next one is built."""
+        transport, self._transport = self._transport, None
+        self._transport_ready = False
+        if self._own_transport and transport is not None:
+            self._own_transport = False
+            self._closing_transport = asyncio.ensure_future(close_transport(transport))
+
+    async def _close_own_transports(self) -> None:
+        """Close the weight groups the job opened itself (the engines' own transports: the
+        staged swap's, a blocking sync's), so the engines leave them and a later run (or job)
+        in this process can open them again. A user's ``make_transport`` stays the user's."""
+        staged = self._staged
+        if isinstance(staged, StagedUpdate) and staged.swap_with is engine_transport:
+            await staged.close()
+        if self._own_transport and self._transport is not None:
+            transport, self._transport = self._transport, None
+            self._transport_ready = self._own_transport = False
+            await close_transport(transport)
 
     async def _ensure_transport(self) -> WeightSync:
         """The transport of a blocking or in-flight sync (straight into the engines)."""
+        if self._closing_transport is not None:  # the old group is gone before a new one
+            closing, self._closing_transport = self._closing_transport, None
+            await closing
         if self._transport is None:
             # a transport of our own (in-process) talks to the engines through load_weights
             # only, so it takes guarded targets; another (a collective group, an engine's own
             # channel) needs the engines themselves, and losing one fails its sync
             guard = self.engines.make_transport is InProcessWeightSync
-            self._transport = self.engines.make_transport(self._load_targets(guard=guard))
+            targets = self._load_targets(guard=guard)
+            if guard and needs_own_transport(targets):  # engines with a channel of their own
+                self._transport = engine_transport(targets)
+                self._own_transport = True
+            else:
+                self._transport = self.engines.make_transport(targets)
         if not self._transport_ready:
             await self._transport.init()
             self._transport_ready = True
@@ -1597,7 +1658,10 @@ class RLJob:
         self._start = self.engines.trainer.weight_version
         if self._origin is None:
             self._origin = self._start
-        await self._initial_sync()
+        try:
+            await self._initial_sync()
+        finally:
+            await self._close_own_transports()
 
     async def _initial_sync(self) -> None:
         """Bring every rollout engine to the start version before anything is admitted. The
@@ -1634,7 +1698,19 @@ class RLJob:
         if self._staged is None or self._staged.pending_version is None:
             return
         t0 = self._now()
-        timing = await self._staged.apply()  # one swap at a time, the newest staged set
+        # one swap at a time, the newest staged set; a swap under way is not cut short when
+        # the job stops (a group half-joined or a broadcast half-received would leave the
+        # engines and the trainer's group unusable): it ends, bounded by its transport's
+        # timeouts, and then the cancellation goes on
+        swap = asyncio.ensure_future(self._staged.apply())
+        try:
+            timing = await asyncio.shield(swap)
+        except asyncio.CancelledError:
+            if not swap.done():
+                await asyncio.wait([swap])
+            if not swap.cancelled():
+                swap.exception()  # retrieved: the job is stopping anyway
+            raise
         if timing is not None:
             self._span("swap", "rollout", t0, True, timing.version)
 
@@ -1710,6 +1786,7 @@ class RLJob:
                 await asyncio.gather(*self._checkpointing, return_exceptions=True)
             if self._sleeping:  # colocated: hand the engines back awake (no sync after the end)
                 await self._wake()
+            await self._close_own_transports()
             self._ended = loop.time() - self._t0
         if self._checkpoint_failed is not None:
             failed, self._checkpoint_failed = self._checkpoint_failed, None

@@ -19,7 +19,13 @@ from asyncflow_core.contracts.protocols import (
     WeightBucket,
     WeightSync,
 )
-from asyncflow_core.sync.transports import InProcessWeightSync, Weights, load_all
+from asyncflow_core.sync.transports import (
+    InProcessWeightSync,
+    Weights,
+    bucketize,
+    close_transport,
+    load_all,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,18 +112,30 @@ class StagedUpdate:
     while the engines keep generating with the old weights (hidden); ``apply`` — called by the
     rollout loop at its next safe point, e.g. between batches — pauses the engines just long
     enough to load the staged weights (exposed), then resumes them. ``apply`` with nothing
-    staged returns None at once."""
+    staged returns None at once.
+
+    The swap hands the engines tensors (``load_weights``) unless ``swap_with`` is given: then
+    it sends the staged weights (in buckets of ``swap_bucket_bytes``) through
+    ``swap_with(engines)``, a transport built at the first swap and kept until the engines
+    change — the engine's own channel (``transports.engine_transport``: a weight group) for
+    engines that take no tensors."""
 
     def __init__(
         self,
         engines: Sequence[SupportsLoadWeights],
         make_transport: Callable[[Sequence[SupportsLoadWeights]], WeightSync] = InProcessWeightSync,
         pause_mode: Literal["abort", "keep"] = "keep",
+        *,
+        swap_with: Callable[[Sequence[SupportsLoadWeights]], WeightSync] | None = None,
+        swap_bucket_bytes: int = 256 << 20,
     ) -> None:
         self.engines = list(engines)
         self.buffer = HostBuffer()
         self.transport = make_transport([self.buffer])
         self.pause_mode = pause_mode
+        self.swap_with = swap_with
+        self.swap_bucket_bytes = int(swap_bucket_bytes)
+        self._swap: tuple[list[int], WeightSync] | None = None  # (ids of engines, transport)
         self._ready = False
         self._transfer_s: dict[Version, float] = {}
         self._lock: asyncio.Lock | None = None  # one swap at a time (made on the loop)
@@ -155,13 +173,40 @@ class StagedUpdate:
         t0 = _loop_time()
         try:  # a pause cut short (the job stopping mid-swap) still resumes every engine
             await _pause(self.engines, self.pause_mode)
-            await load_all(self.engines, weights, version)
+            if self.swap_with is None:
+                await load_all(self.engines, weights, version)
+            else:
+                transport = await self._swap_transport()
+                await _send(transport, bucketize(weights, self.swap_bucket_bytes), version)
         finally:
             await _resume(self.engines)
         swap = _loop_time() - t0
         transfer = self._transfer_s.pop(version, 0.0)
         self._transfer_s = {v: s for v, s in self._transfer_s.items() if v > version}
         return SyncTiming(version, transfer_s=transfer, swap_s=swap, exposed_s=swap)
+
+    async def _swap_transport(self) -> WeightSync:
+        """The swap's transport over the current engines (rebuilt, the old one closed, when
+        they changed: an engine lost or back)."""
+        ids = [id(e) for e in self.engines]
+        if self._swap is not None and self._swap[0] == ids:
+            return self._swap[1]
+        await self.close()
+        assert self.swap_with is not None
+        transport = self.swap_with(self.engines)
+        try:
+            await transport.init()
+        except BaseException:
+            await close_transport(transport)
+            raise
+        self._swap = (ids, transport)
+        return transport
+
+    async def close(self) -> None:
+        """Close the swap's transport (its weight group), if one was built. Safe to repeat."""
+        swap, self._swap = self._swap, None
+        if swap is not None:
+            await close_transport(swap[1])
 
 
 async def _pause(engines: Sequence[object], mode: Literal["abort", "keep"]) -> None:

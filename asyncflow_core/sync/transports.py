@@ -41,6 +41,8 @@ from asyncflow_core.contracts.protocols import (
     SupportsLoadWeights,
     Version,
     WeightBucket,
+    WeightSync,
+    tensor_load_refusal,
 )
 from asyncflow_core.infra.platform import current_platform, platform_for_backend, rendezvous_store
 
@@ -1653,6 +1655,110 @@ class EngineGroupWeightSync:
         if isinstance(exc, WeightSyncError):
             raise exc
         raise WeightSyncError(f"EngineGroupWeightSync: {phase}() failed: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# The engines' own transports: what a default sync uses for engines that take no tensors
+# --------------------------------------------------------------------------------------------
+@runtime_checkable
+class SupportsOwnTransport(Protocol):
+    """An engine that receives weights through a channel of its own (a weight group) and not
+    as tensors through ``load_weights`` (its ``tensor_load_refusal`` says why). The default
+    syncs of the RL job then move weights with ``own_weight_transport(engines)`` (the
+    engines: every rollout engine of this class), a ``WeightSync`` not yet initialised.
+    ``own_transport_refusal(engines)`` says, before anything runs, why there is none here
+    (e.g. a server the trainer cannot safely reach on its own), naming the setting that
+    works; None when there is one."""
+
+    def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync: ...
+
+    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None: ...
+
+
+def _unwrapped(engine: object) -> object:
+    """The engine a job's wrapper (``_Guarded``: ``.engine``) stands for."""
+    return getattr(engine, "engine", engine)
+
+
+def own_transport_parts(
+    targets: Sequence[SupportsLoadWeights],
+) -> tuple[list[SupportsLoadWeights], list[list[Any]]]:
+    """``targets`` split into those that take tensors through ``load_weights`` and, by class,
+    those that receive through their own transport (``SupportsOwnTransport`` and a
+    ``tensor_load_refusal``; unwrapped from the job's guards)."""
+    takers: list[SupportsLoadWeights] = []
+    own: dict[type, list[Any]] = {}
+    for target in targets:
+        engine = _unwrapped(target)
+        if isinstance(engine, SupportsOwnTransport) and tensor_load_refusal(engine) is not None:
+            own.setdefault(type(engine), []).append(engine)
+        else:
+            takers.append(target)
+    return takers, list(own.values())
+
+
+def own_transport_refusal(targets: Sequence[SupportsLoadWeights]) -> str | None:
+    """Why ``engine_transport(targets)`` cannot be built (the first engine class's own
+    refusal), or None."""
+    for engines in own_transport_parts(targets)[1]:
+        reason = engines[0].own_transport_refusal(engines)
+        if reason:
+            return f"{type(engines[0]).__name__}: {reason}"
+    return None
+
+
+def needs_own_transport(targets: Sequence[SupportsLoadWeights]) -> bool:
+    """Whether some target takes no tensors and has a transport of its own."""
+    return bool(own_transport_parts(targets)[1])
+
+
+def engine_transport(targets: Sequence[SupportsLoadWeights]) -> WeightSync:
+    """A transport into ``targets`` that reaches each engine the way it receives: in process
+    (``InProcessWeightSync``) for those that take tensors, the engine's own
+    (``SupportsOwnTransport.own_weight_transport``) for each class of the others; one
+    ``FanOutWeightSync`` over them when there are several."""
+    takers, own = own_transport_parts(targets)
+    parts: list[WeightSync] = [engines[0].own_weight_transport(engines) for engines in own]
+    if takers:
+        parts.insert(0, InProcessWeightSync(takers))
+    return parts[0] if len(parts) == 1 else FanOutWeightSync(parts)
+
+
+class FanOutWeightSync:
+    """One sync into several transports: each phase runs on every part, together; ``close``
+    closes the parts that can be closed."""
+
+    def __init__(self, parts: Sequence[WeightSync]) -> None:
+        if not parts:
+            raise WeightSyncError("FanOutWeightSync: pass at least one transport")
+        self.parts = list(parts)
+
+    async def init(self) -> None:
+        await asyncio.gather(*(p.init() for p in self.parts))
+
+    async def start(self) -> None:
+        await asyncio.gather(*(p.start() for p in self.parts))
+
+    async def update(self, bucket: WeightBucket) -> None:
+        await asyncio.gather(*(p.update(bucket) for p in self.parts))
+
+    async def finish(self, version: Version) -> None:
+        await asyncio.gather(*(p.finish(version) for p in self.parts))
+
+    async def close(self) -> None:
+        await close_transport(*self.parts)
+
+
+async def close_transport(*transports: object) -> None:
+    """``await t.close()`` for each transport that has one (errors suppressed: closing is
+    best effort, e.g. an engine already gone)."""
+    for transport in transports:
+        close = getattr(transport, "close", None)
+        if callable(close):
+            with contextlib.suppress(Exception):
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
 
 
 def bucketize(
