@@ -98,5 +98,5 @@ def test_the_readme_pair_snippet_passes_from_outside(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    laws = len(EnginePairConformance.pair_settings) + 2
+    laws = len(EnginePairConformance.pair_settings) + 3  # + resume, loss, verified sync
     assert proc.returncode == 0 and f"{laws} passed" in out, out[-3000:]

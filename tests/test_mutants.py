@@ -28,10 +28,12 @@ from asyncflow_conformance import (
 from asyncflow_conformance.pair import PAIR_SETTINGS
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
+from test_verify_sync import BreaksTheTie, LoadsAStaleCopy, LoadsOneShard, SkipsOneTensor
 from torch import Tensor
 
 from asyncflow_core.contracts.protocols import Batch, GenerationRequest, GenerationResult, LossFn
 from asyncflow_core.engines.lmtrain import TokenRows
+from asyncflow_core.sync.verify import TensorFingerprint, fingerprints_of
 from asyncflow_core.training.sampling import SAMPLING_FIELDS, filter_logits
 
 MODEL = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=2, max_seq_len=96, init_std=0.5)
@@ -237,6 +239,22 @@ class TiedSharedCheckpoint(TorchTrainEngine):
 # --------------------------------------------------------------------------------------------
 # Suites over the mutants
 # --------------------------------------------------------------------------------------------
+class FingerprintsWhatItWasSent(SkipsOneTensor):
+    """Skips a tensor at load, and reports the fingerprints of what it was sent, not of what
+    it holds: the fingerprints agree, its log-probs do not."""
+
+    async def load_weights(self, weights: Any, version: Any) -> None:
+        self._sent = fingerprints_of(list(weights))
+        await super().load_weights(weights, version)
+
+    async def weight_fingerprints(self) -> dict[str, TensorFingerprint]:
+        held = await super().weight_fingerprints()
+        return {**held, **getattr(self, "_sent", {})}
+
+
+VERIFY_LAW = "test_a_sync_is_verified_against_the_engines_own_weights"
+
+
 def _closing(self: Any, engine: Any) -> Any:
     return engine.close()
 
@@ -273,16 +291,17 @@ def train_suite(trainer_cls: type[TorchTrainEngine], config: ModelConfig) -> Tra
 def pair_suite(
     engine_cls: type[TorchInferenceEngine] = TorchInferenceEngine,
     trainer_cls: type[TorchTrainEngine] = TorchTrainEngine,
+    config: ModelConfig = MODEL,
 ) -> EnginePairConformance:
     class Suite(EnginePairConformance):
-        vocab_size = MODEL.vocab_size
+        vocab_size = config.vocab_size
         real_timeout_s = 120.0
 
         def make_inference(self) -> TorchInferenceEngine:
-            return engine_cls(MODEL, max_batch=16, seed=0)
+            return engine_cls(config, max_batch=16, seed=0)
 
         def make_trainer(self) -> TorchTrainEngine:
-            return trainer_cls(MODEL, seed=1, micro_batch_size=5, lr=1e-2)
+            return trainer_cls(config, seed=1, micro_batch_size=5, lr=1e-2)
 
         close_engine = _closing
 
@@ -397,6 +416,37 @@ MUTANTS: tuple[Mutant, ...] = (
         lambda: train_suite(IgnoresSamplingFields, MODEL),
         "test_compute_logprobs_applies_the_sampling_fields",
         "ignores the batch's sampling",
+    ),
+    # weight loads that leave the engine with other weights than it reports (issue #40)
+    Mutant(
+        "sync-skips-one-tensor",
+        lambda: pair_suite(engine_cls=SkipsOneTensor),
+        VERIFY_LAW,
+        "'blocks.0.fc2.weight'",
+    ),
+    Mutant(
+        "sync-loads-one-shard-of-qkv",
+        lambda: pair_suite(engine_cls=LoadsOneShard),
+        VERIFY_LAW,
+        "'blocks.0.qkv.weight'",
+    ),
+    Mutant(
+        "sync-loads-a-stale-copy",
+        lambda: pair_suite(engine_cls=LoadsAStaleCopy),
+        VERIFY_LAW,
+        "'tok_emb.weight'",
+    ),
+    Mutant(
+        "sync-breaks-the-tie",
+        lambda: pair_suite(engine_cls=BreaksTheTie, config=TIED),
+        VERIFY_LAW,
+        "'lm_head.weight' \\(tied to 'tok_emb.weight'\\)",
+    ),
+    Mutant(
+        "sync-fingerprints-what-it-was-sent",
+        lambda: pair_suite(engine_cls=FingerprintsWhatItWasSent),
+        VERIFY_LAW,
+        "hashed from what it was sent",
     ),
     Mutant(
         "loss-path-ignores-sampling",

@@ -116,7 +116,7 @@ def run_job(**knobs: Any) -> tuple[RLResult, ToyTrainer, list[ToyEngine]]:
 
     async def main() -> RLResult:
         tracer = Tracer(clock=asyncio.get_running_loop().time)
-        cfg = RLConfig(**{"steps": 4, "prompts_per_step": 3, "n": 4, **knobs})
+        cfg = RLConfig(**{"verify_sync": "off", "steps": 4, "prompts_per_step": 3, "n": 4, **knobs})
         job = RLJob(
             cfg, RLEngines(engines, trainer), ([7, 8, 9] for _ in range(10_000)),
             lambda p, r: float(len(r)), tracer=tracer,
@@ -315,7 +315,7 @@ def test_on_step_sees_every_step_with_its_mean_reward() -> None:
     seen: list[Any] = []
 
     async def main() -> RLResult:
-        cfg = RLConfig(steps=3, prompts_per_step=2, n=2)
+        cfg = RLConfig(verify_sync="off", steps=3, prompts_per_step=2, n=2)
         job = RLJob(
             cfg, RLEngines([ToyEngine(0)], ToyTrainer()), ([1, 2] for _ in range(1000)),
             lambda p, r: float(len(r)), on_step=seen.append,
@@ -347,8 +347,8 @@ def test_colocated_job_hands_the_engines_back_awake() -> None:
     engine = SleepyEngine(0)
 
     async def main() -> RLResult:
-        cfg = RLConfig(steps=2, prompts_per_step=2, n=2, staleness=0, mode="colocated",
-                       weight_sync="blocking")  # fmt: skip
+        cfg = RLConfig(verify_sync="off", steps=2, prompts_per_step=2, n=2, staleness=0,
+                       mode="colocated", weight_sync="blocking")  # fmt: skip
         job = RLJob(cfg, RLEngines([engine], ToyTrainer()), ([1] for _ in range(100)),
                     lambda p, r: 1.0)  # fmt: skip
         return await job.run()
@@ -369,7 +369,9 @@ def test_a_sampling_seed_gives_each_request_its_own_seed() -> None:
             return await super().generate(request)
 
     async def main() -> RLResult:
-        cfg = RLConfig(steps=2, prompts_per_step=2, n=3, sampling=SamplingParams(seed=100))
+        cfg = RLConfig(
+            verify_sync="off", steps=2, prompts_per_step=2, n=3, sampling=SamplingParams(seed=100)
+        )
         job = RLJob(cfg, RLEngines([SeedEngine(0)], ToyTrainer()), ([1] for _ in range(100)),
                     lambda p, r: 1.0)  # fmt: skip
         return await job.run()
@@ -392,7 +394,7 @@ def test_a_nan_reward_fails_its_row_alone() -> None:
         return math.nan if i % 4 == 0 else float(i % 2)
 
     async def main() -> RLResult:
-        cfg = RLConfig(steps=3, prompts_per_step=2, n=4)
+        cfg = RLConfig(verify_sync="off", steps=3, prompts_per_step=2, n=4)
         job = RLJob(cfg, RLEngines(engines, trainer), ([7, 8, 9] for _ in range(1000)), reward)
         return await job.run()
 

@@ -127,7 +127,7 @@ def run_toy_job(
 
     async def main() -> list[RLResult]:
         tracer = Tracer(clock=asyncio.get_running_loop().time)
-        cfg = RLConfig(**{"steps": 4, "prompts_per_step": 3, "n": 4, **knobs})
+        cfg = RLConfig(**{"verify_sync": "off", "steps": 4, "prompts_per_step": 3, "n": 4, **knobs})
         job = RLJob(
             cfg, RLEngines(engines, trainer), ([7, 8, 9] for _ in range(100_000)),
             lambda p, r: float(len(r)), tracer=tracer,
@@ -255,7 +255,7 @@ def test_engines_that_cannot_load_weights_are_refused_when_a_sync_is_needed() ->
 
     async def main() -> None:
         trainer = ToyTrainer(4)
-        cfg = RLConfig(steps=1, prompts_per_step=1, n=2)
+        cfg = RLConfig(verify_sync="off", steps=1, prompts_per_step=1, n=2)
         job = RLJob(cfg, RLEngines([Fixed(trainer)], trainer), [[1]], lambda p, r: 0.0)
         await job.run()
 
@@ -338,6 +338,7 @@ def test_reference_engines_start_from_a_warmed_up_trainer(knobs: dict[str, Any])
             assert trainer.weight_version == 3 and engine.weight_version == 0
             at_start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
             cfg = RLConfig(
+                verify_sync="off",  # toy engines: their log-probs are not a model's
                 steps=3, prompts_per_step=2, n=4, sampling=SamplingParams(max_tokens=4, seed=0),
                 **knobs,
             )  # fmt: skip

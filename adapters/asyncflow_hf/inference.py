@@ -64,6 +64,7 @@ from asyncflow_core.engines.enginekit import (
     is_int,
 )
 from asyncflow_core.engines.lmtrain import unique_named_tensors
+from asyncflow_core.sync.verify import TensorFingerprint, module_fingerprints, tied_aliases
 from asyncflow_core.training.sampling import filter_logits
 from asyncflow_hf.compat import require_transformers
 from asyncflow_hf.models import Dtype, load_causal_lm
@@ -172,6 +173,7 @@ class HFInferenceEngine:
             model, who=who, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code
         )
         self.model.eval().requires_grad_(False)
+        self._aliases = tied_aliases(self.model)  # the ties as built (weight_fingerprints)
         config = self.model.config
         self.vocab_size: int = int(config.vocab_size)
         positions = getattr(config, "max_position_embeddings", None)
@@ -391,6 +393,16 @@ class HFInferenceEngine:
             raise EngineError(f"{self.name}: version must be an int >= 0, got {version!r}")
         staged = self._check_weights(weights)
         await loop.run_in_executor(self._control, self._apply, staged, int(version))
+
+    async def weight_fingerprints(self) -> dict[str, TensorFingerprint]:
+        """``SupportsWeightFingerprints``: every tensor of the model it generates with, hashed
+        from the model now (on the control thread, as loads run); a tied LM head is hashed
+        from its own tensor and marked ``alias_of`` the embedding (the tie as it was when the
+        engine was built), so a load that broke the tie shows."""
+        loop = self._bind()
+        return await loop.run_in_executor(
+            self._control, module_fingerprints, self.model, self._aliases
+        )
 
     async def wait_for_tokens(self, request_id: str, count: int) -> int:
         """Wait until request ``request_id`` has at least ``count`` response tokens (resumed

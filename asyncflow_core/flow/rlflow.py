@@ -130,6 +130,13 @@ from asyncflow_core.sync.transports import (
     engine_transport,
     needs_own_transport,
 )
+from asyncflow_core.sync.verify import (
+    VerifyReport,
+    VerifySchedule,
+    verification_refusal,
+    verify_engine,
+    verify_setting_problem,
+)
 from asyncflow_core.training.rl import (
     LOSS_MASK,
     PROX_LOGPROBS,
@@ -221,6 +228,18 @@ class RLConfig:
     the start of ``run()``, is younger than this many seconds of the job's clock: a job of
     fast steps then does not spend its time writing checkpoints. The last step's checkpoint
     and ``RLJob.checkpoint()`` are always written."""
+    verify_sync: str = "first"
+    """Prove, after a sync, that every rollout engine holds the trainer's weights for that
+    version (``asyncflow_core.sync.verify``): ``"first"`` (the first sync of each run),
+    ``"always"``, ``"every N"`` (the first, then every N-th), ``"off"``. By fingerprint where
+    the engine can read its weights back, else by a probe's log-probs; a mismatch stops the
+    job with ``SyncVerificationError`` naming the engine, the version and what differs. A
+    verified staged sync swaps at once (not at the next safe point), so the trainer is still
+    at that version while it is checked."""
+    verify_logprob_atol: float = 1e-3
+    """The probe's bound on the mean |engine - trainer| log-prob (``docs/logprobs.md``)."""
+    verify_logprob_max_atol: float = 1e-2
+    """The probe's bound on the largest |engine - trainer| log-prob of one token."""
     reward_in_thread: bool = True
     """Run ``reward_fn`` in a worker thread (the default: a slow verifier must not stall the
     event loop). ``False`` calls it on the event loop, saving a thread hand-off per reward
@@ -256,6 +275,13 @@ class RLConfig:
         flag: object = self.reward_in_thread
         if not isinstance(flag, bool):
             problems.append(f"reward_in_thread must be a bool, got {flag!r}")
+        verify = verify_setting_problem(self.verify_sync)
+        if verify is not None:
+            problems.append(verify)
+        for name in ("verify_logprob_atol", "verify_logprob_max_atol"):
+            tol: object = getattr(self, name)
+            if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < math.inf:
+                problems.append(f"{name} must be a number > 0, got {tol!r}")
         if self.mode not in _MODES:
             problems.append(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.weight_sync not in _SYNCS:
@@ -897,6 +923,10 @@ class RLJob:
         self._inflight: dict[str, InferenceEngine] = {}
         self._t0 = 0.0
         self._staged: StagedSync | None = None
+        self._verify = VerifySchedule(config.verify_sync)
+        self.verified: list[VerifyReport] = []
+        """Every sync verification so far (``RLConfig.verify_sync``), one report per engine."""
+        self._probe_prompt: tuple[int, ...] | None = None  # the first prompt generated from
         self._transport: WeightSync | None = None
         self._own_transport = False  # _transport is one the job built (closed after run())
         self._closing_transport: asyncio.Future[None] | None = None  # _drop_transport's
@@ -1098,6 +1128,8 @@ class RLJob:
 
     async def _generate(self, prompt: tuple[int, ...], group: int | str | None) -> GenerationResult:
         cfg = self.config
+        if self._probe_prompt is None:  # the verification probe's: tokens the model knows
+            self._probe_prompt = tuple(prompt)
         self._rid += 1
         rid = f"r{self._rid}"
         params = cfg.sampling
@@ -1628,6 +1660,10 @@ class RLJob:
             await staged.sync(self._buckets(), version)
             self._span("transfer", "trainer", t0, False, version)
             self.admission.set_version(version)
+            if self._verify.due():  # swap now, while the trainer is at this version
+                if self._verifiable():
+                    await self._safe_point(force=True)
+                await self._verify_engines(version)
             return
         transport = await self._ensure_transport()
         if cfg.weight_sync == "inflight":  # engines stall only while loading
@@ -1650,6 +1686,8 @@ class RLJob:
             finally:
                 self.gate.open()
         self.admission.set_version(version)
+        if self._verify.due():
+            await self._verify_engines(version)
 
     async def sync_rollout(self) -> None:
         """Bring every rollout engine to the trainer's weights and version, as ``run()`` does
@@ -1692,10 +1730,44 @@ class RLJob:
         else:
             transport = await self._ensure_transport()
             await self._transfer(transport, version, send_exposed=True, load_exposed=True)
+        if self._verify.due():
+            await self._verify_engines(version)
 
-    async def _safe_point(self) -> None:
-        """Before a rollout group starts: apply staged weights (the delayed update's swap)."""
-        if self._staged is None or self._staged.pending_version is None:
+    def _verifiable(self) -> bool:
+        """Whether a verification could check anything (no simulator on either side)."""
+        if verification_refusal(self.engines.trainer) is not None:
+            return False
+        return any(verification_refusal(e) is None for _, e in self._live())
+
+    async def _verify_engines(self, version: Version) -> None:
+        """Prove every live rollout engine holds the trainer's weights for ``version``
+        (``asyncflow_core.sync.verify.verify_engine``; span "verify", on the trainer, which
+        waits meanwhile); ``SyncVerificationError`` stops the job. An engine lost meanwhile is
+        taken out as in a sync."""
+        cfg = self.config
+        t0 = self._now()
+        for name, engine in self._live():
+            try:
+                report = await verify_engine(
+                    engine, self.engines.trainer, version,
+                    who=f"rollout engine {name} ({type(engine).__name__})",
+                    bucket_bytes=cfg.bucket_bytes,
+                    probe_prompt=self._probe_prompt or (1, 2, 3, 4),
+                    mean_atol=cfg.verify_logprob_atol, max_atol=cfg.verify_logprob_max_atol,
+                )  # fmt: skip
+            except EngineLostError as exc:
+                self._engine_lost(name, exc)
+                continue
+            self.verified.append(report)
+            if report.kind == "skipped":
+                _log.info("sync verification of version %s skipped: %s", version, report.reason)
+        self._span("verify", "trainer", t0, False, version)
+
+    async def _safe_point(self, *, force: bool = False) -> None:
+        """Before a rollout group starts: apply staged weights (the delayed update's swap).
+        ``force``: apply even when nothing looks staged, waiting for a swap under way (so
+        the engines are at the staged version when it returns)."""
+        if self._staged is None or (self._staged.pending_version is None and not force):
             return
         t0 = self._now()
         # one swap at a time, the newest staged set; a swap under way is not cut short when
@@ -1772,6 +1844,7 @@ class RLJob:
         self._last_checkpoint = self._now()  # a periodic checkpoint waits the interval
         self._ended = None
         self._closing = False
+        self._verify.restart()
         try:
             await self._initial_sync()
             synced_s = loop.time() - self._t0

@@ -662,6 +662,9 @@ class AgentLoopConformance(_Suite):
     job_failures: ClassVar[tuple[ToolFailure, ...]] = TOOL_FAILURES
     """The failure kinds the job law runs an ``RLJob`` under, one test each."""
     job_steps: ClassVar[int] = 2
+    job_verify_sync: ClassVar[str] = "off"
+    """The job law's ``RLConfig.verify_sync``: off (sync verification has its own law in
+    ``EnginePairConformance``, and a scripted policy's log-probs are not a model's)."""
     job_prompts_per_step: ClassVar[int] = 2
     job_n: ClassVar[int] = 2
     job_timeout_s: ClassVar[float] = 120.0
@@ -1328,6 +1331,7 @@ class AgentLoopConformance(_Suite):
             config = RLConfig(
                 steps=self.job_steps, prompts_per_step=self.job_prompts_per_step,
                 n=self.job_n, sampling=self.job_sampling(), trajectory_limits=self.limits,
+                verify_sync=self.job_verify_sync,
             )  # fmt: skip
             engines = RLEngines([law.proxy], spy, make_transport=self._job_transport)
             job = RLJob(config, engines, samples(), agent=logged, reward_fn=_length_reward)

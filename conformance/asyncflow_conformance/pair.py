@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,10 +57,12 @@ from asyncflow_core.contracts.protocols import (
     TrainEngine,
     TrainMetrics,
     Version,
+    WeightBucket,
     WeightSync,
 )
 from asyncflow_core.data.store import InProcessDataStore
 from asyncflow_core.sync.transports import InProcessWeightSync
+from asyncflow_core.sync.verify import SyncVerificationError, verify_engine
 from asyncflow_core.training.rl import policy_gradient_loss, response_mask
 from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 
@@ -523,3 +526,65 @@ class EnginePairConformance(_Suite):
             )
 
         self._law("test_the_loss_sees_the_engines_logprobs", body)
+
+    def test_a_sync_is_verified_against_the_engines_own_weights(self) -> None:
+        """After a sync to version v, ``asyncflow_core.sync.verify.verify_engine`` proves the
+        engine holds the trainer's weights for v: by fingerprint where the engine implements
+        ``SupportsWeightFingerprints`` (every exported tensor, hashed from the engine's own
+        storage, equal to the trainer's, and the probe agreeing with them), else by the probe
+        (greedy log-probs within the tolerances). Then the same sync moves *changed* values
+        into the engine while the trainer keeps v: the check must now fail, so an engine
+        whose fingerprints do not follow what it holds (or a probe blind to its weights)
+        fails this law."""
+        params = dataclasses.replace(self.resume_setting, max_tokens=self.max_tokens)
+
+        async def body(pair: _Pair) -> None:
+            prompts = self._prompts()
+            warm = await self._generate(pair.engine, "warm", prompts, params, seed=2500)
+            version = await self._train_and_sync(pair, warm, params)
+            probe = tuple(self.prompt_tokens(self.prompts - 1))
+            check = functools.partial(
+                verify_engine, pair.engine, pair.trainer, version, who="the engine",
+                bucket_bytes=self.bucket_bytes, probe_prompt=probe,
+                mean_atol=self.logprob_atol, max_atol=self.logprob_max_atol,
+            )  # fmt: skip
+            try:
+                report = await self._wait(check(), "verify_engine()")
+            except SyncVerificationError as exc:
+                raise AssertionError(
+                    f"after a sync to version {version} the check says the engine does not "
+                    f"hold the trainer's weights: {exc}"
+                ) from exc
+            assert report.kind != "skipped", f"the check was skipped: {report.reason}"
+            assert report.checked > 0, f"the {report.kind} check compared nothing"
+            if report.kind == "fingerprint":  # the engine's behaviour must agree with them
+                try:
+                    await self._wait(check(kind="probe"), "verify_engine(kind='probe')")
+                except SyncVerificationError as exc:
+                    raise AssertionError(
+                        f"the engine's weight fingerprints equal the trainer's for version "
+                        f"{version}, but its log-probs do not ({exc}): its fingerprints do "
+                        "not describe the weights it generates with (hashed from what it was "
+                        "sent rather than from its own storage?)"
+                    ) from exc
+            changed = [
+                WeightBucket(b.names, tuple(_scaled(t) for t in b.tensors))
+                for b in await _export(pair.trainer, self.bucket_bytes)
+            ]
+            await self._wait(pair.sync.start(), "start()")
+            for bucket in changed:
+                await self._wait(pair.sync.update(bucket), "update()")
+            await self._wait(pair.sync.finish(version), f"finish({version})")
+            with pytest.raises(SyncVerificationError):
+                await self._wait(check(), "verify_engine() after a changed sync")
+
+        self._law("test_a_sync_is_verified_against_the_engines_own_weights", body)
+
+
+def _scaled(t: torch.Tensor) -> torch.Tensor:
+    """``t`` changed enough to move any log-prob: floating values times 3 plus 0.5."""
+    return t.detach() * 3 + 0.5 if t.is_floating_point() else t.detach().clone()
+
+
+async def _export(trainer: TrainEngine, bucket_bytes: int) -> list[WeightBucket]:
+    return [b async for b in trainer.export_weights(bucket_bytes)]

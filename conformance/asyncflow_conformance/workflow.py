@@ -126,8 +126,17 @@ class WorkflowCase:
     sync_every: int = 1
     partial_rollout: bool = False
 
-    def config(self, *, steps: int, prompts_per_step: int, n: int, max_tokens: int) -> RLConfig:
+    def config(
+        self,
+        *,
+        steps: int,
+        prompts_per_step: int,
+        n: int,
+        max_tokens: int,
+        verify_sync: str = "off",
+    ) -> RLConfig:
         cfg = RLConfig(
+            verify_sync=verify_sync,
             steps=steps,
             prompts_per_step=prompts_per_step,
             n=n,
@@ -716,6 +725,11 @@ class WorkflowConformance:
     """Run each job on a ``VirtualClockLoop`` (engines that sleep on the loop's clock take no
     real time); False: a plain ``asyncio`` loop, real time."""
     steps: ClassVar[int] = 6
+    verify_sync: ClassVar[str] = "off"
+    """The jobs' ``RLConfig.verify_sync``: off here, since sync verification has a law of its
+    own (``EnginePairConformance.test_a_sync_is_verified_against_the_engines_own_weights``)
+    and its probe requests would count among the generate calls these laws inject faults
+    into; set ``"first"`` to run the laws' jobs with it."""
     prompts_per_step: ClassVar[int] = 2
     n: ClassVar[int] = 4
     max_tokens: ClassVar[int] = 32
@@ -785,6 +799,7 @@ class WorkflowConformance:
             prompts_per_step=self.prompts_per_step,
             n=self.n,
             max_tokens=self.max_tokens,
+            verify_sync=self.verify_sync,
         )
 
     def run_case(self, case: WorkflowCase, *, fault: Fault | None = None) -> WorkflowRun:

@@ -71,6 +71,7 @@ from asyncflow_core.engines.lmtrain import (
 )
 from asyncflow_core.engines.lmtrain import check_seed as _check_seed
 from asyncflow_core.engines.lmtrain import is_int as _is_int
+from asyncflow_core.sync.verify import TensorFingerprint, module_fingerprints, tied_aliases
 from asyncflow_core.training.sampling import filter_logits
 from asyncflow_reference.model import KVCache, ModelConfig, TransformerLM
 
@@ -198,6 +199,7 @@ class TorchInferenceEngine:
         self.name = name
         self.max_batch = int(max_batch)
         self.model = _take_model(model_or_config, self.seed, who).eval().requires_grad_(False)
+        self._aliases = tied_aliases(self.model)  # as built: weight_fingerprints checks them
         self.config: ModelConfig = self.model.config
         self._params = dict(self.model.named_parameters())
         self._gen = torch.Generator().manual_seed(self.seed)
@@ -404,6 +406,14 @@ class TorchInferenceEngine:
         self._interrupt = True
         await loop.run_in_executor(self._executor, self._apply_weights, staged, int(version))
         self._kick()
+
+    async def weight_fingerprints(self) -> dict[str, TensorFingerprint]:
+        """``SupportsWeightFingerprints``: every tensor of the model it generates with, hashed
+        on the model's thread (between two steps, as loads run), from the model itself."""
+        loop = self._bind()
+        return await loop.run_in_executor(
+            self._executor, module_fingerprints, self.model, self._aliases
+        )
 
     async def wait_for_tokens(self, request_id: str, count: int) -> int:
         """Wait until request ``request_id`` has at least ``count`` response tokens (resumed
@@ -769,12 +779,20 @@ class TorchInferenceEngine:
             choice = logits.argmax(dim=-1)
         else:
             probs = logp_all.exp()
-            u = torch.rand(idx.shape[0], generator=self._gen)
+            # the engine's generator draws for its unseeded sampled rows only: a greedy or
+            # seeded request in the batch (a verification probe) leaves the others' draws
+            # as they would be without it
+            u = torch.zeros(idx.shape[0])
+            own = ~greedy
             if self._gens:
                 for i, slot in enumerate(idx.tolist()):
                     gen = self._gens.get(slot)
                     if gen is not None and not bool(greedy[i]):
                         u[i] = torch.rand((), generator=gen)
+                        own[i] = False
+            drawn = int(own.sum())
+            if drawn:
+                u[own] = torch.rand(drawn, generator=self._gen)
             cdf = probs.cumsum(dim=-1)
             total = cdf[:, -1:]
             choice = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1)

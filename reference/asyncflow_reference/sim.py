@@ -522,6 +522,11 @@ class SimInferenceEngine:
     included), ``requests_finished`` (stop/length), ``requests_aborted``.
     """
 
+    sync_verification_refusal: ClassVar[str] = (
+        "a simulated engine: its weights are shapes and its log-probs are made up"
+    )
+    """``asyncflow_core.sync.verify``: a job's sync verification is skipped, with this."""
+
     def __init__(self, cost: CostModel, *, name: str = "sim-rollout-0", seed: int = 0) -> None:
         self.cost = cost
         self.name = name
@@ -955,6 +960,11 @@ class SimTrainEngine:
     no simulated time (the transport charges the transfer). Checkpoints are a small JSON file
     recording the version. Counters: ``busy_s``, ``steps``.
     """
+
+    sync_verification_refusal: ClassVar[str] = (
+        "a simulated engine: its weights are shapes and its log-probs are made up"
+    )
+    """``asyncflow_core.sync.verify``: a job's sync verification is skipped, with this."""
 
     batch_layout: ClassVar[Literal["list"]] = "list"
     """The layout ``RLJob`` fetches its update batches in: the token counts are all it

@@ -148,3 +148,38 @@ class TestLiveWorkflowInProcess(_InProcess, WorkflowConformance):
             rollout=[engine],
             trainer=HFTrainEngine(str(live.model_folder(self.key)), lr=1e-3),
         )
+
+
+# --- verified sync: the probe catches a planted wrong load ----------------------------------
+class SkipsTheHead:
+    """The shared engine behind a load that drops ``lm_head.weight`` (a name-mapping bug):
+    vLLM keeps the old head and reports the new version."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        kept = [(n, t) for n, t in weights if n != "lm_head.weight"]
+        await self._engine.load_weights(kept, version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def test_the_verification_law_catches_a_skipped_tensor_on_live_vllm() -> None:
+    """The pair suite's verification law on the in-process vLLM (the probe: vLLM's CPU build
+    keeps no readable linear weights) passes with the engine's own load and fails with a load
+    that skipped the LM head, naming the probe's log-probs."""
+    import pytest
+
+    suite = TestLivePairLlamaInProcess()
+    suite.setup_class()
+    law = suite.test_a_sync_is_verified_against_the_engines_own_weights
+    law()  # the real load: proven
+    planted = type(
+        "PlantedSkip", (TestLivePairLlamaInProcess,),
+        {"make_inference": lambda self: SkipsTheHead(self.host.proxy())},
+    )()  # fmt: skip
+    planted.setup_class()
+    with pytest.raises(AssertionError, match="probe's log-probs differ"):
+        planted.test_a_sync_is_verified_against_the_engines_own_weights()
