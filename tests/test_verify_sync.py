@@ -301,3 +301,38 @@ def test_the_schedule_and_its_refusals() -> None:
             RLConfig(steps=1, prompts_per_step=1, verify_sync=bad).validate()  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="verify_logprob_atol must be a number > 0"):
         RLConfig(steps=1, prompts_per_step=1, verify_logprob_atol=0).validate()
+
+
+class HangsOnTheProbe(TorchInferenceEngine):
+    """Never answers the verification probe."""
+
+    async def generate(self, request: Any) -> Any:
+        if request.request_id.startswith("asyncflow-verify"):
+            await asyncio.Event().wait()
+        return await super().generate(request)
+
+
+def test_a_hung_verification_ends_in_a_named_error() -> None:
+    class NoPrints:  # seen without fingerprints: the probe runs
+        def __init__(self, engine: HangsOnTheProbe) -> None:
+            self.engine = engine
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "weight_fingerprints":
+                raise AttributeError(name)
+            return getattr(self.engine, name)
+
+    async def main() -> None:
+        engine, trainer = _pair(HangsOnTheProbe, MODEL)
+        try:
+            job = _job(NoPrints(engine), trainer, verify_timeout_s=0.5)
+            with pytest.raises(TaskFailedError) as failed:
+                await job.run()
+            cause = failed.value.__cause__
+            assert isinstance(cause, SyncVerificationError)
+            assert "verify_timeout_s=0.5" in str(cause) and "rollout engine 0" in str(cause)
+        finally:
+            await engine.close()
+            await trainer.close()
+
+    asyncio.run(main())

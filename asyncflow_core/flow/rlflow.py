@@ -131,6 +131,7 @@ from asyncflow_core.sync.transports import (
     needs_own_transport,
 )
 from asyncflow_core.sync.verify import (
+    SyncVerificationError,
     VerifyReport,
     VerifySchedule,
     verification_refusal,
@@ -240,6 +241,9 @@ class RLConfig:
     """The probe's bound on the mean |engine - trainer| log-prob (``docs/logprobs.md``)."""
     verify_logprob_max_atol: float = 1e-2
     """The probe's bound on the largest |engine - trainer| log-prob of one token."""
+    verify_timeout_s: float = 600.0
+    """Seconds (the job's clock) one engine's verification may take; past it the job stops
+    with ``SyncVerificationError`` naming the engine (a hung probe never hangs the job)."""
     reward_in_thread: bool = True
     """Run ``reward_fn`` in a worker thread (the default: a slow verifier must not stall the
     event loop). ``False`` calls it on the event loop, saving a thread hand-off per reward
@@ -278,7 +282,7 @@ class RLConfig:
         verify = verify_setting_problem(self.verify_sync)
         if verify is not None:
             problems.append(verify)
-        for name in ("verify_logprob_atol", "verify_logprob_max_atol"):
+        for name in ("verify_logprob_atol", "verify_logprob_max_atol", "verify_timeout_s"):
             tol: object = getattr(self, name)
             if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 < tol < math.inf:
                 problems.append(f"{name} must be a number > 0, got {tol!r}")
@@ -1747,14 +1751,24 @@ class RLJob:
         cfg = self.config
         t0 = self._now()
         for name, engine in self._live():
+            who = f"rollout engine {name} ({type(engine).__name__})"
+            check = verify_engine(
+                engine, self.engines.trainer, version, who=who, bucket_bytes=cfg.bucket_bytes,
+                probe_prompt=self._probe_prompt or (1, 2, 3, 4),
+                mean_atol=cfg.verify_logprob_atol, max_atol=cfg.verify_logprob_max_atol,
+            )  # fmt: skip
             try:
-                report = await verify_engine(
-                    engine, self.engines.trainer, version,
-                    who=f"rollout engine {name} ({type(engine).__name__})",
-                    bucket_bytes=cfg.bucket_bytes,
-                    probe_prompt=self._probe_prompt or (1, 2, 3, 4),
-                    mean_atol=cfg.verify_logprob_atol, max_atol=cfg.verify_logprob_max_atol,
-                )  # fmt: skip
+                report = await asyncio.wait_for(check, cfg.verify_timeout_s)
+            except TimeoutError:
+                raise SyncVerificationError(
+                    f"verifying the weight sync to version {version} on {who} took more than "
+                    f"verify_timeout_s={cfg.verify_timeout_s} s (the engine did not answer the "
+                    "probe, or hashing its weights hung); the run stops. Raise the timeout for "
+                    "a slow engine, or set verify_sync='off'",
+                    engine=who,
+                    version=version,
+                    differences=[],
+                ) from None
             except EngineLostError as exc:
                 self._engine_lost(name, exc)
                 continue

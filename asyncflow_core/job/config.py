@@ -144,6 +144,10 @@ class RLSection:
     weight_sync: Literal["blocking", "staged", "inflight"] = "staged"
     sync_every: int = 1
     partial_rollout: bool = False
+    verify_sync: str = "first"
+    """Prove after a sync that the rollout engines hold the trainer's weights
+    (``RLConfig.verify_sync``; docs/weight-sync.md): ``first``, ``always``, ``every N``,
+    ``off``."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +280,7 @@ class CheckpointSection:
 
 RESUME_KEYS = (
     "rl.steps", "eval_prompts", "threads", "checkpoint.every", "checkpoint.keep",
-    "checkpoint.min_interval_s",
+    "checkpoint.min_interval_s", "rl.verify_sync",
     "rollout.engines", "rollout.url", "rollout.max_batch", "rollout.process", "train.process",
     "runtime.kind",
     "runtime.address", "runtime.store",
@@ -516,7 +520,8 @@ class RunConfig:
             mode=rl.mode, proximal_logprobs=self.train.loss == "decoupled-ppo",
             trajectory_limits=self.agent.limits(), max_restarts=self.agent.max_restarts,
             checkpoint_every=self.checkpoint.every,
-            checkpoint_min_interval_s=self.checkpoint.min_interval_s, **extra,
+            checkpoint_min_interval_s=self.checkpoint.min_interval_s,
+            verify_sync=rl.verify_sync, **extra,
         )  # fmt: skip
 
     def loss_fn(self) -> LossFn:
