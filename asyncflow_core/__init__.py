@@ -129,9 +129,17 @@ from asyncflow_core.sync.transports import (
     GroupReceiver,
     GroupWire,
     InProcessWeightSync,
+    SupportsOwnTransport,
     WeightSyncGroup,
     bucketize,
     read_weights,
+)
+from asyncflow_core.sync.verify import (
+    SupportsWeightFingerprints,
+    SyncVerificationError,
+    TensorFingerprint,
+    VerifyReport,
+    verify_engine,
 )
 
 __version__ = "0.1.0"
@@ -210,16 +218,20 @@ __all__ = [
     "StoreLostError",
     "StoreTimeoutError",
     "SupportsLoadWeights",
+    "SupportsOwnTransport",
     "SupportsPause",
     "SupportsProgress",
     "SupportsRankReplay",
     "SupportsRestart",
     "SupportsSleep",
+    "SupportsWeightFingerprints",
     "SyncTiming",
+    "SyncVerificationError",
     "Tags",
     "Task",
     "TaskFailedError",
     "TaskOutput",
+    "TensorFingerprint",
     "TokenBalancedSampler",
     "Tracer",
     "TrainEngine",
@@ -233,6 +245,7 @@ __all__ = [
     "UnknownRowError",
     "UnknownTaskError",
     "UnsupportedEngineError",
+    "VerifyReport",
     "Version",
     "WeightBucket",
     "WeightSync",
@@ -249,4 +262,5 @@ __all__ = [
     "select_platform",
     "set_platform",
     "use_platform",
+    "verify_engine",
 ]

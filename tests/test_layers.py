@@ -261,6 +261,8 @@ PUBLIC = [
     "PlatformError", "PlatformUnavailableError", "RankAwareSampler", "RequestRouter",
     "SampleRequest", "SamplerError", "SamplingParams", "Scheduler", "SchemaError", "Selection",
     "SequentialSampler", "Source", "Span", "StagedUpdate", "StalenessSampler", "StorageUnit",
+    "SupportsOwnTransport", "SupportsWeightFingerprints", "SyncVerificationError",
+    "TensorFingerprint", "VerifyReport", "verify_engine",
     "StorageUnitError", "StorageUnitLostError", "StoreLostError", "StoreTimeoutError",
     "SupportsLoadWeights", "SupportsPause", "SupportsProgress", "SupportsRankReplay",
     "SupportsRestart", "SupportsSleep", "SyncTiming", "Tags", "Task", "TaskFailedError",
