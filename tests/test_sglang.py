@@ -1689,3 +1689,36 @@ def test_a_job_into_a_remote_sglang_is_refused_naming_the_setting() -> None:
         ([1] for _ in range(10)), lambda p, r: 0.0,
     )  # fmt: skip
     asyncio.run(trainer.close())
+
+
+def test_a_default_job_over_an_in_process_sglang_swaps_through_its_group() -> None:
+    """SGLangEngine takes no tensors; a job built with defaults is accepted and its staged
+    swap goes through SGLangWeightSync with the trainer's side on loopback (the group itself
+    is the replay's test above; the fake engine cannot join one)."""
+    from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+    from asyncflow_core.sync.strategies import StagedUpdate
+    from asyncflow_core.sync.transports import engine_transport
+
+    async def main() -> None:
+        fake = FakeSGLangEngine()
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct(), weight_backend="gloo")
+        trainer = TorchTrainEngine(MODEL, seed=1, threads=1)
+        try:
+            assert engine.tensor_load_refusal
+            job = RLJob(
+                RLConfig(steps=1, prompts_per_step=1, n=2), RLEngines([engine], trainer),
+                ([1] for _ in range(10)), lambda p, r: 0.0,
+            )  # fmt: skip
+            staged = job._staged_update()
+            assert isinstance(staged, StagedUpdate) and staged.swap_with is engine_transport
+            sync = engine_transport(staged.engines)
+            assert isinstance(sync, SGLangWeightSync)
+            assert sync.master_address == "127.0.0.1" and sync.engines == [engine]
+            with pytest.raises(EngineError, match="SGLangWeightSync"):
+                await engine.load_weights([("w", torch.zeros(1))], 1)
+        finally:
+            await trainer.close()
+            await engine.close()
+            await fake.ref.close()
+
+    asyncio.run(main())
