@@ -123,6 +123,10 @@ MISSING_IN_026 = frozenset(
 )
 """Routes vLLM 0.26.0's server does not have (``entrypoints/serve/dev/rlhf/api_router.py``)."""
 
+STALE_UPDATE = (
+    "start_weight_update called while a weight update is already active. Call "
+    "finish_weight_update first."
+)  # v1/worker/gpu_worker.py, Worker._start_weight_update (0.32 and 0.33)
 LAYERS_UNUSABLE = (
     "generation during a weight-update session: start_weight_update moved the layers to the "
     "meta device for a layerwise reload (distributed/weight_transfer/nccl_engine.py, "
@@ -941,6 +945,8 @@ class ReplayVLLMServer:
         # request still stepping would run on them, so the replay fails it, as vLLM would
         if self.engine.running and not self.engine.paused:
             raise _error(500, LAYERS_UNUSABLE)
+        if group.updating:  # v1/worker/gpu_worker.py, Worker._start_weight_update
+            raise _error(500, STALE_UPDATE)
         group.staged = []
         group.updating = True
         return {"message": "Weight update started"}

@@ -54,6 +54,7 @@ from asyncflow_vllm.worker_ext import (
 )
 from replay_vllm_server import (
     LAYERS_UNUSABLE,
+    STALE_UPDATE,
     FirstTokenFreeze,
     PrefixCacheModel,
     receive_packed,
@@ -413,6 +414,8 @@ class FakeAsyncLLM:
         self.calls.append(("start_weight_update", ()))
         if self.ref.running and not self.ref.paused:  # see replay_vllm_server.LAYERS_UNUSABLE
             raise RuntimeError(LAYERS_UNUSABLE)
+        if self.updating:  # v1/worker/gpu_worker.py, Worker._start_weight_update
+            raise RuntimeError(STALE_UPDATE)
         self.staged = []
         self.updating = True
 
@@ -1505,6 +1508,28 @@ def test_a_weight_update_session_while_generating_unpaused_fails_in_the_fake() -
             await adapter.commit_weights(1)
             await adapter.resume()
             assert 1 in (await task).versions
+        finally:
+            await close(adapter)
+
+    asyncio.run(main())
+
+
+def test_an_update_a_dead_trainer_left_open_is_finished_and_started_again() -> None:
+    """#40: vLLM refuses start_weight_update while an update is open (a trainer died
+    mid-sync: v1/worker/gpu_worker.py, Worker._start_weight_update); the adapter finishes it
+    and starts once more."""
+
+    async def main() -> None:
+        adapter = make_adapter()
+        fake = adapter.engine
+        try:
+            fake.updating = True  # the dead trainer's
+            await adapter.begin_weight_update()
+            calls = [n for n, _ in fake.calls if "weight_update" in n]
+            assert calls[-3:] == [
+                "start_weight_update", "finish_weight_update", "start_weight_update"
+            ]  # fmt: skip
+            assert fake.updating
         finally:
             await close(adapter)
 

@@ -1089,3 +1089,29 @@ def test_a_default_job_into_a_server_without_tensor_loads_is_refused_naming_what
             await shut(server, engine)
 
     run(main())
+
+
+def test_an_update_a_dead_trainer_left_open_is_finished_and_started_again() -> None:
+    """#40: a trainer killed mid-sync leaves vLLM's weight update open, and vLLM refuses every
+    later start_weight_update (v1/worker/gpu_worker.py, Worker._start_weight_update); the
+    adapter finishes it and starts once more. A start refused for another reason still
+    raises."""
+    from types import SimpleNamespace
+
+    from replay_vllm_server import _Group
+
+    async def main() -> None:
+        server, engine = await serve()
+        try:
+            idle = SimpleNamespace(close=lambda: None)  # no broadcast happens here
+            server.group = _Group(group=idle, updating=True)  # type: ignore[arg-type]
+            await engine.begin_weight_update()
+            paths = [r.path for r in server.requests if "weight_update" in r.path]
+            assert paths[-3:] == [
+                "/start_weight_update", "/finish_weight_update", "/start_weight_update"
+            ]  # fmt: skip
+            assert server.group.updating
+        finally:
+            await shut(server, engine)
+
+    run(main())

@@ -213,3 +213,11 @@ def require_vllm() -> ModuleType:
     vllm = require_module("vllm", who="asyncflow_vllm.VLLMEngine", install=INSTALL)
     check_vllm_version(str(getattr(vllm, "__version__", "0")))
     return vllm
+
+
+STALE_WEIGHT_UPDATE = "a weight update is already active"
+"""Part of vLLM's refusal of ``start_weight_update`` while an update is open
+(``v1/worker/gpu_worker.py``, ``Worker._start_weight_update``, 0.32 and 0.33: "start_weight_update
+called while a weight update is already active. Call finish_weight_update first."): a trainer
+that died mid-sync leaves one open. The adapters then finish it and start once more (the sync
+that follows sends every tensor, so what the dead sync half-loaded is overwritten)."""

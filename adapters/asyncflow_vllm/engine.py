@@ -53,6 +53,7 @@ What maps to what:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -88,6 +89,7 @@ from asyncflow_vllm.compat import (
     NO_INFLIGHT_LOAD,
     PACKED_BUFFER_BYTES,
     PACKED_NUM_BUFFERS,
+    STALE_WEIGHT_UPDATE,
     EngineFacts,
     Features,
     check_packing,
@@ -526,9 +528,18 @@ class VLLMEngine:
             )
 
     async def begin_weight_update(self) -> None:
+        """``start_weight_update``; an update another trainer left open (it died mid-sync:
+        ``compat.STALE_WEIGHT_UPDATE``) is finished first, once."""
         self._usable()
         if self._native:
-            await self.engine.start_weight_update()
+            try:
+                await self.engine.start_weight_update()
+            except Exception as exc:
+                if STALE_WEIGHT_UPDATE not in str(exc):
+                    raise
+                with contextlib.suppress(Exception):
+                    await self.engine.finish_weight_update()
+                await self.engine.start_weight_update()
 
     async def receive_weights(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]

@@ -131,6 +131,7 @@ from asyncflow_vllm.compat import (
     NO_INFLIGHT_LOAD,
     PACKED_BUFFER_BYTES,
     PACKED_NUM_BUFFERS,
+    STALE_WEIGHT_UPDATE,
     EngineFacts,
     Features,
     check_packing,
@@ -732,9 +733,20 @@ class VLLMHTTPEngine:
         await self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     async def begin_weight_update(self) -> None:
-        """``POST /start_weight_update`` (no body)."""
+        """``POST /start_weight_update`` (no body). Refused because an update is open (a
+        trainer died mid-sync: vLLM answers 500, with ``compat.STALE_WEIGHT_UPDATE`` in the
+        message where the server passes it on), the open update is finished
+        (``/finish_weight_update``, no body: the label stays) and the start sent once more; a
+        start refused for another reason fails the same way again and raises."""
         self._usable()
-        await self._post("/start_weight_update")
+        try:
+            await self._post("/start_weight_update")
+        except EngineError as exc:
+            if "HTTP 500" not in str(exc) and STALE_WEIGHT_UPDATE not in str(exc):
+                raise
+            with contextlib.suppress(EngineError):
+                await self._post("/finish_weight_update")
+            await self._post("/start_weight_update")
 
     async def receive_weights(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
