@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pytest
 import torch
 from asyncflow_conformance import (
     EnginePairConformance,
@@ -94,3 +95,36 @@ class TestHFWorkflow(WorkflowConformance):
         model = tiny_model("tiny-qwen2", 0)
         rollout = [HFInferenceEngine(model, eos_token_ids=(), threads=1) for _ in range(2)]
         return RLEngines(rollout=rollout, trainer=HFTrainEngine(model, lr=1e-3))
+
+
+# --- planted wrong loads: the verification law fails each (issue #40) ------------------------
+class _SkipsTheNorm(HFInferenceEngine):
+    """Drops the final norm from every load (a name-mapping bug)."""
+
+    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        await super().load_weights(
+            [(n, t) for n, t in weights if n != "model.norm.weight"], version
+        )
+
+
+class _BreaksTheTie(HFInferenceEngine):
+    """Gives the LM head a tensor of its own before loading: the tied head keeps old values."""
+
+    async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        head = self.model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        await super().load_weights(weights, version)
+
+
+@pytest.mark.parametrize(
+    ("engine_cls", "names"),
+    [(_SkipsTheNorm, "'model.norm.weight'"), (_BreaksTheTie, "'lm_head.weight' \\(tied to")],
+    ids=["skips-the-norm", "breaks-the-tie"],
+)
+def test_the_verification_law_fails_a_planted_wrong_load(engine_cls: type, names: str) -> None:
+    class Planted(TestHFPairQwen2):
+        def make_inference(self) -> HFInferenceEngine:
+            return engine_cls(tiny_model(self.model_name, 0), eos_token_ids=(), threads=1)
+
+    with pytest.raises(AssertionError, match=names):
+        Planted().test_a_sync_is_verified_against_the_engines_own_weights()

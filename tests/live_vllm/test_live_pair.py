@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import live
+import pytest
 import torch
 from asyncflow_conformance import (
     EnginePairConformance,
@@ -151,35 +152,44 @@ class TestLiveWorkflowInProcess(_InProcess, WorkflowConformance):
 
 
 # --- verified sync: the probe catches a planted wrong load ----------------------------------
-class SkipsTheHead:
-    """The shared engine behind a load that drops ``lm_head.weight`` (a name-mapping bug):
-    vLLM keeps the old head and reports the new version."""
+class SkipsTensors:
+    """The shared engine behind a load that drops every tensor ``skip(name)`` selects (a
+    name-mapping bug): vLLM keeps those old values and reports the new version."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, skip: Any) -> None:
         self._engine = engine
+        self._skip = skip
 
     async def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        kept = [(n, t) for n, t in weights if n != "lm_head.weight"]
-        await self._engine.load_weights(kept, version)
+        await self._engine.load_weights([(n, t) for n, t in weights if not self._skip(n)], version)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
 
-def test_the_verification_law_catches_a_skipped_tensor_on_live_vllm() -> None:
-    """The pair suite's verification law on the in-process vLLM (the probe: vLLM's CPU build
-    keeps no readable linear weights) passes with the engine's own load and fails with a load
-    that skipped the LM head, naming the probe's log-probs."""
-    import pytest
+PLANTED = {
+    # the untied Llama in process: its LM head; the k shard of every stacked qkv_proj
+    "llama-skips-the-head": (TestLivePairLlamaInProcess, lambda n: n == "lm_head.weight"),
+    "llama-skips-the-k-shards": (TestLivePairLlamaInProcess, lambda n: ".k_proj." in n),
+    # the tied Qwen2 over HTTP: its embedding, which is also its LM head
+    "qwen2-skips-the-tied-embedding": (
+        TestLivePairQwen2OverHTTP,
+        lambda n: n == "model.embed_tokens.weight",
+    ),
+}
 
-    suite = TestLivePairLlamaInProcess()
+
+@pytest.mark.parametrize("planted", sorted(PLANTED))
+def test_the_verification_law_catches_a_planted_wrong_load_on_live_vllm(planted: str) -> None:
+    """The pair suite's verification law on the real vLLM (the probe: vLLM's CPU build keeps
+    no readable linear weights) passes with the engine's own load (the classes above) and
+    fails each planted load, naming the probe's log-probs."""
+    base, skip = PLANTED[planted]
+
+    async def make(self: Any) -> Any:
+        return SkipsTensors(await base.inference(self), skip)
+
+    suite = type("Planted", (base,), {"make_inference": make})()
     suite.setup_class()
-    law = suite.test_a_sync_is_verified_against_the_engines_own_weights
-    law()  # the real load: proven
-    planted = type(
-        "PlantedSkip", (TestLivePairLlamaInProcess,),
-        {"make_inference": lambda self: SkipsTheHead(self.host.proxy())},
-    )()  # fmt: skip
-    planted.setup_class()
     with pytest.raises(AssertionError, match="probe's log-probs differ"):
-        planted.test_a_sync_is_verified_against_the_engines_own_weights()
+        suite.test_a_sync_is_verified_against_the_engines_own_weights()
