@@ -1281,6 +1281,9 @@ class RaySimInferenceEngine:
     (``RayCosts.generate_s``; ``group``: requests sent per call, a group's samples); every
     control call (pause, resume, load, abort, sleep) adds ``control_call_s``."""
 
+    sync_verification_refusal: ClassVar[str] = SimInferenceEngine.sync_verification_refusal
+    """As the simulated engine's: a job's sync verification is skipped."""
+
     def __init__(
         self, engine: SimInferenceEngine, costs: RayCosts, driver: VirtualDriver, *, group: int
     ) -> None:
@@ -1346,6 +1349,9 @@ class RaySimTrainEngine:
     charges them), never through the driver."""
 
     batch_layout: ClassVar[Literal["list"]] = "list"
+
+    sync_verification_refusal: ClassVar[str] = SimTrainEngine.sync_verification_refusal
+    """As the simulated trainer's: a job's sync verification is skipped."""
 
     def __init__(self, trainer: SimTrainEngine, costs: RayCosts, driver: VirtualDriver) -> None:
         self.trainer = trainer
