@@ -1035,6 +1035,7 @@ class FakeTokenizerManager:
         self.tasks: list[asyncio.Future[None]] = []
         self.session_open = False  # WeightUpdater._session (weight_updater.py)
         self.preferred_sampling_params: dict[str, Any] | None = None  # tokenizer_manager.py
+        self.groups: set[str] = set()  # the workers' weight groups, by name
 
     async def generate_request(self, obj: Any, request: Any) -> AsyncIterator[dict[str, Any]]:
         """As TokenizerManager.generate_request (an async generator; non-streaming: one
@@ -1099,9 +1100,28 @@ class FakeTokenizerManager:
             )
         return (obj.names != ["fail"], "message")
 
+    # a group of a name already created is refused as torch refuses it, passed on by
+    # model_runner_components/weight_updater.py (init_weights_update_group)
+    async def init_weights_update_group(self, obj: Any, request: Any) -> tuple[bool, str]:
+        self.calls.append(("init_weights_update_group", obj))
+        if obj.group_name in self.groups:
+            return (
+                False,
+                "Failed to initialize custom process group: The specified group name has "
+                "already been created, please use a different group name.",
+            )
+        self.groups.add(obj.group_name)
+        return (True, "Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(self, obj: Any, request: Any) -> tuple[bool, str]:
+        self.calls.append(("destroy_weights_update_group", obj))
+        if obj.group_name not in self.groups:
+            return (False, "The group to be destroyed does not exist.")
+        self.groups.discard(obj.group_name)
+        return (True, "Succeeded to destroy custom process group.")
+
     def __getattr__(self, name: str) -> Any:
         if name in (
-            "init_weights_update_group", "destroy_weights_update_group",
             "release_memory_occupation", "resume_memory_occupation",
         ):  # fmt: skip
 
@@ -1720,5 +1740,65 @@ def test_a_default_job_over_an_in_process_sglang_swaps_through_its_group() -> No
             await trainer.close()
             await engine.close()
             await fake.ref.close()
+
+    asyncio.run(main())
+
+
+def test_a_server_a_dead_trainer_left_mid_sync_takes_the_resumed_trainers_sync(
+    two_replay_servers: list[str],
+) -> None:
+    """#40 item 3: a trainer killed mid-sync leaves SGLang in its weight group and in an open
+    weight-update session; the resumed trainer's join is refused ("already been created")
+    and so is its begin ("already open"). The adapter destroys the stale group and ends the
+    stale session, once each, and the resumed sync lands whole."""
+    url = two_replay_servers[0]
+    named = list(reference_engine(seed=9).model.state_dict().items())
+    want = {n: digest(t) for n, t in named}
+
+    async def main() -> None:
+        dead = SGLangHTTPEngine(url, weight_backend="gloo")
+        sync = SGLangWeightSync(
+            [dead], master_address="127.0.0.1", master_port=free_port(), backend="gloo"
+        )
+        await sync.init()
+        await sync.start()  # the session is open; then the trainer dies:
+        assert sync.group is not None
+        sync.group.close()  # type: ignore[attr-defined]  # its side of the group only
+        await dead.close()
+
+        engine = SGLangHTTPEngine(url, weight_backend="gloo")  # the resumed run's
+        resumed = SGLangWeightSync(
+            [engine], master_address="127.0.0.1", master_port=free_port(), backend="gloo",
+            timeout_s=60,
+        )  # fmt: skip
+        try:
+            await resumed.init()
+            await resumed.start()
+            await resumed.update(
+                WeightBucket(tuple(n for n, _ in named), tuple(t for _, t in named))
+            )
+            await resumed.finish(7)
+            served = await engine.client.call("GET", "/replay/weights_digest")
+            assert served == want and engine.weight_version == 7
+        finally:
+            await resumed.close()
+            await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), 90))
+
+
+def test_in_process_a_stale_weight_group_is_destroyed_and_joined_again() -> None:
+    async def main() -> None:
+        fake = FakeSGLangEngine()
+        fake.tokenizer_manager.groups.add("weight_update_group")  # a dead trainer's
+        engine = SGLangEngine.from_engine(fake, io_struct=_io_struct())
+        await engine.join_weight_group("127.0.0.1", 1, 1, 2)
+        calls = [n for n, _ in fake.tokenizer_manager.calls if "group" in n]
+        assert calls == [
+            "init_weights_update_group", "destroy_weights_update_group",
+            "init_weights_update_group",
+        ]  # fmt: skip
+        await engine.close()
+        await fake.ref.close()
 
     asyncio.run(main())

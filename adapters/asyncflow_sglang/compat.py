@@ -195,3 +195,11 @@ def same_group_settings(who: str, engines: Sequence[Any]) -> str | None:
             "sync cannot serve them all: build them alike"
         )
     return None
+
+
+STALE_GROUP = ("already been created", "already registered")
+"""Parts of SGLang's answer to ``init_weights_update_group`` when a group of that name exists
+in its workers ("Failed to initialize custom process group: The specified group name has
+already been created, ...": torch's refusal, passed on by ``model_executor/
+model_runner_components/weight_updater.py``, ``init_weights_update_group``): a trainer that
+died left its group there. The adapters destroy it and join once more."""

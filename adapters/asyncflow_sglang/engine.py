@@ -57,6 +57,7 @@ from .compat import (
     NO_TENSOR_LOADS,
     SAMPLING_MASK_MAX_TOKENS,
     SEEDS_IGNORED,
+    STALE_GROUP,
     STALE_SESSION,
     data_parallel_refusal,
     neutralizing,
@@ -417,16 +418,27 @@ class SGLangEngine:
         refusal = data_parallel_refusal(self.who, getattr(args, "dp_size", 1))
         if refusal is not None:
             raise EngineError(refusal)
-        await self._control(
-            "init_weights_update_group",
-            "InitWeightsUpdateGroupReqInput",
-            master_address=master_address,
-            master_port=int(master_port),
-            rank_offset=int(rank_offset),
-            world_size=int(world_size),
-            group_name=self.group_name,
-            backend=self.weight_backend,
-        )
+        fields = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": self.group_name,
+            "backend": self.weight_backend,
+        }
+        try:
+            await self._control(
+                "init_weights_update_group", "InitWeightsUpdateGroupReqInput", **fields
+            )
+        except EngineError as exc:
+            if not any(marker in str(exc) for marker in STALE_GROUP):
+                raise
+            # a group of that name is left from a trainer that died: destroy it, join once more
+            with contextlib.suppress(EngineError):
+                await self.leave_weight_group()
+            await self._control(
+                "init_weights_update_group", "InitWeightsUpdateGroupReqInput", **fields
+            )
 
     async def begin_weight_update(self) -> None:
         """Open the weight-update session SGLang 0.5.23 requires around

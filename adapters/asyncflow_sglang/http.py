@@ -130,6 +130,7 @@ from .compat import (
     NO_TENSOR_LOADS,
     SAMPLING_MASK_MAX_TOKENS,
     SEEDS_IGNORED,
+    STALE_GROUP,
     STALE_SESSION,
     check_sglang_version,
     data_parallel_refusal,
@@ -908,7 +909,15 @@ class SGLangHTTPEngine:
             "group_name": self.group_name,
             "backend": self.weight_backend,
         }
-        await self._control("/init_weights_update_group", body)
+        try:
+            await self._control("/init_weights_update_group", body)
+        except EngineError as exc:
+            if not any(marker in str(exc) for marker in STALE_GROUP):
+                raise
+            # a group of that name is left from a trainer that died: destroy it, join once more
+            with contextlib.suppress(EngineError):
+                await self.leave_weight_group()
+            await self._control("/init_weights_update_group", body)
 
     async def begin_weight_update(self) -> None:
         """Open SGLang's weight-update session: 0.5.23 refuses
