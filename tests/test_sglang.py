@@ -1640,17 +1640,20 @@ def test_preferred_sampling_params_of_the_server_are_undone_on_every_request() -
 # --------------------------------------------------------------------------------------------
 # A job built with defaults syncs into SGLang (issue #40 item 2)
 # --------------------------------------------------------------------------------------------
-def _sglang_job(engines: list[Any], trainer: TorchTrainEngine, **knobs: Any) -> Any:
+def _sglang_job(
+    engines: list[Any], trainer: TorchTrainEngine, make_transport: Any = None, **knobs: Any
+) -> Any:
     from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
 
     cfg = RLConfig(steps=2, prompts_per_step=2, n=2, sampling=SamplingParams(max_tokens=3), **knobs)
+    given = {} if make_transport is None else {"make_transport": make_transport}
     return RLJob(
-        cfg, RLEngines(engines, trainer), ([1, 2, 3] for _ in range(10_000)),
+        cfg, RLEngines(engines, trainer, **given), ([1, 2, 3] for _ in range(10_000)),
         lambda p, r: float(len(r)),
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("weight_sync", ["staged", "blocking"])
+@pytest.mark.parametrize("weight_sync", ["staged", "blocking", "staged-given-transport"])
 def test_a_job_built_with_defaults_syncs_into_sglang_over_its_group(
     weight_sync: str, two_replay_servers: list[str]
 ) -> None:
@@ -1663,8 +1666,20 @@ def test_a_job_built_with_defaults_syncs_into_sglang_over_its_group(
     async def main() -> None:
         engines = [SGLangHTTPEngine(u, weight_backend="gloo") for u in two_replay_servers]
         trainer = TorchTrainEngine(MODEL, seed=7, threads=1)  # weights neither server holds
+        given: list[SGLangWeightSync] = []
+
+        def transport(targets: Any) -> SGLangWeightSync:  # what a remote server needs
+            made = SGLangWeightSync(
+                targets, master_address="127.0.0.1", master_port=free_port(), backend="gloo"
+            )
+            given.append(made)
+            return given[-1]
+
         try:
-            job = _sglang_job(engines, trainer, weight_sync=weight_sync)
+            if weight_sync == "staged-given-transport":  # the staged swap goes through it
+                job = _sglang_job(engines, trainer, transport, weight_sync="staged")
+            else:
+                job = _sglang_job(engines, trainer, weight_sync=weight_sync)
             result = await job.run()
             assert len(result.steps) == 2
             await job.sync_rollout()  # a staged job's last version waits for a safe point
@@ -1679,7 +1694,10 @@ def test_a_job_built_with_defaults_syncs_into_sglang_over_its_group(
                 assert sent and {n: served[n] for n in sent} == sent
                 after = await engine.generate(req("after", 3, temperature=0.0))
                 assert set(after.versions) == {2}
+            assert len(given) == (weight_sync == "staged-given-transport")
         finally:
+            for made in given:  # the user's transport stays the user's to close
+                await made.close()
             await trainer.close()
             for engine in engines:
                 await engine.close()

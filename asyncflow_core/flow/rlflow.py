@@ -1579,11 +1579,17 @@ class RLJob:
             elif needs_own_transport(targets):
                 # engines that take no tensors: stage here, swap through their own transport
                 # (or the one the user gave) at the safe point
-                custom = self.engines.make_transport is not InProcessWeightSync
+                given = self.engines.make_transport
+                swap_with: MakeTransport = engine_transport
+                if given is not InProcessWeightSync:  # the user's (e.g. a remote server's)
+
+                    def swap_with(targets: Sequence[SupportsLoadWeights]) -> WeightSync:
+                        return given([getattr(t, "engine", t) for t in targets])  # unguarded
+
                 self._staged = StagedUpdate(
                     targets,
                     pause_mode=mode,
-                    swap_with=self.engines.make_transport if custom else engine_transport,
+                    swap_with=swap_with,
                     swap_bucket_bytes=self.config.bucket_bytes,
                 )
             else:
