@@ -61,6 +61,10 @@ def test_run_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture
     assert set(hist) <= {"0", "1"}  # η = 1: never staler than one version
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    # rl.verify_sync = "first": the first sync was proven, on the rollout engine in its process
+    (verified,) = summary["extra"]["sync_verified"]  # type: ignore[index]
+    assert verified["version"] == 1 and verified["kind"] in ("fingerprint", "probe")
+    assert verified["checked"] > 0
     # the written config reproduces the run's config
     again = load_run_config(out / "config.toml")
     assert again.rl.steps == 4 and again.task.warmup_steps == 2

@@ -349,6 +349,11 @@ async def run(
                 result = RLResult(rl_config, (), 0.0, 0, 0, PipelineResult({}, 0.0), tracer)
             lost = dict(job.lost)
             restarted = dict(job.restarted)
+            verified = [
+                {"engine": r.engine, "version": r.version, "kind": r.kind, "checked": r.checked,
+                 "seconds": round(r.seconds, 4), **({"reason": r.reason} if r.reason else {})}
+                for r in job.verified
+            ]  # fmt: skip
             if point is not None:  # the whole run's records and totals
                 state = point[1]
                 result = replace(
@@ -384,6 +389,8 @@ async def run(
         extra["lost_engines"] = lost
     if restarted:
         extra["restarted_engines"] = restarted
+    if verified:  # RLConfig.verify_sync: which syncs were proven, and how
+        extra["sync_verified"] = verified
     if placed.placement:
         extra["placement"] = placed.placement
     summary = replace(summary, runtime=placed.where, extra=extra)
