@@ -75,6 +75,7 @@ from .http import (
     loopback_sglang_sync,
     mark_aborted,
     read_output,
+    replacing_stale,
     sampling_params,
     wants_sampling_mask,
 )
@@ -426,19 +427,13 @@ class SGLangEngine:
             "group_name": self.group_name,
             "backend": self.weight_backend,
         }
-        try:
-            await self._control(
+        await replacing_stale(
+            lambda: self._control(
                 "init_weights_update_group", "InitWeightsUpdateGroupReqInput", **fields
-            )
-        except EngineError as exc:
-            if not any(marker in str(exc) for marker in STALE_GROUP):
-                raise
-            # a group of that name is left from a trainer that died: destroy it, join once more
-            with contextlib.suppress(EngineError):
-                await self.leave_weight_group()
-            await self._control(
-                "init_weights_update_group", "InitWeightsUpdateGroupReqInput", **fields
-            )
+            ),
+            self.leave_weight_group,
+            STALE_GROUP,
+        )
 
     async def begin_weight_update(self) -> None:
         """Open the weight-update session SGLang 0.5.23 requires around
@@ -450,15 +445,13 @@ class SGLangEngine:
         if self._session_open:
             with contextlib.suppress(EngineError):  # the begin below tells the truth
                 await self._end_session()
-        try:
-            await self._control("begin_weight_update", "BeginWeightUpdateReqInput", selector="all")
-        except EngineError as exc:
-            if STALE_SESSION not in str(exc):
-                raise
-            # another client's (a trainer that died mid-sync): end it, begin once more
-            with contextlib.suppress(EngineError):
-                await self._end_session()
-            await self._control("begin_weight_update", "BeginWeightUpdateReqInput", selector="all")
+        await replacing_stale(
+            lambda: self._control(
+                "begin_weight_update", "BeginWeightUpdateReqInput", selector="all"
+            ),
+            self._end_session,
+            (STALE_SESSION,),
+        )
         self._session_open = True
 
     async def _end_session(self) -> None:

@@ -92,7 +92,6 @@ import contextlib
 import math
 import os
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -120,8 +119,7 @@ from asyncflow_core.engines.enginekit import (
 )
 from asyncflow_core.engines.process import free_port
 from asyncflow_core.infra.httpclient import JsonClient
-from asyncflow_core.infra.platform import is_loopback_literal
-from asyncflow_core.sync.transports import GroupWire
+from asyncflow_core.sync.transports import GroupWire, off_loopback_refusal
 
 from .compat import (
     GREEDY_BELOW,
@@ -202,6 +200,22 @@ async def abort_until_done(
         await asyncio.wait(waits, timeout=0.05)
         for w in waits:
             w.cancel()
+
+
+async def replacing_stale(
+    call: Callable[[], Awaitable[Any]], undo: Callable[[], Awaitable[None]], stale: Sequence[str]
+) -> None:
+    """``call()``; refused because something a trainer that died left behind is in the way (the
+    refusal's message contains one of ``stale``: a weight group of that name, an open
+    weight-update session), ``undo()`` it (its own failure ignored) and ``call()`` once more."""
+    try:
+        await call()
+    except EngineError as exc:
+        if not any(marker in str(exc) for marker in stale):
+            raise
+        with contextlib.suppress(EngineError):
+            await undo()
+        await call()
 
 
 def loopback_sglang_sync(first: Any, engines: Sequence[Any]) -> WeightSync:
@@ -838,20 +852,11 @@ class SGLangHTTPEngine:
         alike = same_group_settings(self.who, engines)
         if alike is not None:
             return alike
-        remote = [
-            e.base_url
-            for e in engines
-            if not is_loopback_literal(urllib.parse.urlsplit(e.base_url).hostname or "")
-        ]
-        if remote:
-            return (
-                f"server(s) {remote} are not on loopback, and the job opens the trainer's side "
-                "of the weight group on loopback only; pass RLEngines(make_transport=lambda "
-                "engines: asyncflow_sglang.SGLangWeightSync(engines, master_address=<this "
-                "host's address on a network only the trainer and the servers share>, "
-                "master_port=<a free port>, backend=<the servers' weight_backend>))"
-            )
-        return None
+        return off_loopback_refusal(
+            engines,
+            "asyncflow_sglang.SGLangWeightSync(engines, master_address=..., master_port=<a free "
+            "port>, backend=<the servers' weight_backend>)",
+        )
 
     def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync:
         """``SGLangWeightSync`` into ``engines`` with the trainer's side on 127.0.0.1 at a free
@@ -909,15 +914,11 @@ class SGLangHTTPEngine:
             "group_name": self.group_name,
             "backend": self.weight_backend,
         }
-        try:
-            await self._control("/init_weights_update_group", body)
-        except EngineError as exc:
-            if not any(marker in str(exc) for marker in STALE_GROUP):
-                raise
-            # a group of that name is left from a trainer that died: destroy it, join once more
-            with contextlib.suppress(EngineError):
-                await self.leave_weight_group()
-            await self._control("/init_weights_update_group", body)
+        await replacing_stale(
+            lambda: self._control("/init_weights_update_group", body),
+            self.leave_weight_group,
+            STALE_GROUP,
+        )
 
     async def begin_weight_update(self) -> None:
         """Open SGLang's weight-update session: 0.5.23 refuses
@@ -931,15 +932,11 @@ class SGLangHTTPEngine:
         if self._session_open:
             with contextlib.suppress(EngineError):  # the begin below tells the truth
                 await self._end_session()
-        try:
-            await self._control("/begin_weight_update", {"selector": "all"})
-        except EngineError as exc:
-            if STALE_SESSION not in str(exc):
-                raise
-            # another client's (a trainer that died mid-sync): end it, begin once more
-            with contextlib.suppress(EngineError):
-                await self._end_session()
-            await self._control("/begin_weight_update", {"selector": "all"})
+        await replacing_stale(
+            lambda: self._control("/begin_weight_update", {"selector": "all"}),
+            self._end_session,
+            (STALE_SESSION,),
+        )
         self._session_open = True
 
     async def _end_session(self) -> None:

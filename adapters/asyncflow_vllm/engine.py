@@ -67,7 +67,6 @@ from asyncflow_core.contracts.protocols import (
     GenerationRequest,
     GenerationResult,
     Version,
-    WeightSync,
 )
 from asyncflow_core.engines.enginekit import (
     InFlight,
@@ -99,8 +98,7 @@ from asyncflow_vllm.compat import (
 )
 from asyncflow_vllm.weightsync import (
     WEIGHT_TRANSFER_BACKENDS,
-    loopback_vllm_sync,
-    own_transport_refusal,
+    OwnVLLMTransport,
     weight_transfer_backend,
 )
 from asyncflow_vllm.worker_ext import (
@@ -149,7 +147,7 @@ class VLLMTypes:
         )
 
 
-class VLLMEngine:
+class VLLMEngine(OwnVLLMTransport):
     """An ``InferenceEngine`` (+ ``SupportsPause``, ``SupportsSleep``,
     ``SupportsLoadWeights``, ``GroupReceiver``) over an ``AsyncLLM``.
 
@@ -343,19 +341,6 @@ class VLLMEngine:
     def tensor_load_refusal(self) -> str | None:
         """Why ``load_weights`` cannot take tensors here, or None (it can, or cannot tell)."""
         return extension_refusal(self.facts.extension)
-
-    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None:
-        """Why the RL job cannot sync ``engines`` (which refuse tensors) over a vLLM weight
-        group it opens itself, or None (``weightsync.own_transport_refusal``)."""
-        return own_transport_refusal(engines, servers=False)
-
-    def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync:
-        """``VLLMWeightSync`` into ``engines`` over this platform's vLLM group, the trainer's
-        side on 127.0.0.1: the RL job's default sync for engines that refuse tensors."""
-        refusal = self.own_transport_refusal(engines)
-        if refusal is not None:
-            raise ConfigError(f"{self.name}: {refusal}")
-        return loopback_vllm_sync(engines)
 
     async def refresh_version(self) -> Version:
         """Read the engine's version label (``get_weight_version``) into ``weight_version``."""

@@ -107,7 +107,6 @@ from asyncflow_core.contracts.protocols import (
     GenerationRequest,
     GenerationResult,
     Version,
-    WeightSync,
 )
 from asyncflow_core.engines.enginekit import (
     InFlight,
@@ -138,7 +137,7 @@ from asyncflow_vllm.compat import (
     check_vllm_version,
     packing_for,
 )
-from asyncflow_vllm.weightsync import loopback_vllm_sync, own_transport_refusal
+from asyncflow_vllm.weightsync import OwnVLLMTransport
 from asyncflow_vllm.worker_ext import LoadReport, extension_refusal, send_weights
 
 HTTP_PIECE_BYTES = 16 << 20
@@ -175,7 +174,7 @@ _PAUSED_MARK = "paused"  # vLLM's RequestError "Generation is paused..." (v1/eng
 _TOKEN_LABEL = re.compile(r"token_id:(\d+)", re.ASCII)  # 0.26's logprob "token" (serving.py)
 
 
-class VLLMHTTPEngine:
+class VLLMHTTPEngine(OwnVLLMTransport):
     """``InferenceEngine`` + ``SupportsPause`` + ``SupportsSleep`` + ``SupportsLoadWeights``
     + ``GroupReceiver`` over one ``vllm serve`` (``base_url``, e.g. ``http://127.0.0.1:8000``).
 
@@ -231,6 +230,8 @@ class VLLMHTTPEngine:
     checked (``check_request``) before anything is sent, so a rejected request changes
     nothing.
     """
+
+    _own_transport_servers: ClassVar[bool] = True  # OwnVLLMTransport: servers on loopback
 
     inflight_weight_load_refusal: ClassVar[str] = NO_INFLIGHT_LOAD
     """``RLConfig(weight_sync="inflight")`` is refused for this engine (see the reason)."""
@@ -391,19 +392,6 @@ class VLLMHTTPEngine:
                 "or pass weight_rpc=True if its port is reachable by the trainer only"
             )
         return None
-
-    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None:
-        """Why the RL job cannot sync ``engines`` (which refuse tensors) over a vLLM weight
-        group it opens itself, or None (``weightsync.own_transport_refusal``)."""
-        return own_transport_refusal(engines, servers=True)
-
-    def own_weight_transport(self, engines: Sequence[Any]) -> WeightSync:
-        """``VLLMWeightSync`` into ``engines`` over this platform's vLLM group, the trainer's
-        side on 127.0.0.1: the RL job's default sync for engines that refuse tensors."""
-        refusal = self.own_transport_refusal(engines)
-        if refusal is not None:
-            raise ConfigError(f"{self.name}: {refusal}")
-        return loopback_vllm_sync(engines)
 
     @property
     def asleep(self) -> bool:

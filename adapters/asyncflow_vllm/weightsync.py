@@ -31,7 +31,6 @@ from __future__ import annotations
 import abc
 import importlib
 import inspect
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -42,10 +41,14 @@ from asyncflow_core.infra.platform import (
     Platform,
     current_platform,
     get_platform,
-    is_loopback_literal,
     select_platform,
 )
-from asyncflow_core.sync.transports import EngineGroupWeightSync, GroupFactory, GroupReceiver
+from asyncflow_core.sync.transports import (
+    EngineGroupWeightSync,
+    GroupFactory,
+    GroupReceiver,
+    off_loopback_refusal,
+)
 from asyncflow_vllm.compat import INSTALL_ASCEND, require_vllm
 
 WEIGHT_TRANSFER_BACKENDS: dict[str, tuple[str, str | None]] = {
@@ -244,19 +247,10 @@ def own_transport_refusal(engines: Sequence[Any], *, servers: bool) -> str | Non
         if reason is not None:
             return f"{getattr(engine, 'name', type(engine).__name__)}: {reason}"
     if servers:
-        remote = [
-            e.base_url
-            for e in engines
-            if not is_loopback_literal(urllib.parse.urlsplit(e.base_url).hostname or "")
-        ]
-        if remote:
-            return (
-                f"server(s) {remote} are not on loopback, and the job opens the trainer's side "
-                "of the weight group on loopback only; pass RLEngines(make_transport=lambda "
-                "engines: asyncflow_vllm.VLLMWeightSync(engines, master_address=<this host's "
-                "address on a network only the trainer and the servers share>, "
-                "master_port=<a free port>))"
-            )
+        return off_loopback_refusal(
+            engines,
+            "asyncflow_vllm.VLLMWeightSync(engines, master_address=..., master_port=<a free port>)",
+        )
     return None
 
 
@@ -266,3 +260,22 @@ def loopback_vllm_sync(engines: Sequence[Any]) -> EngineGroupWeightSync:
     from asyncflow_core.engines.process import free_port
 
     return VLLMWeightSync(list(engines), master_address="127.0.0.1", master_port=free_port())
+
+
+class OwnVLLMTransport:
+    """``SupportsOwnTransport`` for the vLLM adapters: the RL job's default sync into engines
+    that refuse tensors (no worker extension) goes over this platform's vLLM group, the
+    trainer's side on 127.0.0.1 (``own_transport_refusal`` says where it cannot)."""
+
+    name: str
+    _own_transport_servers: ClassVar[bool] = False
+    """HTTP engines: every server must be on loopback as well."""
+
+    def own_transport_refusal(self, engines: Sequence[Any]) -> str | None:
+        return own_transport_refusal(engines, servers=self._own_transport_servers)
+
+    def own_weight_transport(self, engines: Sequence[Any]) -> EngineGroupWeightSync:
+        refusal = self.own_transport_refusal(engines)
+        if refusal is not None:
+            raise ConfigError(f"{self.name}: {refusal}")
+        return loopback_vllm_sync(engines)

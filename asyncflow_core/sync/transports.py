@@ -28,6 +28,7 @@ import os
 import queue
 import shutil
 import threading
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,12 @@ from asyncflow_core.contracts.protocols import (
     WeightSync,
     tensor_load_refusal,
 )
-from asyncflow_core.infra.platform import current_platform, platform_for_backend, rendezvous_store
+from asyncflow_core.infra.platform import (
+    current_platform,
+    is_loopback_literal,
+    platform_for_backend,
+    rendezvous_store,
+)
 
 Weights = list[tuple[str, torch.Tensor]]
 _VERSION_LIMIT = 1 << 63  # versions are int64 wherever they are stored
@@ -1695,6 +1701,27 @@ def own_transport_parts(
         else:
             takers.append(target)
     return takers, list(own.values())
+
+
+def off_loopback_refusal(engines: Sequence[Any], transport: str) -> str | None:
+    """Why the job cannot open a weight group into these HTTP engines by itself (some server,
+    by its ``base_url``, is not on loopback, and the job opens the trainer's side on loopback
+    only: secure by default), naming ``transport`` (the call that works, e.g.
+    ``"asyncflow_sglang.SGLangWeightSync(engines, master_address=..., ...)"``); None when all
+    are on loopback."""
+    remote = [
+        e.base_url
+        for e in engines
+        if not is_loopback_literal(urllib.parse.urlsplit(e.base_url).hostname or "")
+    ]
+    if not remote:
+        return None
+    return (
+        f"server(s) {remote} are not on loopback, and the job opens the trainer's side of the "
+        f"weight group on loopback only; pass RLEngines(make_transport=lambda engines: "
+        f"{transport}), with master_address this host's address on a network only the "
+        "trainer and the servers share"
+    )
 
 
 def own_transport_refusal(targets: Sequence[SupportsLoadWeights]) -> str | None:
