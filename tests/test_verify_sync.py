@@ -9,7 +9,7 @@ import asyncio
 import copy
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -331,6 +331,35 @@ def test_a_hung_verification_ends_in_a_named_error() -> None:
             cause = failed.value.__cause__
             assert isinstance(cause, SyncVerificationError)
             assert "verify_timeout_s=0.5" in str(cause) and "rollout engine 0" in str(cause)
+        finally:
+            await engine.close()
+            await trainer.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("layout", ["nested", "list"])
+def test_the_probe_hands_the_trainer_its_own_batch_layout(layout: str) -> None:
+    """The probe's batch comes through the store in the trainer's ``batch_layout``, as the
+    job's batches do."""
+
+    class Trainer(TorchTrainEngine):
+        batch_layout = layout
+        seen: ClassVar[list[Any]] = []
+
+        async def compute_logprobs(self, batch: Any) -> torch.Tensor:
+            self.seen.append(batch["response"])
+            return await super().compute_logprobs(batch)
+
+    async def main() -> None:
+        engine = TorchInferenceEngine(MODEL, max_batch=4, seed=0, threads=1)
+        trainer = Trainer(MODEL, seed=1, threads=1)
+        try:
+            await _synced(engine, trainer, 0)
+            report = await verify_engine(NoFingerprints(engine), trainer, 0, who="engine")
+            assert report.kind == "probe" and report.max_abs <= 1e-4
+            (response,) = Trainer.seen
+            assert isinstance(response, list) == (layout == "list")
         finally:
             await engine.close()
             await trainer.close()

@@ -37,11 +37,13 @@ from asyncflow_core.contracts.errors import ConfigError, WeightSyncError
 from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
+    Layout,
     SamplingParams,
     TrainEngine,
     Version,
 )
-from asyncflow_core.training.sampling import sampling_columns
+from asyncflow_core.data.store import InProcessDataStore
+from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 
 __all__ = [
     "PROBE_TOKENS",
@@ -244,22 +246,25 @@ def compare_fingerprints(
 # --------------------------------------------------------------------------------------------
 # The probe
 # --------------------------------------------------------------------------------------------
-def probe_batch(prompt: Sequence[int], tokens: Sequence[int]) -> Batch:
-    """The one-row ``Batch`` a trainer scores the probe with (greedy sampling fields)."""
-    columns = sampling_columns([SamplingParams(temperature=0.0)])
-    return Batch(
-        rows=(0,),
-        data={
-            "prompt": torch.tensor([list(prompt)], dtype=torch.int64),
-            "response": torch.tensor([list(tokens)], dtype=torch.int64),
-            "advantage": torch.zeros(1, dtype=torch.float32),
-            **{k: torch.stack(v) for k, v in columns.items()},
-        },
-        lengths={
-            "prompt": torch.tensor([len(prompt)], dtype=torch.int64),
-            "response": torch.tensor([len(tokens)], dtype=torch.int64),
+async def probe_batch(
+    prompt: Sequence[int], tokens: Sequence[int], layout: Layout = "padded"
+) -> Batch:
+    """The one-row ``Batch`` a trainer scores the probe with (greedy sampling fields), through
+    the store in the trainer's ``layout`` (its ``batch_layout``), as the job's batches come."""
+    store = InProcessDataStore()
+    fields = ["prompt", "response", "advantage", *SAMPLING_FIELDS]
+    await store.create_partition("probe", fields, tasks=["trainer"])
+    await store.put(
+        "probe",
+        {
+            "prompt": [torch.tensor(list(prompt), dtype=torch.long)],
+            "response": [torch.tensor(list(tokens), dtype=torch.long)],
+            "advantage": [torch.tensor(0.0)],
+            **sampling_columns([SamplingParams(temperature=0.0)]),
         },
     )
+    meta = await store.get_meta("probe", "trainer", fields, 1, timeout=60)
+    return await store.get_data(meta, layout=layout)
 
 
 async def _probe(
@@ -288,7 +293,8 @@ async def _probe(
             math.nan,
             math.nan,
         )
-    lp = await trainer.compute_logprobs(probe_batch(prompt, result.tokens))
+    layout: Layout = getattr(trainer, "batch_layout", "padded")
+    lp = await trainer.compute_logprobs(await probe_batch(prompt, result.tokens, layout))
     mine = lp[0, : len(result.tokens)].detach().to("cpu", torch.float64)
     reported = torch.tensor(result.logprobs, dtype=torch.float64)
     diff = (mine - reported).abs()
