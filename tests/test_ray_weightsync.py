@@ -109,3 +109,41 @@ def test_direct_sync_stages_then_applies_without_the_driver_holding_weights(
                 await engine.close()
 
     asyncio.run(body())
+
+
+def test_dropping_lost_engines_survives_the_job_taking_one_out_meanwhile() -> None:
+    """Found in a fresh CI run (a rollout actor killed while the job verified a sync): the job
+    takes a lost engine out of the sync (``engines = ...``) while ``_drop_lost`` is asking
+    the actors whether they live; the answers are matched with the engines asked (no
+    ``zip(strict=True)`` error) and the dead one is dropped."""
+    from asyncflow_core.contracts.errors import EngineLostError
+
+    release = asyncio.Event()
+    asked: list[str] = []
+    all_asked = asyncio.Event()
+
+    class Stub:
+        def __init__(self, name: str, dead: bool) -> None:
+            self.name, self.dead = name, dead
+
+        async def refresh_version(self) -> int:
+            asked.append(self.name)
+            if len(asked) == 3:
+                all_asked.set()
+            await release.wait()
+            if self.dead:
+                raise EngineLostError(f"{self.name} is gone")
+            return 0
+
+    async def main() -> None:
+        live, dead, other = Stub("r0", False), Stub("r1", True), Stub("r2", False)
+        sync = object.__new__(RayDirectWeightSync)
+        sync._engines = [live, dead, other]  # type: ignore[list-item]
+        asking = asyncio.ensure_future(sync._drop_lost())
+        await all_asked.wait()  # the actors are being asked
+        sync.engines = [live, dead]  # the job took r2 out meanwhile
+        release.set()
+        assert await asking is True
+        assert sync.engines == [live]
+
+    asyncio.run(main())

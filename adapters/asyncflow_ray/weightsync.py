@@ -390,12 +390,15 @@ class RayDirectWeightSync:
                 return dead
 
     async def _drop_lost(self) -> bool:
-        """Take out the engines that are gone; whether any was."""
-        answers = await asyncio.gather(*(_alive(e) for e in self._engines))
-        live = [e for e, ok in zip(self._engines, answers, strict=True) if ok]
-        if len(live) == len(self._engines):
+        """Take out the engines that are gone; whether any was. The job may take an engine
+        out (``engines = ...``) while the actors are asked, so the answers are matched with
+        the engines they were asked of, not with the list as it is afterwards."""
+        asked = list(self._engines)
+        answers = await asyncio.gather(*(_alive(e) for e in asked))
+        dead = [e for e, ok in zip(asked, answers, strict=True) if not ok]
+        if not dead:
             return False
-        self._engines = live
+        self._engines = [e for e in self._engines if e not in dead]
         return True
 
 
