@@ -72,6 +72,7 @@ from .http import (
     _Flight,
     abort_until_done,
     check_idle_for_sleep,
+    join_fields,
     loopback_sglang_sync,
     mark_aborted,
     read_output,
@@ -419,14 +420,7 @@ class SGLangEngine:
         refusal = data_parallel_refusal(self.who, getattr(args, "dp_size", 1))
         if refusal is not None:
             raise EngineError(refusal)
-        fields = {
-            "master_address": master_address,
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": self.group_name,
-            "backend": self.weight_backend,
-        }
+        fields = join_fields(self, master_address, master_port, rank_offset, world_size)
         await replacing_stale(
             lambda: self._control(
                 "init_weights_update_group", "InitWeightsUpdateGroupReqInput", **fields

@@ -202,6 +202,20 @@ async def abort_until_done(
             w.cancel()
 
 
+def join_fields(
+    engine: Any, master_address: str, master_port: int, rank_offset: int, world_size: int
+) -> dict[str, Any]:
+    """``InitWeightsUpdateGroupReqInput``'s fields (io_struct.py) for ``engine``'s group."""
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": engine.group_name,
+        "backend": engine.weight_backend,
+    }
+
+
 async def replacing_stale(
     call: Callable[[], Awaitable[Any]], undo: Callable[[], Awaitable[None]], stale: Sequence[str]
 ) -> None:
@@ -906,14 +920,7 @@ class SGLangHTTPEngine:
     ) -> None:
         await self.connect()
         self._check_ranks()
-        body = {
-            "master_address": master_address,
-            "master_port": int(master_port),
-            "rank_offset": int(rank_offset),
-            "world_size": int(world_size),
-            "group_name": self.group_name,
-            "backend": self.weight_backend,
-        }
+        body = join_fields(self, master_address, master_port, rank_offset, world_size)
         await replacing_stale(
             lambda: self._control("/init_weights_update_group", body),
             self.leave_weight_group,

@@ -1756,10 +1756,12 @@ class RLJob:
         taken out as in a sync."""
         cfg = self.config
         t0 = self._now()
+        prints: dict[Any, Any] = {}  # the trainer's fingerprints, hashed once for all engines
         for name, engine in self._live():
             who = f"rollout engine {name} ({type(engine).__name__})"
             check = verify_engine(
                 engine, self.engines.trainer, version, who=who, bucket_bytes=cfg.bucket_bytes,
+                trainer_prints=prints,
                 probe_prompt=self._probe_prompt or (1, 2, 3, 4),
                 mean_atol=cfg.verify_logprob_atol, max_atol=cfg.verify_logprob_max_atol,
             )  # fmt: skip

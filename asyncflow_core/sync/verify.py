@@ -331,6 +331,7 @@ async def verify_engine(
     mean_atol: float = 1e-3,
     max_atol: float = 1e-2,
     kind: Literal["auto", "fingerprint", "probe"] = "auto",
+    trainer_prints: dict[Any, dict[str, TensorFingerprint]] | None = None,
 ) -> VerifyReport:
     """Prove that ``engine`` holds ``trainer``'s weights for ``version`` (the trainer must be
     at that version now, the engine must have swapped to it): by fingerprint where the engine
@@ -338,7 +339,9 @@ async def verify_engine(
     ``who``, the version and the first differences; returns the report otherwise. A trainer
     or engine that refuses verification (``verification_refusal``: the simulator's), or a
     trainer exporting meta tensors, is skipped, with the reason. Only the fingerprint check
-    exports the trainer's weights (to this process); the probe needs its log-probs only."""
+    exports the trainer's weights (to this process); the probe needs its log-probs only.
+    ``trainer_prints``: a dict kept across the engines of one verification, so the trainer's
+    weights are exported and hashed once per set of engine dtypes, not once per engine."""
     t0 = time.perf_counter()
     refusal = verification_refusal(engine) or verification_refusal(trainer)
     if refusal is not None:
@@ -351,8 +354,14 @@ async def verify_engine(
     if use_fingerprints and kind != "probe":
         held = dict(await engine.weight_fingerprints())
         dtypes = {n: fp.dtype for n, fp in held.items() if fp.alias_of is None}
+        key = frozenset(dtypes.items())  # engines holding the same dtypes share one export
         try:
-            sent = await trainer_fingerprints(trainer, bucket_bytes, dtypes)
+            if trainer_prints is not None and key in trainer_prints:
+                sent = trainer_prints[key]
+            else:
+                sent = await trainer_fingerprints(trainer, bucket_bytes, dtypes)
+                if trainer_prints is not None:
+                    trainer_prints[key] = sent
         except _MetaTensor:
             return VerifyReport(
                 who, version, "skipped", 0, time.perf_counter() - t0,
