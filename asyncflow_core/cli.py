@@ -110,6 +110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(--set may change rl.steps, eval_prompts, threads, checkpoint.*, rollout.engines, "
         "rollout.max_batch, train.process, runtime.*)",
     )  # fmt: skip
+    run.add_argument(
+        "--trust-checkpoints", action="store_true",
+        help="with --resume: accept checkpoints not signed with your checkpoint key (a run "
+        "folder copied from another machine or user that you trust); their files are still "
+        "checked against their manifests",
+    )  # fmt: skip
     run.add_argument("--keys", action="store_true", help="list every config key and exit")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument(

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from asyncflow_reference.model import ModelConfig, TransformerLM
 from asyncflow_core.contracts.errors import CheckpointError, ConfigError
 from asyncflow_core.contracts.protocols import SamplingParams
 from asyncflow_core.flow.rlflow import JobState, RLConfig, RLEngines, RLJob
-from asyncflow_core.infra.checkpoint import Checkpoints, _parse
+from asyncflow_core.infra.checkpoint import MANIFEST_FILE, Checkpoints, _parse
 from asyncflow_core.observability import trace as tracing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,10 +70,62 @@ def test_checkpoints_are_atomic_and_bounded(tmp_path: Path) -> None:
     _write(ckpts, 8)
     assert [s for s, _ in ckpts.list()] == [6, 8]  # keep=2: step 3 removed
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-00000006", "step-00000008"]
-    assert _write(ckpts, 8, "other") == ckpts.path(8)  # an existing step is kept as it is
-    assert (ckpts.path(8) / "a.txt").read_text() == "x"
+    # a checkpoint of a step that has one replaces it whole (its files are never reused)
+    assert _write(ckpts, 8, "other") == ckpts.path(8)
+    assert (ckpts.path(8) / "a.txt").read_text() == "other"
+    assert ckpts.verify(ckpts.path(8))["step"] == 8
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["step-00000006", "step-00000008"]
     with pytest.raises(ConfigError, match="keep"):
         Checkpoints(tmp_path, keep=0)
+
+
+def test_rotation_never_removes_the_checkpoint_just_written(tmp_path: Path) -> None:
+    """A folder holding higher steps than the one written (another run's, say): keep=1 keeps
+    the new one, not the old run's newest."""
+    ckpts = Checkpoints(tmp_path / "c", keep=1)
+    _write(ckpts, 120)
+    assert _write(ckpts, 10) == ckpts.path(10)
+    assert ckpts.path(10).is_dir()
+
+
+def test_every_checkpoint_is_verified_against_its_signed_manifest(tmp_path: Path) -> None:
+    """A flipped byte, a truncated, missing or added file, an edited manifest: each fails
+    ``verify`` naming the file, and ``intact`` falls back to the newest good checkpoint;
+    ``trust`` skips only the signature."""
+    ckpts = Checkpoints(tmp_path / "c", keep=5, identity={"seed": 3})
+    for step in (1, 2):
+        _write(ckpts, step)
+    assert ckpts.verify(ckpts.path(2)) == {
+        "format": "asyncflow-checkpoint/1", "step": 2, "identity": {"seed": 3},
+    }  # fmt: skip
+    newest = ckpts.path(2)
+
+    def damaged(change: Callable[[], object], match: str) -> None:
+        change()
+        with pytest.raises(CheckpointError, match=match):
+            ckpts.verify(newest)
+        folder, bad = ckpts.intact()
+        assert folder == ckpts.path(1) and [b for b, _ in bad] == [newest]
+
+    a, b = newest / "a.txt", newest / "sub" / "b.txt"
+    damaged(lambda: a.write_text("y"), "a.txt differs")  # same size, other bytes
+    a.write_text("x")
+    damaged(lambda: b.write_text(""), "sub/b.txt is not the size")
+    b.write_text("x")
+    damaged(b.unlink, r"missing: \['sub/b.txt'\]")
+    b.write_text("x")
+    damaged(lambda: (newest / "c.txt").write_text("new"), r"not listed: \['c.txt'\]")
+    (newest / "c.txt").unlink()
+    manifest = newest / MANIFEST_FILE
+    text = manifest.read_text()
+    edited = text.replace('"seed": 3', '"seed": 4')
+    assert edited != text
+    damaged(lambda: manifest.write_text(edited), "not signed with your checkpoint key")
+    assert Checkpoints(tmp_path / "c", trust=True).verify(newest)["identity"] == {"seed": 4}
+    manifest.write_text(text)
+    assert ckpts.intact() == (newest, [])
+    aside = ckpts.set_aside(newest)
+    assert aside.name == "step-00000002.damaged" and ckpts.latest() == ckpts.path(1)
 
 
 def test_failpoint_spec_is_checked() -> None:
@@ -193,7 +246,7 @@ def _check_finished(run: Path, steps: int = STEPS, resumed: bool = True) -> None
     if resumed:
         assert summary["extra"]["resumed_at"]
     # the checkpoint's trace, kept in segments (one written per checkpoint, the earlier ones
-    # linked), is the beginning of the run's whole trace
+    # copied), is the beginning of the run's whole trace
     segments = json.loads((last / "run.json").read_text())["trace_segments"]
     assert segments == [f"trace-{i:04d}.json.gz" for i in range(len(segments))]
     held = tracing.load(*(last / name for name in segments)).spans
@@ -202,10 +255,11 @@ def _check_finished(run: Path, steps: int = STEPS, resumed: bool = True) -> None
     assert [(s.kind, s.name, s.start, s.end) for s in held] == key[: len(held)]
     assert sum(s.kind == "task" and s.name == "actor_update" for s in held) == steps
     listed = Checkpoints(run / "checkpoints").list()
-    if len(listed) > 1:  # the previous checkpoint's segments are the same files, linked
-        previous = listed[-2][1]
+    if len(listed) > 1:  # the previous checkpoint's segments: the same bytes, copies
+        previous = listed[-2][1]  # (not links: damage to one leaves the other whole)
         for name in json.loads((previous / "run.json").read_text())["trace_segments"]:
-            assert (previous / name).stat().st_ino == (last / name).stat().st_ino
+            assert (previous / name).stat().st_ino != (last / name).stat().st_ino
+            assert (previous / name).read_bytes() == (last / name).read_bytes()
 
 
 def _check_resumable(run: Path) -> JobState:
@@ -289,7 +343,18 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
     assert len(lines) >= state.version
     # a short resume: only rl.steps (here: stop soon) and other RESUME_KEYS may change
     refused = _cli("--resume", str(run), "--set", "seed=3")
-    assert refused.returncode == 2 and "seed cannot change on resume" in refused.stderr
+    assert refused.returncode == 2 and "seed (0 -> 3) cannot change on resume" in refused.stderr
+    # an edited config.toml is compared with the checkpoint's own (signed) config, not itself
+    config = run / "config.toml"
+    text = config.read_text()
+    for edit, named in (("seed = 0", "seed = 5"), ("lr = 0.002", "lr = 0.5")):
+        assert edit in text, edit
+        config.write_text(text.replace(edit, named, 1))
+        edited = _cli("--resume", str(run), "--quiet")
+        assert edited.returncode == 2, edited.stderr
+        key = "seed (0 -> 5)" if edit.startswith("seed") else "train.lr (0.002 -> 0.5)"
+        assert key in edited.stderr and "not changeable on resume" in edited.stderr
+    config.write_text(text)
     done = _cli("--resume", str(run), "--set", f"rl.steps={state.version + 2}", "--quiet")
     assert done.returncode == 0, done.stderr
     summary = json.loads((run / "summary.json").read_text())

@@ -691,25 +691,37 @@ def sign_manifest(
     return {**body, _MAC: _mac(key, body)}
 
 
+_UNPICKLES = "Its loader unpickles its files, which can run code, so AsyncFlow loads only"
+
+
 def read_signed_manifest(
-    folder: Path, *, manifest: str, who: str, trust: bool, opt_in: str
+    folder: Path,
+    *,
+    manifest: str,
+    who: str,
+    trust: bool,
+    opt_in: str,
+    why_signed: str = _UNPICKLES,
 ) -> dict[str, Any]:
     """The meta of the checkpoint in ``folder`` (its manifest without ``files`` and the MAC),
-    after checking, unless ``trust``, that the manifest is signed with this user's key and
-    that the folder holds exactly its files, each of its size and sha256. Nothing else in
-    the folder is opened. ``CheckpointRefusedError`` (naming ``opt_in``, the way to load a
-    checkpoint one trusts) when the check fails; ``CheckpointError`` when there is no such
-    folder or the manifest is not JSON."""
+    after checking, unless ``trust``, that the manifest is signed with this user's key, and
+    (trusted too, where the manifest lists its files) that the folder holds exactly its
+    files, each of its size and sha256. Nothing else in the folder is opened.
+    ``CheckpointRefusedError`` (naming ``opt_in``, the way to load a checkpoint one trusts;
+    ``why_signed``: the start of the sentence saying why only signed ones load) when the
+    check fails; ``CheckpointError`` when there is no such folder, the manifest is not
+    JSON, or a trusted checkpoint's files differ from its manifest."""
     where = f"{who}: checkpoint {str(folder)!r}"
     if not folder.is_dir():
         raise CheckpointError(f"{where} is not readable (no such folder)")
 
-    def refuse(why: str) -> CheckpointRefusedError:
+    def refuse(why: str) -> CheckpointError:
+        if trust:  # only the files are checked: they are not what was written
+            return CheckpointError(f"{where} is damaged: {why}")
         return CheckpointRefusedError(
-            f"{where} is refused: {why}. Its loader unpickles its files, which can run code, so "
-            f"AsyncFlow loads only checkpoints it wrote and signed with your checkpoint key "
-            f"(${CHECKPOINT_KEY_ENV} or {checkpoint_key_file()}; SECURITY.md). If you trust "
-            f"this checkpoint, load it with {opt_in}"
+            f"{where} is refused: {why}. {why_signed} checkpoints it wrote and signed with "
+            f"your checkpoint key (${CHECKPOINT_KEY_ENV} or {checkpoint_key_file()}; "
+            f"SECURITY.md). If you trust this checkpoint, load it with {opt_in}"
         )
 
     try:
@@ -731,23 +743,24 @@ def read_signed_manifest(
             raise CheckpointError(f"{where}: {manifest} holds a {type(data).__name__}")
         raise refuse(f"its manifest {manifest} is not a JSON object")
     meta = {k: v for k, v in data.items() if k not in (_FILES, _MAC)}
-    if trust:
-        return meta
-    key = checkpoint_key(who=who, create=False)
-    if key is None:
-        raise refuse(
-            f"there is no checkpoint key here (${CHECKPOINT_KEY_ENV} is unset and "
-            f"{checkpoint_key_file()} does not exist), so no checkpoint was signed here"
-        )
-    mac = data.get(_MAC)
-    body = {k: v for k, v in data.items() if k != _MAC}
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, body)):
-        raise refuse(
-            "its manifest is not signed with your checkpoint key (another user or "
-            "machine wrote it, or it was edited)"
-        )
+    if not trust:
+        key = checkpoint_key(who=who, create=False)
+        if key is None:
+            raise refuse(
+                f"there is no checkpoint key here (${CHECKPOINT_KEY_ENV} is unset and "
+                f"{checkpoint_key_file()} does not exist), so no checkpoint was signed here"
+            )
+        mac = data.get(_MAC)
+        body = {k: v for k, v in data.items() if k != _MAC}
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _mac(key, body)):
+            raise refuse(
+                "its manifest is not signed with your checkpoint key (another user or "
+                "machine wrote it, or it was edited)"
+            )
     files = data.get(_FILES)
     if not isinstance(files, dict):
+        if trust:  # trusted but unlisted: nothing to check the files against
+            return meta
         raise refuse("its manifest lists no files")
     present = _folder_files(folder, manifest)
     extra = sorted(set(present) - set(files))

@@ -525,7 +525,34 @@ class JobState:
                 f"{str(path)!r} is inconsistent: version {state.version}, origin "
                 f"{state.origin}, {len(state.steps)} step records, fed {state.fed}"
             )
+        why = state._contradiction()
+        if why:
+            raise CheckpointError(
+                f"{str(path)!r} contradicts its own step records: {why}; the checkpoint is "
+                "damaged or was edited (resume from an older one)"
+            )
         return state
+
+    def _contradiction(self) -> str:
+        """Why the counters disagree with the step records ('' when they agree): the steps'
+        versions are ``origin + 1 .. version`` in order; every group trained or pending was
+        fed (group ids are ``0 .. fed - 1``), none is pending and trained, none pending twice."""
+        versions = [s.version for s in self.steps]
+        if versions != list(range(self.origin + 1, self.version + 1)):
+            return f"step versions {versions[:5]}... are not {self.origin + 1}..{self.version}"
+        trained = {g for s in self.steps for g in s.groups}
+        pending = [g for g, _ in self.pending]
+        unfed = sorted(
+            g for g in trained.union(pending) if isinstance(g, int) and not 0 <= g < self.fed
+        )
+        if unfed:
+            return f"groups {unfed[:5]} were trained or pending, but fed is {self.fed}"
+        both = sorted(trained.intersection(pending), key=str)
+        if both:
+            return f"groups {both[:5]} are both trained and pending"
+        if len(set(pending)) != len(pending):
+            return "a pending group is listed twice"
+        return ""
 
 
 def _jsonable_prompt(prompt: object, group: int | str) -> Any:

@@ -12,6 +12,16 @@ temporary folders of a crashed write are removed by the next ``write`` (and igno
 trainer's own files (``TrainEngine.save_checkpoint``) under ``trainer/`` and the job's state
 in ``job.json`` (``asyncflow_core.flow.rlflow``).
 
+**Manifests.** Every checkpoint ends with ``manifest.json``, written last, before the rename:
+each file's size and sha256, the ``identity`` the owner gives (the main job: its config hash,
+workload and seed) and an HMAC-SHA256 over it all with this user's checkpoint key (the
+signed manifest the DeepSpeed trainer writes too: ``sign_manifest`` in
+``asyncflow_core.engines.lmtrain``; SECURITY.md). ``verify(folder)`` checks it (a flipped
+byte, a truncated or missing file, a file added, an edit without the key: ``CheckpointError``)
+and ``intact()`` finds the newest checkpoint that passes, with the reasons the newer ones
+failed. A checkpoint of a step that already has one replaces it (never reuses its files),
+and rotation never removes the checkpoint just written.
+
 **Failpoints** (``failpoint(name)``): a point in the code where, when the environment variable
 ``ASYNCFLOW_FAILPOINTS`` names it (``name=K``, comma-separated for several), the process kills
 itself with SIGKILL the K-th time it gets there: no ``finally``, no flush, exactly what a
@@ -29,15 +39,19 @@ actors of a local cluster started after it was set).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
+import errno
+import json
 import os
 import re
 import shutil
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
-from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.errors import CheckpointError, ConfigError
 
 FAILPOINTS_ENV = "ASYNCFLOW_FAILPOINTS"
 FAILPOINTS_ONCE_ENV = "ASYNCFLOW_FAILPOINTS_ONCE"
@@ -46,12 +60,20 @@ _TMP = ".tmp-"
 _NAME = re.compile(r"^step-(\d{8,})$")
 
 
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "asyncflow-checkpoint/1"
+TRUST_OPT_IN = "asyncflow run --trust-checkpoints, or Checkpoints(..., trust=True)"
+_DAMAGED = ".damaged"
+
+
 class Checkpoints:
     """Numbered checkpoint folders under ``root`` (``step-NNNNNNNN``), written atomically,
-    at most ``keep`` of them kept (the oldest removed after a newer one is complete).
-    ``extra(folder)``, if given, adds files of its own to every checkpoint (run in a worker
-    thread, after the writer's files and before the rename), e.g. a run's trace and RNG
-    states."""
+    at most ``keep`` of them kept (the oldest removed after a newer one is complete), each
+    with a signed manifest of its files (module docstring). ``extra(folder)``, if given,
+    adds files of its own to every checkpoint (run in a worker thread, after the writer's
+    files and before the rename), e.g. a run's trace and RNG states. ``identity``: JSON
+    values the manifest records (what run wrote it). ``trust``: ``verify`` skips the
+    signature (a checkpoint from another machine or user), still checking every file."""
 
     def __init__(
         self,
@@ -59,12 +81,16 @@ class Checkpoints:
         *,
         keep: int = 3,
         extra: Callable[[Path], None] | None = None,
+        identity: Mapping[str, Any] | None = None,
+        trust: bool = False,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"Checkpoints: keep must be an int >= 1, got {keep!r}")
         self.root = Path(root)
         self.keep = keep
         self.extra = extra
+        self.identity = dict(identity or {})
+        self.trust = trust
 
     def __repr__(self) -> str:
         return f"Checkpoints({str(self.root)!r}, keep={self.keep})"
@@ -91,12 +117,16 @@ class Checkpoints:
 
     async def write(self, step: int, fill: Callable[[Path], Awaitable[None]]) -> Path:
         """Write the checkpoint of ``step``: ``await fill(folder)`` writes its files into a
-        temporary folder, which is flushed to disk and renamed into place; then the oldest
-        checkpoints beyond ``keep`` are removed. A checkpoint of ``step`` that is already
-        complete is kept as it is (``fill`` is not called). Returns the folder."""
+        temporary folder, the manifest is added, everything is flushed to disk and the
+        folder renamed into place; then the oldest checkpoints beyond ``keep`` are removed
+        (never this one). A checkpoint of ``step`` already there is replaced by the new one
+        once it is complete. Returns the folder. A write that fails on a full disk raises
+        ``DiskFullError`` naming the folder."""
+        from asyncflow_core.engines.lmtrain import checkpoint_key
+
+        key = checkpoint_key(who="Checkpoints", create=True)
+        assert key is not None  # create=True makes one
         final = self.path(step)
-        if final.is_dir():
-            return final
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_leftovers()
         tmp = self.root / f"{_TMP}{_PREFIX}{step:08d}-{os.getpid()}"
@@ -107,21 +137,130 @@ class Checkpoints:
             await fill(tmp)
             if self.extra is not None:
                 await asyncio.to_thread(self.extra, tmp)
+            await asyncio.to_thread(self._sign, tmp, step, key)
             failpoint("checkpoint.write")
             _fsync_tree(tmp)
-            os.rename(tmp, final)
+            if final.exists():  # moved aside (as a leftover the next write removes), then gone
+                aside = self.root / f"{_TMP}replaced-{_PREFIX}{step:08d}-{os.getpid()}"
+                os.rename(final, aside)
+                os.rename(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
             _fsync_dir(self.root)
-        except BaseException:
+        except BaseException as exc:
+            full = _disk_full(self.root, exc)
             shutil.rmtree(tmp, ignore_errors=True)
+            if full is not None:
+                raise DiskFullError(
+                    f"cannot write the checkpoint of step {step} in {str(self.root)!r}: the "
+                    f"disk is full ({full}); free space there (or give the run a folder on "
+                    "another disk) and resume from the newest checkpoint"
+                ) from exc
             raise
         for _, old in self.list()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def _sign(self, folder: Path, step: int, key: bytes) -> None:
+        from asyncflow_core.engines.lmtrain import sign_manifest
+
+        meta = {"format": MANIFEST_FORMAT, "step": step, "identity": self.identity}
+        manifest = sign_manifest(folder, meta, key, manifest=MANIFEST_FILE)
+        (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+    def verify(self, folder: str | Path) -> dict[str, Any]:
+        """The manifest's meta (``format``, ``step``, ``identity``) of checkpoint ``folder``
+        after checking that it is signed with this user's checkpoint key (unless ``trust``)
+        and that the folder holds exactly the files it lists, each of its size and sha256;
+        ``CheckpointError`` (``CheckpointRefusedError`` for a signature or file check)
+        naming what differs."""
+        from asyncflow_core.engines.lmtrain import read_signed_manifest
+
+        meta = read_signed_manifest(
+            Path(folder), manifest=MANIFEST_FILE, who="checkpoints", trust=self.trust,
+            opt_in=TRUST_OPT_IN,
+            why_signed="A checkpoint's files decide what the run trains next, so AsyncFlow "
+            "resumes only",
+        )  # fmt: skip
+        if meta.get("format") != MANIFEST_FORMAT:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r}: its {MANIFEST_FILE} has format "
+                f"{meta.get('format')!r}, expected {MANIFEST_FORMAT!r}"
+            )
+        return meta
+
+    def intact(
+        self, check: Callable[[Path, dict[str, Any]], None] | None = None
+    ) -> tuple[Path | None, builtins.list[tuple[Path, str]]]:
+        """The newest checkpoint that ``verify`` passes (and ``check(folder, meta)``, the
+        owner's own reading of it, does not raise ``CheckpointError`` or ``ConfigError``),
+        and every newer one that failed, newest first, with why."""
+        bad: builtins.list[tuple[Path, str]] = []
+        for _, folder in reversed(self.list()):
+            try:
+                meta = self.verify(folder)
+                if check is not None:
+                    check(folder, meta)
+            except (CheckpointError, ConfigError) as e:
+                bad.append((folder, str(e)))
+                continue
+            return folder, bad
+        return None, bad
+
+    def set_aside(self, folder: Path) -> Path:
+        """Rename a damaged checkpoint out of the numbered ones (``step-N.damaged``, kept for
+        a look; nothing reads it again); returns its new path."""
+        target = folder.with_name(folder.name + _DAMAGED)
+        n = 1
+        while target.exists():
+            n += 1
+            target = folder.with_name(f"{folder.name}{_DAMAGED}-{n}")
+        os.rename(folder, target)
+        return target
 
     def _remove_leftovers(self) -> None:
         for entry in self.root.iterdir():
             if entry.name.startswith(_TMP):
                 shutil.rmtree(entry, ignore_errors=True)
+
+
+class FolderError(OSError):
+    """A folder the job must write cannot be written (read-only, not permitted, full): the
+    environment, not the input, is at fault. Its message (``str``) names the folder and
+    what to do; ``errno`` is the system's."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class DiskFullError(FolderError):
+    """A write that failed because its disk (or quota) is full; the message names the folder."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+
+_FULL_BELOW = 1 << 20  # bytes free under which a failed write is put down to a full disk
+
+
+def _disk_full(folder: Path, exc: BaseException) -> str | None:
+    """Why ``exc``, raised while writing into ``folder``, means its disk is full (an
+    ``ENOSPC`` / ``EDQUOT`` anywhere in its chain, or torch's writer failing with under 1 MiB
+    left there: ``torch.save`` says only "unexpected pos"); None otherwise."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return seen.strerror or "no space left"
+        seen = seen.__cause__ or seen.__context__
+    if not isinstance(exc, Exception):
+        return None
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    return f"{free} bytes free" if free < _FULL_BELOW else None
 
 
 def _fsync_tree(root: Path) -> None:
@@ -184,4 +323,12 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["FAILPOINTS_ENV", "FAILPOINTS_ONCE_ENV", "Checkpoints", "failpoint"]
+__all__ = [
+    "FAILPOINTS_ENV",
+    "FAILPOINTS_ONCE_ENV",
+    "MANIFEST_FILE",
+    "Checkpoints",
+    "DiskFullError",
+    "FolderError",
+    "failpoint",
+]

@@ -1,35 +1,51 @@
 """``asyncflow run``: read the config (``load_run_config``), print what runs, show progress,
 run (``asyncflow_core.job.run.run``), print the summary; ``--resume`` continues a run folder
-and SIGTERM writes a checkpoint first. Exit status: 0 done (or stopped on SIGTERM, with a
-checkpoint), 1 the run stopped on a failure, 2 a bad config or input."""
+and SIGTERM writes a checkpoint first.
+
+Exit status (every failure ends in one message naming the file or setting and what to do;
+the README's failure table lists them, each row a test in ``tests/test_failure_table.py``):
+
+- ``0`` done, or stopped on SIGTERM with a checkpoint;
+- ``1`` the run stopped on a failure of the run itself (a lost trainer, a reward failing on
+  every row, an engine error): the message names the newest checkpoint to resume from;
+- ``2`` bad input: a config, a run folder or checkpoint that cannot be used as given;
+- ``3`` the environment: a folder that cannot be written (read-only, not permitted, a full
+  disk), an engine build left half done;
+- ``4`` a bug: anything else, with its traceback and a request to report it."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncflow_core.contracts.errors import CheckpointError, ConfigError, TaskFailedError
+from asyncflow_core.contracts.errors import AsyncFlowError, CheckpointError, ConfigError
 from asyncflow_core.flow.config import keys, load_config
-from asyncflow_core.infra.checkpoint import Checkpoints
+from asyncflow_core.infra.checkpoint import Checkpoints, FolderError
 from asyncflow_core.job.config import RESUME_KEYS, RETIRED, RunConfig, load_run_config
 from asyncflow_core.job.report import StepProgress, format_summary
-from asyncflow_core.job.run import RunPreempted, resume_point, run
+from asyncflow_core.job.run import (
+    RunPreempted,
+    changed_keys,
+    check_run_folder,
+    config_value,
+    refuse_other_run,
+    resume_point,
+    run,
+)
 
-
-def _config_value(cfg: RunConfig, key: str) -> Any:
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_ENVIRONMENT, EXIT_BUG = 0, 1, 2, 3, 4
 
 
 def _resume_config(run_dir: Path, sets: Sequence[str]) -> RunConfig:
-    """The config of the run in ``run_dir`` with ``sets`` applied, refusing any change of a
-    key outside ``RESUME_KEYS``."""
+    """The config of the run in ``run_dir`` with ``sets`` applied, refusing a ``--set`` of a
+    key outside ``RESUME_KEYS`` (the checkpoint's own config is compared with it later:
+    ``resume_point``)."""
     saved = run_dir / "config.toml"
     if not saved.is_file():
         raise ConfigError(
@@ -38,14 +54,43 @@ def _resume_config(run_dir: Path, sets: Sequence[str]) -> RunConfig:
         )
     base = load_run_config(saved)
     cfg = load_config(type(base), saved, sets, retired=RETIRED)  # the run's workload's class
-    changed = [k for k in keys(cfg) if _config_value(cfg, k) != _config_value(base, k)]
-    refused = [k for k in changed if k not in RESUME_KEYS]
+    refused = changed_keys(cfg, base)
     if refused:
         raise ConfigError(
-            f"--resume: {', '.join(refused)} cannot change on resume (the checkpoint was "
+            f"--resume: {'; '.join(refused)} cannot change on resume (the checkpoint was "
             f"trained with the run's value); these may: {', '.join(RESUME_KEYS)}"
         )
     return cfg
+
+
+def _environment(exc: BaseException) -> OSError | None:
+    """The ``OSError`` in ``exc``'s chain that a run cannot get past by itself (a folder it
+    cannot write, a full disk, no permission), if any: the environment's fault."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FolderError):
+            return seen
+        if isinstance(seen, OSError) and seen.errno in _ENVIRONMENT_ERRNOS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+_ENVIRONMENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+)
+
+
+def _say_environment(error: OSError, out: Path) -> int:
+    if isinstance(error, FolderError):
+        what = str(error)
+    else:
+        where = f"{error.filename}" if error.filename else str(out)
+        what = f"cannot write {where}: {error.strerror or error}"
+    latest = Checkpoints(out / "checkpoints").latest() if out.is_dir() else None
+    then = f"; then continue with asyncflow run --resume {out}" if latest is not None else ""
+    print(f"asyncflow run: {what}{then}", file=sys.stderr)
+    return EXIT_ENVIRONMENT
 
 
 def main_job(args: Any) -> int:
@@ -58,7 +103,7 @@ def main_job(args: Any) -> int:
             return 2
         print(f"# workload {cfg.workload_name()} ({type(cfg).__name__})")
         for key in keys(cfg):
-            print(f"{key} = {_config_value(cfg, key)!r}")
+            print(f"{key} = {config_value(cfg, key)!r}")
         return 0
     resume = getattr(args, "resume", None)
     try:
@@ -75,13 +120,19 @@ def main_job(args: Any) -> int:
         else:
             cfg = load_run_config(args.config, sets)
         cfg.validate()
+        if resume:
+            out = Path(resume)
+        else:
+            out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+            refuse_other_run(out)
     except ConfigError as e:
         print(f"asyncflow run: {e}", file=sys.stderr)
-        return 2
-    if resume:
-        out = Path(resume)
-    else:
-        out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        return EXIT_INPUT
+    try:
+        check_run_folder(out)  # before any start-up work
+    except OSError as e:
+        return _say_environment(e, out)
+    trust = bool(getattr(args, "trust_checkpoints", False))
     rl = cfg.rl_config()
     what = cfg.describe()
     print(
@@ -94,42 +145,59 @@ def main_job(args: Any) -> int:
     done = 0
     if resume:
         try:
-            folder, state, _ = resume_point(cfg, out)
+            point = resume_point(cfg, out, trust=trust)
         except (ConfigError, CheckpointError) as e:
             print(f"asyncflow run: {e}", file=sys.stderr)
-            return 2
-        done = state.version - state.origin
+            return EXIT_INPUT
+        done = point.state.version - point.state.origin
         print(
-            f"asyncflow run: resuming from {folder} ({done} of {cfg.rl.steps} steps done)",
+            f"asyncflow run: resuming from {point.folder} ({done} of {cfg.rl.steps} steps done)",
             file=sys.stderr,
         )
     progress = StepProgress(cfg.rl.steps - done, sys.stderr, quiet=args.quiet)
     try:
-        output = asyncio.run(run(cfg, out, on_step=progress, resume=bool(resume), preemptible=True))
+        output = asyncio.run(
+            run(
+                cfg, out, on_step=progress, resume=bool(resume), preemptible=True,
+                trust_checkpoints=trust,
+            )
+        )  # fmt: skip
     except RunPreempted as e:
         print(
             f"asyncflow run: stopped on SIGTERM after {e.steps} steps; checkpoint "
             f"{e.checkpoint}; continue with: asyncflow run --resume {out}",
             file=sys.stderr,
         )
-        return 0
+        return EXIT_OK
     except (ConfigError, CheckpointError) as e:  # a bad input found while building the run
         print(f"asyncflow run: {e}", file=sys.stderr)
-        return 2
-    except TaskFailedError as e:  # the run stopped (a lost trainer, a reward failing on every row)
-        latest = Checkpoints(out / "checkpoints").latest()
-        where = (
-            f"the newest checkpoint is {latest}: continue with asyncflow run --resume {out}"
-            if latest is not None
-            else "no checkpoint was written yet"
+        return EXIT_INPUT
+    except Exception as e:
+        environment = _environment(e)
+        if environment is not None:
+            return _say_environment(environment, out)
+        if isinstance(e, AsyncFlowError):  # the run stopped: a lost trainer, a failing reward
+            latest = Checkpoints(out / "checkpoints").latest()
+            where = (
+                f"the newest checkpoint is {latest}: continue with asyncflow run --resume {out}"
+                if latest is not None
+                else "no checkpoint was written yet"
+            )
+            print(f"asyncflow run: the run stopped: {e}\n{where}", file=sys.stderr)
+            return EXIT_FAILED
+        traceback.print_exc()
+        print(
+            f"asyncflow run: an internal error ({type(e).__name__}: {e}): a bug in AsyncFlow or "
+            "in a plugin it loaded, not in your input. Please report it with the traceback "
+            f"above and {out / 'config.toml'} if it exists",
+            file=sys.stderr,
         )
-        print(f"asyncflow run: the run stopped: {e}\n{where}", file=sys.stderr)
-        return 1
+        return EXIT_BUG
     finally:
         progress.close()
     print(format_summary(output.summary))
     print(f"run folder: {out}/")
-    return 0
+    return EXIT_OK
 
 
 __all__ = ["main_job"]

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
+import hashlib
 import inspect
 import json
 import math
@@ -54,15 +56,15 @@ from typing import Any
 
 import torch
 
-from asyncflow_core.contracts.errors import ConfigError
+from asyncflow_core.contracts.errors import CheckpointError, ConfigError
 from asyncflow_core.contracts.protocols import DataStore, InferenceEngine, TrainEngine
 from asyncflow_core.engines import registry
 from asyncflow_core.engines.process import ProcessInferenceEngine
-from asyncflow_core.flow.config import to_toml
+from asyncflow_core.flow.config import keys, to_toml
 from asyncflow_core.flow.rlflow import JobState, MakeStaged, RLEngines, RLJob, RLResult, StepRecord
 from asyncflow_core.flow.workflow import PipelineResult
-from asyncflow_core.infra.checkpoint import Checkpoints
-from asyncflow_core.job.config import RunConfig
+from asyncflow_core.infra.checkpoint import Checkpoints, DiskFullError, FolderError
+from asyncflow_core.job.config import RESUME_KEYS, RunConfig, load_run_config
 from asyncflow_core.job.report import RunSummary, plot_rewards
 from asyncflow_core.observability import trace as tracing
 from asyncflow_core.observability.trace import Tracer
@@ -86,6 +88,7 @@ class RunPreempted(Exception):
 
 
 RUN_STATE_FILE = "run.json"
+CONFIG_FILE = "config.toml"
 TRACE_FILE = "trace.json.gz"  # checkpoints before trace segments: the whole trace in one file
 _SEGMENT = re.compile(r"trace-\d{4}\.json\.gz")
 
@@ -95,11 +98,16 @@ class _RunFiles:
     RNG states and the warm-up time (``run.json``).
 
     The trace is kept in segments, ``trace-NNNN.json.gz``: each checkpoint writes only the
-    spans recorded since the previous one and hard-links (or copies, where the file system
-    cannot link) the earlier segments from the previous checkpoint, so a checkpoint costs
-    what happened since the last one, not the whole run so far (the whole trace, rewritten
-    every ``checkpoint.every`` steps, was a fifth of a 120-step run's wall time). Every
-    checkpoint still holds its whole trace: deleting older ones loses nothing."""
+    spans recorded since the previous one and copies the earlier segments' files from the
+    previous checkpoint, so a checkpoint costs what happened since the last one, not the
+    whole run so far (the whole trace, rewritten every ``checkpoint.every`` steps, was a
+    fifth of a 120-step run's wall time). Copies, not hard links: a segment damaged in one
+    checkpoint leaves the older checkpoints' whole, for resume to fall back to. Every
+    checkpoint still holds its whole trace: deleting older ones loses nothing.
+
+    ``config``: the run's ``config.toml`` text, also kept in each checkpoint (signed with it
+    in its manifest): what the checkpoint was trained with, which ``--resume`` compares the
+    run folder's config with."""
 
     def __init__(
         self,
@@ -109,9 +117,11 @@ class _RunFiles:
         warmup_s: float,
         resumed_at: list[int],
         segments: Sequence[str] = (),
+        config: str | None = None,
     ) -> None:
         self.checkpoints, self.tracer = checkpoints, tracer
         self.warmup_s, self.resumed_at = warmup_s, resumed_at
+        self.config = config
         # what the newest checkpoint holds: its segments, and the trace mark they end at
         self.segments = list(segments)
         self.written = tracer.mark() if segments else tracing.START
@@ -127,10 +137,7 @@ class _RunFiles:
         try:
             for name in self.segments:
                 assert previous is not None
-                try:
-                    os.link(previous / name, folder / name)
-                except OSError:  # a file system without hard links
-                    shutil.copyfile(previous / name, folder / name)
+                shutil.copyfile(previous / name, folder / name)
         except OSError:  # a segment of the previous checkpoint is gone: the whole trace
             for name in self.segments:
                 (folder / name).unlink(missing_ok=True)
@@ -147,6 +154,8 @@ class _RunFiles:
             "rng": {"torch": torch.get_rng_state().tolist(), "python": random.getstate()},
         }
         (folder / RUN_STATE_FILE).write_text(json.dumps(state) + "\n")
+        if self.config is not None:
+            (folder / CONFIG_FILE).write_text(self.config)
         self.segments.append(name)
         self.written = end
 
@@ -213,14 +222,114 @@ def _restore_rng(rng: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def resume_point(cfg: RunConfig, out: Path) -> tuple[Path, JobState, dict[str, Any]]:
-    """The newest complete checkpoint of run folder ``out``, its job state and run state;
-    ``ConfigError`` when there is none or nothing is left to train."""
-    folder = Checkpoints(out / "checkpoints").latest()
-    if folder is None:
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where ``--resume`` continues: the newest intact checkpoint ``folder`` of the run, its
+    job state and run state, and ``skipped``: every newer checkpoint that failed its checks
+    (a file changed or missing, a manifest not signed with this user's key, a job state that
+    contradicts itself), newest first, with why."""
+
+    folder: Path
+    state: JobState
+    run_state: dict[str, Any]
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON values (tuples as lists; anything else by its repr)."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return repr(value)
+
+
+def run_identity(cfg: RunConfig) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the run that wrote it: the workload, the seed
+    and ``config_sha256``, a hash of every config key a resumed run may not change (all but
+    ``RESUME_KEYS``)."""
+    fixed = {k: _plain(config_value(cfg, k)) for k in keys(cfg) if k not in RESUME_KEYS}
+    text = json.dumps(fixed, sort_keys=True, separators=(",", ":"))
+    return {
+        "workload": cfg.workload_name(),
+        "seed": cfg.seed,
+        "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
+    }
+
+
+def config_value(cfg: RunConfig, key: str) -> Any:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def changed_keys(cfg: RunConfig, saved: RunConfig) -> list[str]:
+    """The keys outside ``RESUME_KEYS`` whose value differs between ``cfg`` and ``saved``
+    (a key only one of them has counts), each as ``key (saved -> now)``."""
+    mine, theirs = set(keys(cfg)), set(keys(saved))
+    out = []
+    for key in sorted(mine | theirs):
+        if key in RESUME_KEYS:
+            continue
+        now = config_value(cfg, key) if key in mine else "(no such key)"
+        was = config_value(saved, key) if key in theirs else "(no such key)"
+        if now != was:
+            out.append(f"{key} ({was!r} -> {now!r})")
+    return out
+
+
+def _checkpoint_config(folder: Path) -> RunConfig:
+    """The config a checkpoint was trained with (its own ``config.toml``)."""
+    try:
+        return load_run_config(folder / CONFIG_FILE)
+    except ConfigError as e:
+        raise CheckpointError(f"{str(folder)!r}: its {CONFIG_FILE} is not usable: {e}") from e
+
+
+def _check_checkpoint(folder: Path, meta: Mapping[str, Any]) -> None:
+    """A verified checkpoint's own files agree with each other: its job state reads and is
+    consistent, its run state and trace segments are there, and the identity its manifest
+    signs is that of its ``config.toml``."""
+    JobState.read(folder)
+    _trace_segments(_run_state(folder))
+    identity = meta.get("identity")
+    if identity != run_identity(_checkpoint_config(folder)):
+        raise CheckpointError(
+            f"{str(folder)!r}: the run identity its manifest signs ({identity!r:.200}) is not "
+            f"that of its {CONFIG_FILE}"
+        )
+
+
+def resume_point(cfg: RunConfig, out: Path, *, trust: bool = False) -> ResumePoint:
+    """The newest intact checkpoint of run folder ``out`` (``Checkpoints.intact``: files as
+    its signed manifest lists them, a consistent job state), its job state and run state,
+    and the newer ones that failed. ``CheckpointError`` when none is intact (naming each and
+    why); ``ConfigError`` when there is none at all, nothing is left to train, or ``cfg``
+    changes a key outside ``RESUME_KEYS`` from the checkpoint's own config (naming each).
+    ``trust``: skip the signature check (a run folder from another machine or user)."""
+    checkpoints = Checkpoints(out / "checkpoints", trust=trust)
+    if not checkpoints.list():
         raise ConfigError(
             f"--resume {out}: {out / 'checkpoints'} holds no complete checkpoint (the run died "
             f"before its first one, every {cfg.checkpoint.every} steps); start it again"
+        )
+    folder, skipped = checkpoints.intact(_check_checkpoint)
+    if folder is None:
+        why = "\n".join(f"  {f.name}: {reason}" for f, reason in skipped)
+        raise CheckpointError(
+            f"--resume {out}: no checkpoint there is intact, so there is nothing to resume "
+            f"from:\n{why}\nstart the run again in a new folder (or, for a run folder copied "
+            "from another machine or user that you trust, add --trust-checkpoints)"
+        )
+    changed = changed_keys(cfg, _checkpoint_config(folder))
+    if changed:
+        raise ConfigError(
+            f"--resume {out}: changed since checkpoint {folder.name} was written, and not "
+            f"changeable on resume (the checkpoint was trained with its values): "
+            f"{'; '.join(changed)}. Set them back in {out / CONFIG_FILE} (or drop the --set); "
+            f"these may change: {', '.join(RESUME_KEYS)}; to train with the new values start "
+            "a new run (--out NEW_FOLDER)"
         )
     state = JobState.read(folder)
     done = state.version - state.origin
@@ -229,12 +338,54 @@ def resume_point(cfg: RunConfig, out: Path) -> tuple[Path, JobState, dict[str, A
             f"--resume {out}: the run already trained {done} steps of rl.steps = "
             f"{cfg.rl.steps}; to train longer, resume with --set rl.steps=N (N > {done})"
         )
+    return ResumePoint(folder, state, _run_state(folder), tuple(skipped))
+
+
+RUN_MARKERS = ("config.toml", "metrics.jsonl", "summary.json", "checkpoints")
+"""What makes a folder a run folder: a fresh run does not start in one."""
+
+
+def refuse_other_run(out: Path) -> None:
+    """``ConfigError`` when ``out`` already holds a run (``RUN_MARKERS``), naming the two
+    ways on: continue it, or a new folder. A fresh run there would mix its files with the
+    other's, and the other's checkpoints (higher steps) would crowd its own out."""
+    found = [m for m in RUN_MARKERS if (out / m).exists()]
+    if found:
+        raise ConfigError(
+            f"--out {out} holds another run ({', '.join(found)}); a new run does not write "
+            f"over it: continue that run with asyncflow run --resume {out}, or give a new "
+            "folder with --out"
+        )
+
+
+_PROBE_BYTES = 1 << 20
+
+
+def check_run_folder(out: Path) -> None:
+    """Before any start-up work: ``out`` can be made, written and holds at least 1 MiB more
+    (a probe file written, flushed and removed). ``FolderError`` (``DiskFullError`` for a
+    full disk) naming the folder and what to do."""
+    probe = out / f".asyncflow-write-check-{os.getpid()}"
     try:
-        run_state = _run_state(folder)
-        _trace_segments(run_state)
-    except ConfigError as e:
-        raise ConfigError(f"--resume {out}: {e}") from e
-    return folder, state, run_state
+        out.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * _PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(
+                f"the run folder {str(out)!r} cannot be written: its disk is full "
+                f"({e.strerror}); free space there or give --out a folder on another disk"
+            ) from e
+        raise FolderError(
+            e.errno or errno.EIO,
+            f"the run folder {str(out)!r} cannot be written ({e.strerror or e}); give --out "
+            "a folder you can write (a read-only mount or another user's folder will not do)",
+        ) from e
+    probe.unlink()
 
 
 def _window_mean(values: Sequence[float], first: bool) -> float:
@@ -257,6 +408,7 @@ async def run(
     on_step: Callable[[StepRecord], None] | None = None,
     resume: bool = False,
     preemptible: bool = False,
+    trust_checkpoints: bool = False,
 ) -> RunOutput:
     """Build the workload's policy (and warm it up), train with RL, evaluate, let the
     workload finish (an HF policy is saved with ``save_pretrained``) and, with ``out_dir``,
@@ -265,7 +417,11 @@ async def run(
     ``RESUME_KEYS`` changed; a run that died after its last step but before its summary is
     evaluated and summarised without training). ``preemptible``: on SIGTERM, write a
     checkpoint and raise ``RunPreempted`` (installs a handler on the running loop; the main
-    thread only)."""
+    thread only). A fresh run refuses an ``out_dir`` that holds another run
+    (``refuse_other_run``); a resumed one continues from the newest intact checkpoint, moving
+    newer damaged ones aside with a message (``resume_point``; ``trust_checkpoints``: accept
+    ones not signed with this user's key). Either way ``out_dir`` must be writable, checked
+    before any start-up work (``check_run_folder``)."""
     cfg = cfg.for_workload()
     cfg.validate()
     out = Path(out_dir) if out_dir is not None else None
@@ -273,7 +429,20 @@ async def run(
     if resume:
         if out is None:
             raise ConfigError("run(resume=True) needs out_dir, the run folder to resume")
-        point = resume_point(cfg, out)
+        point = resume_point(cfg, out, trust=trust_checkpoints)
+    elif out is not None:
+        refuse_other_run(out)
+    if out is not None:
+        check_run_folder(out)
+    if point is not None and out is not None:
+        for bad, why in point.skipped:  # kept aside: rotation must not keep them over good ones
+            aside = Checkpoints(out / "checkpoints").set_aside(bad)
+            print(
+                f"asyncflow run: checkpoint {bad} is damaged and was moved to {aside} (delete "
+                f"it when you no longer need it): {why}\nasyncflow run: resuming from "
+                f"{point.folder}",
+                file=sys.stderr,
+            )
     torch.manual_seed(cfg.seed)
     threads = _threads(cfg)
     previous_threads = torch.get_num_threads()
@@ -286,7 +455,7 @@ async def run(
         fresh = getattr(workload, "fresh_model", None)
         if point is not None and callable(fresh):  # its weights come from the checkpoint
             model = await fresh()
-            warmup_s = float(point[2].get("warmup_s", 0.0))
+            warmup_s = float(point.run_state.get("warmup_s", 0.0))
         else:
             model = await workload.initial_model()
             warmup_s = time.perf_counter() - t0
@@ -297,13 +466,13 @@ async def run(
         resumed_at: list[int] = []
         left = cfg.rl.steps
         if point is not None:
-            _, state, run_state = point
+            state, run_state = point.state, point.run_state
             left = cfg.rl.steps - (state.version - state.origin)
             rl_config = replace(rl_config, steps=max(left, 1))  # 0 left: no run() below
             resumed_at = [*run_state.get("resumed_at", []), state.version]
         async with _placed(cfg, model, threads, platform) as placed:
             engines, trainer, store = placed.engines, placed.trainer, placed.store
-            tracer = _load_trace(point[0], point[2]) if point is not None else Tracer()
+            tracer = _load_trace(point.folder, point.run_state) if point is not None else Tracer()
             checkpoints = None
             if out is not None:
                 checkpoints = Checkpoints(
@@ -311,8 +480,12 @@ async def run(
                     extra=_RunFiles(
                         out / "checkpoints", tracer=tracer, warmup_s=warmup_s,
                         resumed_at=resumed_at,
-                        segments=(_trace_segments(point[2]) or []) if point is not None else (),
+                        segments=(
+                            (_trace_segments(point.run_state) or []) if point is not None else ()
+                        ),
+                        config=to_toml(cfg),
                     ),
+                    identity=run_identity(cfg),
                 )  # fmt: skip
             step_hook = on_step
             if out is not None:  # metrics.jsonl line by line (resumed: from the checkpoint's)
@@ -331,9 +504,9 @@ async def run(
                 tracer=tracer, on_step=step_hook, store=store, checkpoints=checkpoints,
             )  # fmt: skip
             if point is not None:
-                await job.resume(point[0])
-                _restore_rng(point[2]["rng"])
-                tracer.continue_at(float(point[2]["trace_s"]))
+                await job.resume(point.folder)
+                _restore_rng(point.run_state["rng"])
+                tracer.continue_at(float(point.run_state["trace_s"]))
             eval_before: tuple[float, float] | None = None
             if cfg.eval_prompts and point is None and not hasattr(workload, "evaluations"):
                 # where RL starts from (the engines hold the trainer's first weights), greedy;
@@ -355,7 +528,7 @@ async def run(
                 for r in job.verified
             ]  # fmt: skip
             if point is not None:  # the whole run's records and totals
-                state = point[1]
+                state = point.state
                 result = replace(
                     result, steps=(*state.steps, *result.steps),
                     wall_s=state.wall_s + result.wall_s, dropped=state.dropped + result.dropped,
