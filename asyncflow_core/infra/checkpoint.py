@@ -16,7 +16,7 @@ in ``job.json`` (``asyncflow_core.flow.rlflow``).
 each file's size and sha256, the ``identity`` the owner gives (the main job: its config hash,
 workload and seed) and an HMAC-SHA256 over it all with this user's checkpoint key (the
 signed manifest the DeepSpeed trainer writes too: ``sign_manifest`` in
-``asyncflow_core.engines.lmtrain``; SECURITY.md). ``verify(folder)`` checks it (a flipped
+``asyncflow_core.infra.manifest``; SECURITY.md). ``verify(folder)`` checks it (a flipped
 byte, a truncated or missing file, a file added, an edit without the key: ``CheckpointError``)
 and ``intact()`` finds the newest checkpoint that passes, with the reasons the newer ones
 failed. A checkpoint of a step that already has one replaces it (never reuses its files),
@@ -122,7 +122,7 @@ class Checkpoints:
         (never this one). A checkpoint of ``step`` already there is replaced by the new one
         once it is complete. Returns the folder. A write that fails on a full disk raises
         ``DiskFullError`` naming the folder."""
-        from asyncflow_core.engines.lmtrain import checkpoint_key
+        from asyncflow_core.infra.manifest import checkpoint_key
 
         key = checkpoint_key(who="Checkpoints", create=True)
         assert key is not None  # create=True makes one
@@ -164,7 +164,7 @@ class Checkpoints:
         return final
 
     def _sign(self, folder: Path, step: int, key: bytes) -> None:
-        from asyncflow_core.engines.lmtrain import sign_manifest
+        from asyncflow_core.infra.manifest import sign_manifest
 
         meta = {"format": MANIFEST_FORMAT, "step": step, "identity": self.identity}
         manifest = sign_manifest(folder, meta, key, manifest=MANIFEST_FILE)
@@ -176,7 +176,7 @@ class Checkpoints:
         and that the folder holds exactly the files it lists, each of its size and sha256;
         ``CheckpointError`` (``CheckpointRefusedError`` for a signature or file check)
         naming what differs."""
-        from asyncflow_core.engines.lmtrain import read_signed_manifest
+        from asyncflow_core.infra.manifest import read_signed_manifest
 
         meta = read_signed_manifest(
             Path(folder), manifest=MANIFEST_FILE, who="checkpoints", trust=self.trust,
