@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import copy
 import os
-import pickle
 import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
@@ -34,11 +33,17 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from asyncflow_core.contracts.errors import BadRequestError, SchemaError, UnknownRowError
+from asyncflow_core.contracts.errors import (
+    BadRequestError,
+    CheckpointError,
+    SchemaError,
+    UnknownRowError,
+)
 from asyncflow_core.contracts.protocols import BatchMeta as StoreMeta
 from asyncflow_core.contracts.protocols import Candidates, DataStore, SampleRequest, Selection
+from asyncflow_tq.checkpoint import read_controller, read_storage, write_controller, write_storage
 from asyncflow_tq.metadata import BatchMeta, Schema, field_schema_of
-from asyncflow_tq.sampler import SequentialSampler
+from asyncflow_tq.sampler import BaseSampler, SequentialSampler
 
 __all__ = [
     "BadArgumentError",
@@ -50,7 +55,6 @@ __all__ = [
 T = TypeVar("T")
 _CLEAR_TASK = "__asyncflow_tq_free__"
 _MODES = ("fetch", "force_fetch", "insert")
-STORAGE_FILE = "asyncflow_tq_storage.pt"
 
 
 class RequestError(RuntimeError):
@@ -227,23 +231,47 @@ class _Controller:
             clear(pid)
 
     def state(self) -> dict[str, Any]:
+        """What ``checkpoint.write_controller`` saves (partitions as their fields but ``pid``)."""
         save = getattr(self.sampler, "save_checkpoint", None)
         return {
-            "partitions": copy.deepcopy(self.partitions),
+            "partitions": {
+                pid: {k: v for k, v in vars(p).items() if k != "pid"}
+                for pid, p in copy.deepcopy(self.partitions).items()
+            },
             "counter": self.counter,
             "reusable": list(self.reusable),
             "owned": copy.deepcopy(self.owned),
             "sampler": save() if callable(save) else None,
         }
 
-    def restore(self, state: Mapping[str, Any]) -> None:
-        self.partitions = copy.deepcopy(dict(state["partitions"]))
-        self.counter = int(state["counter"])
-        self.reusable = list(state["reusable"])
-        self.owned = copy.deepcopy(dict(state["owned"]))
+    def restore_sampler(self, state: Mapping[str, Any], path: str) -> None:
+        """The sampler's part of ``state`` (read from ``path``): the one part of a restore that
+        can refuse, so it goes first."""
         load = getattr(self.sampler, "load_checkpoint", None)
-        if callable(load) and state.get("sampler") is not None:
-            load(state["sampler"])
+        saved = state["sampler"]
+        if not callable(load) or saved is None:
+            return
+        if isinstance(self.sampler, BaseSampler) and not (
+            isinstance(saved, dict) and isinstance(saved.get("_states"), dict)
+        ):
+            raise CheckpointError(
+                f"{path} cannot be loaded: its sampler state is not a BaseSampler's "
+                "({'_states': {...}}). Nothing was changed"
+            )
+        try:
+            load(saved)
+        except Exception as e:
+            raise CheckpointError(
+                f"{path} cannot be loaded: the sampler {type(self.sampler).__name__} refused "
+                f"its saved state ({type(e).__name__}: {e})"
+            ) from e
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """The rest of ``state`` as ``checkpoint.read_controller`` returns it (checked)."""
+        self.partitions = {pid: _Partition(pid, **p) for pid, p in state["partitions"].items()}
+        self.counter = state["counter"]
+        self.reusable = list(state["reusable"])
+        self.owned = dict(state["owned"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,8 +532,11 @@ class _Cells:
             await self.drop(pid)
         for pid, cols in cells.items():
             for f, col in cols.items():
-                idx = sorted(col)
-                await self.write_values(pid, {f: [col[g] for g in idx]}, len(idx), idx)
+                by_kind: dict[tuple[str, int], list[int]] = {}  # a store partition holds one
+                for g in sorted(col):
+                    by_kind.setdefault(_kind([col[g]]), []).append(g)
+                for idx in by_kind.values():
+                    await self.write_values(pid, {f: [col[g] for g in idx]}, len(idx), idx)
 
 
 def _kind(column: Any) -> tuple[str, int]:
@@ -871,32 +902,33 @@ class _Core:
                 out[pid] = {k: copy.deepcopy(p.custom_meta.get(g, {})) for k, g in p.keys.items()}
         return out
 
+    # Checkpoints: JSON and safetensors (asyncflow_tq.checkpoint), each file read and checked
+    # whole before anything changes; a refused file is a CheckpointError.
     async def save_controller(self, path: str) -> None:
-        state = self._ctl.state()
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
+        write_controller(Path(path), self._ctl.state())
 
     async def load_controller(self, path: str) -> None:
-        with open(path, "rb") as f:
-            state = pickle.load(f)
-        if not isinstance(state, dict) or "partitions" not in state:
-            raise RequestError(f"load_controller_checkpoint: {path} is not a controller state")
+        state = read_controller(Path(path))
+        self._ctl.restore_sampler(state, path)
         self._ctl.restore(state)
         self._notify()
 
     async def save_storage(self, checkpoint_dir: str) -> None:
         cells = await self._cells.dump()
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        torch.save(cells, Path(checkpoint_dir) / STORAGE_FILE)
+        write_storage(Path(checkpoint_dir), cells)
 
     async def load_storage(self, checkpoint_dir: str) -> None:
-        path = Path(checkpoint_dir) / STORAGE_FILE
-        if not path.exists():
-            raise FileNotFoundError(f"{STORAGE_FILE} not found in {checkpoint_dir}")
-        cells = torch.load(path, weights_only=False)
+        await self._cells.load(read_storage(Path(checkpoint_dir)))
+
+    async def load_checkpoint(self, controller_path: str, checkpoint_dir: str) -> None:
+        """Both halves, each checked before either is applied."""
+        state = read_controller(Path(controller_path))
+        cells = read_storage(Path(checkpoint_dir))
+        self._ctl.restore_sampler(state, controller_path)
         await self._cells.load(cells)
+        self._ctl.restore(state)
+        self._notify()
 
 
 class _Loop:
@@ -1082,6 +1114,9 @@ class TransferQueueClient:
 
     async def _load_storage(self, checkpoint_dir: str) -> None:
         await self._call("load_storage", checkpoint_dir)
+
+    async def _load_checkpoint(self, controller_path: str, checkpoint_dir: str) -> None:
+        await self._call("load_checkpoint", controller_path, checkpoint_dir)
 
     async def _write(
         self,

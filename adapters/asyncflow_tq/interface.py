@@ -20,7 +20,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncflow_core.contracts.errors import CheckpointError
 from asyncflow_core.contracts.protocols import DataStore
+from asyncflow_tq.checkpoint import (
+    CONTROLLER_FILE,
+    OLD_CONTROLLER_FILE,
+    OLD_STORAGE_FILE,
+    old_format_error,
+)
 from asyncflow_tq.client import (
     BadArgumentError,
     TransferQueueClient,
@@ -82,7 +89,7 @@ _SAMPLERS: dict[str, type[BaseSampler]] = {
 }
 _BACKENDS = ("SimpleStorage", "InProcess", "Ray")
 _METADATA_FILE = "metadata.json"
-_CONTROLLER_FILE = "controller_state.pkl"
+_CONTROLLER_FILE = CONTROLLER_FILE
 
 _CLIENT: TransferQueueClient | None = None
 
@@ -509,7 +516,9 @@ def save_checkpoint(
 ) -> None:
     """Write the controller state and every stored value under ``checkpoint_dir``, replacing
     an earlier checkpoint there only once the new one is complete. ``include_storage`` is
-    ignored: every AsyncFlow store keeps its values in memory, so they are always saved."""
+    ignored: every AsyncFlow store keeps its values in memory, so they are always saved.
+    The files are JSON and safetensors (``asyncflow_tq.checkpoint``); a value JSON cannot
+    hold (a tag or a cell that is a numpy array, an object) is a ``TypeError`` naming it."""
     if _CLIENT is None:
         raise RuntimeError("TransferQueue is not initialized. Call init() first.")
     if metadata is not None:
@@ -543,7 +552,9 @@ def save_checkpoint(
 
 def load_checkpoint(checkpoint_dir: str | Path) -> None:
     """Replace the whole state (every partition, value, status, key and tag) with the one
-    saved in ``checkpoint_dir``."""
+    saved in ``checkpoint_dir``. Every file is read and checked first: a damaged or foreign
+    one is a ``CheckpointError`` naming it and nothing changes. A checkpoint in the old
+    pickled format is refused unread (``CheckpointError``): re-create it."""
     if _CLIENT is None:
         raise RuntimeError("TransferQueue is not initialized. Call init() first.")
     final = Path(checkpoint_dir)
@@ -552,12 +563,20 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
         old.rename(final)  # a save interrupted between its two renames
     if not final.exists():
         raise FileNotFoundError(f"Checkpoint directory not found: {final}")
+    controller = final / _CONTROLLER_FILE
+    if not controller.exists():
+        for pickled in (OLD_CONTROLLER_FILE, OLD_STORAGE_FILE):
+            if (final / pickled).exists():
+                raise old_format_error(final / pickled)
     meta_path = final / _METADATA_FILE
     if not meta_path.exists():
         raise FileNotFoundError(f"{_METADATA_FILE} not found in {final}")
-    json.loads(meta_path.read_text())
-    controller = final / _CONTROLLER_FILE
+    try:
+        json.loads(meta_path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"{meta_path} cannot be loaded: not JSON ({str(e)[:120]}). Nothing was changed"
+        ) from None
     if not controller.exists():
         raise FileNotFoundError(f"{_CONTROLLER_FILE} not found in {final}")
-    _CLIENT.load_storage_checkpoint(str(final))
-    _CLIENT.load_controller_checkpoint(str(controller))
+    _CLIENT._sync(_CLIENT._load_checkpoint(str(controller), str(final)))
