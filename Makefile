@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 TORCH_NPU_PIN := torch-npu==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run run-hf test lint typecheck pytest pytest-main pytest-side test-vllm vllm-venv bench bench-vllm clean venv
+.PHONY: run run-hf test lint typecheck pytest pytest-main pytest-side test-vllm vllm-venv bench bench-vllm clean venv faults
 
 venv: $(STAMP)
 
@@ -120,6 +120,12 @@ test-vllm:
 	exit $$rc
 
 test: lint typecheck pytest test-vllm
+
+# The README's failure table, every row injected (part of `make test` too): damaged, edited and
+# missing checkpoint files, a read-only mount, a full tmpfs, a killed trainer, a stale build
+# lock, a bug; then the kill-and-resume chains and the checkpoint fuzz tests.
+faults: $(STAMP)
+	$(PY) -m pytest -q tests/test_failure_table.py tests/test_resume.py tests/test_fuzz_checkpoints.py tests/test_tq_checkpoint.py tests/test_no_unpickling.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/datastore.py

@@ -157,6 +157,12 @@ class UnsupportedEngineError(EngineError, ConfigError):
     an engine's answer, and a configuration to change (point it at a supported server)."""
 
 
+class EnvironmentFault(AsyncFlowError):
+    """The machine, not the input or the code, stopped the work: a build left half done by a
+    killed process, a resource the job cannot get past by itself. The message names what to
+    fix; ``asyncflow run`` exits with status 3 for it (as for a folder it cannot write)."""
+
+
 class MissingExtraError(AsyncFlowError, ImportError):
     """An optional engine library is not installed; the message names the extra."""
 

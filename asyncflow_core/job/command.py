@@ -24,7 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncflow_core.contracts.errors import AsyncFlowError, CheckpointError, ConfigError
+from asyncflow_core.contracts.errors import (
+    AsyncFlowError,
+    CheckpointError,
+    ConfigError,
+    EnvironmentFault,
+)
 from asyncflow_core.flow.config import keys, load_config
 from asyncflow_core.infra.checkpoint import Checkpoints, FolderError
 from asyncflow_core.job.config import RESUME_KEYS, RETIRED, RunConfig, load_run_config
@@ -63,12 +68,13 @@ def _resume_config(run_dir: Path, sets: Sequence[str]) -> RunConfig:
     return cfg
 
 
-def _environment(exc: BaseException) -> OSError | None:
-    """The ``OSError`` in ``exc``'s chain that a run cannot get past by itself (a folder it
-    cannot write, a full disk, no permission), if any: the environment's fault."""
+def _environment(exc: BaseException) -> OSError | EnvironmentFault | None:
+    """The error in ``exc``'s chain that a run cannot get past by itself (a folder it cannot
+    write, a full disk, no permission, an ``EnvironmentFault`` such as a stale build lock),
+    if any: the environment's fault."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, FolderError):
+        if isinstance(seen, FolderError | EnvironmentFault):
             return seen
         if isinstance(seen, OSError) and seen.errno in _ENVIRONMENT_ERRNOS:
             return seen
@@ -81,12 +87,14 @@ _ENVIRONMENT_ERRNOS = frozenset(
 )
 
 
-def _say_environment(error: OSError, out: Path) -> int:
-    if isinstance(error, FolderError):
+def _say_environment(error: OSError | EnvironmentFault, out: Path) -> int:
+    if isinstance(error, FolderError | EnvironmentFault):
         what = str(error)
     else:
         where = f"{error.filename}" if error.filename else str(out)
         what = f"cannot write {where}: {error.strerror or error}"
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            what += "; the disk is full: free space there (or use a folder on another disk)"
     latest = Checkpoints(out / "checkpoints").latest() if out.is_dir() else None
     then = f"; then continue with asyncflow run --resume {out}" if latest is not None else ""
     print(f"asyncflow run: {what}{then}", file=sys.stderr)
@@ -170,6 +178,9 @@ def main_job(args: Any) -> int:
         )
         return EXIT_OK
     except (ConfigError, CheckpointError) as e:  # a bad input found while building the run
+        environment = _environment(e)  # or a checkpoint that could not be written
+        if environment is not None:
+            return _say_environment(environment, out)
         print(f"asyncflow run: {e}", file=sys.stderr)
         return EXIT_INPUT
     except Exception as e:
