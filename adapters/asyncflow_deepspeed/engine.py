@@ -54,6 +54,7 @@ from asyncflow_core.infra.platform import (
 from asyncflow_core.sync.transports import bucketize
 from asyncflow_core.training.sampling import OFF_SUPPORT_METRIC
 from asyncflow_deepspeed.compat import require_deepspeed
+from asyncflow_deepspeed.opbuild import prepare_ops
 
 _T = TypeVar("_T")
 Dtype = Literal["fp32", "bf16"]
@@ -109,6 +110,10 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
       ``npu``) when DeepSpeed is not imported yet, and refuses, naming both, a
       ``DS_ACCELERATOR`` or an already chosen accelerator that differs. ``platform="npu"``
       on a machine without torch_npu or CANN fails here, before DeepSpeed is touched.
+    * The ops DeepSpeed compiles on first use (on CPU ``deepspeed_shm_comm``) are built before
+      DeepSpeed starts, with progress on stderr; a build lock that no live build holds (a
+      killed build's) is refused with an error naming the file to remove, where DeepSpeed
+      would wait on it forever (``asyncflow_deepspeed.opbuild``).
 
     **Batches and steps** follow ``asyncflow_reference.engines.TorchTrainEngine``: fields
     ``prompt`` and ``response`` in any store layout; ``compute_logprobs`` returns ``[B, R]``
@@ -236,6 +241,8 @@ class DeepSpeedTrainEngine(ThreadedTrainer):
         self.max_seq_len: int | None = _int_attr(spec, "max_seq_len") or _int_attr(
             spec, "max_position_embeddings"
         )
+        # DeepSpeed's own build of its JIT ops waits forever on a lock a killed build left
+        prepare_ops(self.platform.deepspeed_accelerator, who=who, in_this_process=True)
         self._executor = worker_thread(name, threads, who)
         self._version: Version = 0
         self._closed = False
