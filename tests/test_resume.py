@@ -27,6 +27,7 @@ from asyncflow_core.contracts.errors import CheckpointError, ConfigError
 from asyncflow_core.contracts.protocols import SamplingParams
 from asyncflow_core.flow.rlflow import JobState, RLConfig, RLEngines, RLJob
 from asyncflow_core.infra.checkpoint import MANIFEST_FILE, Checkpoints, _parse
+from asyncflow_core.infra.manifest import checkpoint_key
 from asyncflow_core.observability import trace as tracing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,12 +210,43 @@ def test_periodic_checkpoints_wait_their_minimum_interval(tmp_path: Path) -> Non
 
 def test_resume_refuses_a_bad_folder(tmp_path: Path) -> None:
     job = _job(tmp_path, 2)
+    with pytest.raises(CheckpointError, match=r"no manifest \(manifest\.json\)"):
+        asyncio.run(job.resume(tmp_path))  # not a checkpoint the job's Checkpoints wrote
     with pytest.raises(CheckpointError, match=r"job\.json"):
-        asyncio.run(job.resume(tmp_path))
+        JobState.read(tmp_path)
     (tmp_path / "job.json").write_text('{"format": "something-else"}')
     with pytest.raises(CheckpointError, match="something-else"):
-        asyncio.run(job.resume(tmp_path))
+        JobState.read(tmp_path)
     assert job.engines.trainer.weight_version == 0  # nothing was loaded
+
+
+def test_a_job_state_that_contradicts_its_step_records_is_refused(tmp_path: Path) -> None:
+    """``fed`` set to 0 and the pending groups dropped (what trained 64 groups twice before
+    #41), re-signed with the key as the writer would: the manifest passes, the state's own
+    records do not, and nothing is loaded."""
+    first = _job(tmp_path, 4)
+    asyncio.run(first.run())
+    ckpts = first.checkpoints
+    assert ckpts is not None
+    folder = ckpts.path(4)
+    good = json.loads((folder / "job.json").read_text())
+    for edit, why in (
+        (
+            {"fed": 0, "pending": []},
+            r"groups \[0, 1, 2, 3, 4\] were trained or pending, but fed is 0",
+        ),
+        ({"pending": [[0, [1, 2, 3, 4]]]}, r"groups \[0\] are both trained and pending"),
+        ({"steps": good["steps"][::-1]}, "step versions"),
+    ):
+        (folder / "job.json").write_text(json.dumps({**good, **edit}) + "\n")
+        (folder / MANIFEST_FILE).unlink()
+        ckpts._sign(folder, 4, checkpoint_key(who="test", create=False) or b"")
+        assert ckpts.verify(folder)["step"] == 4  # signed: only its content is wrong
+        second = _job(tmp_path / "again", 2)
+        with pytest.raises(CheckpointError, match=f"contradicts its own step records: {why}"):
+            asyncio.run(second.resume(folder))
+        assert second.engines.trainer.weight_version == 0
+        assert ckpts.intact(lambda f, _: JobState.read(f) and None)[0] == ckpts.path(2)
 
 
 # -- the main job, killed and resumed -----------------------------------------------------------

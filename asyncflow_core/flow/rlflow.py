@@ -1435,9 +1435,14 @@ class RLJob:
         step records and counters continue, and the next ``run()`` feeds the groups that were
         pending at the checkpoint first, then the prompt stream after the prompts it had
         taken. Give this job the same prompt stream (it skips the first ``fed``) and
-        ``config.steps`` = the steps still to do. Call it before ``run()``."""
+        ``config.steps`` = the steps still to do. Call it before ``run()``. With
+        ``checkpoints``, the folder is first checked against its signed manifest
+        (``Checkpoints.verify``: ``CheckpointError`` naming a changed, missing or added file);
+        ``job.json`` is always checked against its own step records (``JobState.read``)."""
         if self._origin is not None or self.steps:
             raise ConfigError("RLJob.resume() must come before the job's first run()")
+        if self.checkpoints is not None:  # its signed manifest: every file as it was written
+            await asyncio.to_thread(self.checkpoints.verify, folder)
         state = JobState.read(folder)
         trainer = self.engines.trainer
         await trainer.load_checkpoint(str(Path(folder) / TRAINER_FOLDER))
