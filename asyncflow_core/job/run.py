@@ -64,6 +64,7 @@ from asyncflow_core.flow.config import keys, to_toml
 from asyncflow_core.flow.rlflow import JobState, MakeStaged, RLEngines, RLJob, RLResult, StepRecord
 from asyncflow_core.flow.workflow import PipelineResult
 from asyncflow_core.infra.checkpoint import Checkpoints, DiskFullError, FolderError
+from asyncflow_core.infra.manifest import checkpoint_key
 from asyncflow_core.job.config import RESUME_KEYS, RunConfig, load_run_config
 from asyncflow_core.job.report import RunSummary, plot_rewards
 from asyncflow_core.observability import trace as tracing
@@ -362,12 +363,18 @@ _PROBE_BYTES = 1 << 20
 
 
 def check_run_folder(out: Path) -> None:
-    """Before any start-up work: ``out`` can be made, written and holds at least 1 MiB more
-    (a probe file written, flushed and removed). ``FolderError`` (``DiskFullError`` for a
-    full disk) naming the folder and what to do."""
-    probe = out / f".asyncflow-write-check-{os.getpid()}"
+    """Before any start-up work: ``out`` can be made and written and its disk holds at least
+    1 MiB more (a probe file written, flushed and removed in ``out``, or in the nearest
+    folder above it that exists: nothing is left behind, so a run that fails before its
+    first step still writes nothing). ``FolderError`` (``DiskFullError`` for a full disk)
+    naming the folder and what to do."""
+    where = out.absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    probe = where / f".asyncflow-write-check-{os.getpid()}"
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        if not where.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{where} is a file, not a folder")
         with open(probe, "wb") as f:
             f.write(b"\0" * _PROBE_BYTES)
             f.flush()
@@ -434,6 +441,7 @@ async def run(
         refuse_other_run(out)
     if out is not None:
         check_run_folder(out)
+        checkpoint_key(who="asyncflow run", create=True)  # signs checkpoints: a refusal now
     if point is not None and out is not None:
         for bad, why in point.skipped:  # kept aside: rotation must not keep them over good ones
             aside = Checkpoints(out / "checkpoints").set_aside(bad)
