@@ -67,7 +67,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy asyncflow_core adapters/asyncflow_deepspeed adapters/asyncflow_vllm adapters/asyncflow_sglang adapters/asyncflow_ascend adapters/asyncflow_ray adapters/asyncflow_hf adapters/asyncflow_serve adapters/asyncflow_tq tools
 
 RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_job.py tests/test_ray_store.py tests/test_store_ray_bench.py tests/test_ray_runtime_bench.py tests/test_ray_weightsync.py \
-	tests/test_ray_tq_diff.py tests/test_ray_tq_attach.py tests/test_ray_tq_bench.py
+	tests/test_ray_tq_diff.py tests/test_ray_tq_attach.py tests/test_ray_tq_bench.py tests/test_ray_driver_death.py
 # Benchmarks run in a subprocess, --quick, and the staleness quality guard.
 BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/test_staleness_guard.py tests/test_staleness_quality_bench.py
 # The side tests run in a pytest of their own, beside the main one: the Ray tests need a fresh

@@ -16,6 +16,13 @@ stops the cluster; one that started a local cluster stops it, and ``shutdown`` w
 processes have exited. Actors are created in the runtime's ``namespace``; nothing listens on
 a port of our own: every call goes through Ray, inside the cluster.
 
+**A killed driver.** A local cluster ends with the process that started it, however that
+process ends (SIGKILL included): Ray ties its GCS and raylet to the driver, and the runtime
+starts a reaper (``asyncflow_ray.reaper``) that ends the rest once the driver is gone (Ray's
+agents would otherwise outlive it by a minute): every process of the driver's session that
+holds a file of the cluster's folders open, and their descendants — a child the driver forked
+holds the driver's own Ray log open, and ends too. Linux only (it reads ``/proc``).
+
 **Sockets.** A local cluster listens on loopback only: its GCS, raylet, object manager,
 agents and every worker's gRPC server bind this node's address, and the runtime makes that
 ``127.0.0.1`` (``ray.init`` alone turns a loopback node address into the machine's external
@@ -31,6 +38,8 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -118,6 +127,7 @@ class RayRuntime:
     _connected: bool = field(default=False, init=False, repr=False)
     _made_temp: str | None = field(default=None, init=False, repr=False)
     _did_init: bool = field(default=False, init=False, repr=False)
+    _reaper: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
     def ray(self) -> ModuleType:
@@ -172,16 +182,26 @@ class RayRuntime:
                 )
             kwargs["address"] = self.address
         loopback = self.address is None and self.node_ip_address is None
+        if self.owns_cluster:
+            self._reaper = _start_reaper()
+            if self._made_temp is not None:  # ours alone: covers a death during ray.init
+                _reaper_watch(self._reaper, self._made_temp)
         try:
             with _loopback_node(ray) if loopback else contextlib.nullcontext():
                 ray.init(**kwargs)
-        except ConnectionError as e:
+        except BaseException as e:
             self.owns_cluster = False
+            _stop_reaper(self._reaper, reap=True)  # whatever of the cluster had started
+            self._reaper = None
+            if not isinstance(e, ConnectionError):
+                raise
             raise ConfigError(
                 f"could not reach a Ray cluster at address={self.address!r} ({e}); start one "
                 "with `ray start --head` (then address='auto' on that node, or "
                 "'HEAD_IP:6379' elsewhere), or leave address unset to start a local cluster"
             ) from e
+        if self._reaper is not None:
+            _reaper_watch(self._reaper, _session_dir(ray))
         self._connected = True
         self._did_init = True
         return self
@@ -202,6 +222,8 @@ class RayRuntime:
         ray.shutdown()
         self.owns_cluster = False
         _wait_gone(pids, timeout_s)
+        _stop_reaper(self._reaper, reap=False)  # the driver lives on: nothing to end
+        self._reaper = None
         if self._made_temp is not None:
             shutil.rmtree(self._made_temp, ignore_errors=True)
             self._made_temp = None
@@ -306,6 +328,65 @@ def _loopback_node(ray: ModuleType) -> Iterator[None]:
         constants.ENABLE_RAY_CLUSTER = saved
 
 
+def _start_reaper() -> subprocess.Popen[bytes] | None:
+    """A reaper (``asyncflow_ray.reaper``) for a local cluster about to start, in a session of
+    its own (signals to this process's group, Ctrl-C or a scheduler's SIGTERM, leave it
+    waiting for this process); None where there is no ``/proc`` to find the processes in."""
+    if not os.path.isdir("/proc") or not sys.executable:
+        return None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+    return subprocess.Popen(
+        [sys.executable, "-I", script, str(os.getsid(0))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _reaper_watch(reaper: subprocess.Popen[bytes] | None, folder: str | None) -> None:
+    """Name one of the cluster's folders to its reaper (as given and resolved: the kernel
+    shows open files by their real path)."""
+    if reaper is None or not folder or "\n" in folder or reaper.stdin is None:
+        return  # a folder with a line break cannot be said on the reaper's line protocol
+    with contextlib.suppress(OSError):  # the reaper is gone
+        for name in dict.fromkeys((folder, os.path.realpath(folder))):
+            reaper.stdin.write(os.fsencode(name) + b"\n")
+        reaper.stdin.flush()
+
+
+def _stop_reaper(reaper: subprocess.Popen[bytes] | None, *, reap: bool) -> None:
+    """End the reaper: after it ended the cluster's processes (``reap``: a ``ray.init`` that
+    failed midway), or at once (a cluster shut down: its processes are gone, and any other
+    process holding its files is one the driver forked)."""
+    if reaper is None:
+        return
+    assert reaper.stdin is not None
+    if reap:
+        with contextlib.suppress(OSError):  # gone already
+            reaper.stdin.write(b"\n")  # an empty line: reap now
+            reaper.stdin.flush()
+    else:
+        reaper.terminate()
+    with contextlib.suppress(OSError):
+        reaper.stdin.close()
+    try:
+        reaper.wait(60.0)  # it gives up on what it cannot end well before
+    except subprocess.TimeoutExpired:
+        warnings.warn(
+            f"the Ray cluster's reaper (pid {reaper.pid}) was still ending its processes "
+            "after 60 s; it goes on alone",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _session_dir(ray: ModuleType) -> str | None:
+    try:
+        return str(ray._private.worker.global_worker.node.get_session_dir_path())
+    except Exception:  # pragma: no cover - Ray internals vary
+        return None
+
+
 def _gcs_address(ray: ModuleType) -> str:
     try:
         return str(ray.get_runtime_context().gcs_address)
@@ -320,9 +401,8 @@ def _same_address(ray: ModuleType, address: str) -> bool:
 def _cluster_pids(ray: ModuleType) -> list[int]:
     """The processes of the local cluster started by this driver: those naming its session
     folder (GCS, raylet, agents) and their descendants (the workers)."""
-    try:
-        session = str(ray._private.worker.global_worker.node.get_session_dir_path())
-    except Exception:  # pragma: no cover - Ray internals vary
+    session = _session_dir(ray)
+    if session is None:
         return []
     parent: dict[int, int] = {}
     roots = set()

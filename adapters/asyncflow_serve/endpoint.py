@@ -85,6 +85,15 @@ objects deeper than ``asyncflow_core.flow.tools.MAX_JSON_DEPTH`` (100) levels. E
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with
 ``x-should-retry: false``, so the ``openai`` client raises its own exception class at once
 instead of retrying (it would retry a 409 or a 5xx otherwise).
+
+**Connection timeouts.** A connection must deliver a complete request header within
+``header_timeout_s`` (10 s by default) of opening, and of the first byte of each later
+request on it; one that sends nothing between requests is closed after ``idle_timeout_s``
+(60 s; aiohttp's keep-alive timeout, whose own default is an hour); a 401 closes its
+connection. So a client without the token holds a connection for ``header_timeout_s`` at
+most (and the body of a request refused with 401 is drained for 10 s at most, aiohttp's
+lingering time), and cannot pile up idle or half-sent connections until the process runs out
+of descriptors. A request being answered is never cut, however long its turn takes.
 """
 
 from __future__ import annotations
@@ -124,6 +133,8 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
     ) from _exc
 
 __all__ = [
+    "DEFAULT_HEADER_TIMEOUT_S",
+    "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_MAX_BODY_BYTES",
     "AgentProgram",
     "ChatEndpoint",
@@ -137,6 +148,12 @@ log = logging.getLogger("asyncflow_serve")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 """Request bodies above this many bytes are refused with 413 (a long agent history is a few
 hundred KiB)."""
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+"""A request's header must arrive whole within this many seconds (module docstring)."""
+
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+"""A kept-alive connection that sends nothing for this many seconds is closed."""
 
 _Key = tuple[str, str, tuple[tuple[str, str], ...]]
 """What a message is compared by: role, content text, tool calls as (name, canonical JSON)."""
@@ -263,6 +280,80 @@ class _Request:
     seed: int | None
 
 
+class _Connection(asyncio.Protocol):
+    """One client connection: aiohttp's protocol (``inner``), given the header deadline that
+    aiohttp lacks. The clock starts when the connection opens, and when a byte arrives while
+    no request is being answered (a next request's header); a request reaching the app (its
+    header is whole) stops it (``request_started``, from the middleware); at the deadline
+    the connection is closed. Silence between requests is aiohttp's ``keepalive_timeout``."""
+
+    def __init__(
+        self,
+        inner: asyncio.Protocol,
+        timeout_s: float,
+        live: dict[asyncio.BaseTransport, _Connection],
+    ) -> None:
+        self.inner = inner
+        self.timeout_s = timeout_s
+        self.live = live
+        self.transport: asyncio.BaseTransport | None = None
+        self.deadline: asyncio.TimerHandle | None = None
+        self.answering = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.live[transport] = self
+        self.inner.connection_made(transport)
+        self._start_clock()
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+        if not self.answering and self.deadline is None:
+            self._start_clock()
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_clock()
+        if self.transport is not None:
+            self.live.pop(self.transport, None)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def request_started(self) -> None:
+        self.answering += 1
+        self._stop_clock()
+
+    def request_ended(self) -> None:
+        self.answering -= 1
+
+    def _start_clock(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.deadline = loop.call_later(self.timeout_s, self._expire)
+
+    def _stop_clock(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expire(self) -> None:
+        self.deadline = None
+        if self.answering or self.transport is None or self.transport.is_closing():
+            return
+        log.debug(
+            "ChatEndpoint: closing a connection whose request header did not arrive whole "
+            "within header_timeout_s=%s",
+            self.timeout_s,
+        )
+        self.transport.close()
+
+
 # --------------------------------------------------------------------------------------------
 # The endpoint
 # --------------------------------------------------------------------------------------------
@@ -270,12 +361,15 @@ class ChatEndpoint:
     """The OpenAI-compatible chat-completions server (module docstring).
 
     ``ChatEndpoint(chat, *, host="127.0.0.1", port=0, token=None, model="asyncflow-policy",
-    max_body_bytes=16 MiB)``: ``chat`` renders and parses turns (the format the policy was
-    trained with); ``port=0`` picks a free port; ``token``: the run token every request must
-    carry (default: a fresh ``secrets.token_urlsafe(32)``; at least 16 characters, no
-    whitespace). ``await start()`` binds (``url``, ``addresses``), ``open(client)`` /
-    ``close_session(key)`` bracket one trajectory, ``await close()`` stops serving. Use it on
-    the event loop the ``RLJob`` runs on (its handlers call the clients' ``generate``)."""
+    max_body_bytes=16 MiB, header_timeout_s=10.0, idle_timeout_s=60.0)``: ``chat`` renders and
+    parses turns (the format the policy was trained with); ``port=0`` picks a free port;
+    ``token``: the run token every request must carry (default: a fresh
+    ``secrets.token_urlsafe(32)``; at least 16 characters, no whitespace);
+    ``header_timeout_s`` / ``idle_timeout_s``: how long a connection may take to send a
+    request's header, and may stay silent between requests (module docstring). ``await
+    start()`` binds (``url``, ``addresses``), ``open(client)`` / ``close_session(key)``
+    bracket one trajectory, ``await close()`` stops serving. Use it on the event loop the
+    ``RLJob`` runs on (its handlers call the clients' ``generate``)."""
 
     def __init__(
         self,
@@ -286,6 +380,8 @@ class ChatEndpoint:
         token: str | None = None,
         model: str = "asyncflow-policy",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         if not isinstance(chat, ChatFormat):
             raise ConfigError(
@@ -315,14 +411,26 @@ class ChatEndpoint:
             )
         if max_body_bytes < 1024:
             raise ConfigError(f"ChatEndpoint: max_body_bytes must be >= 1024, got {max_body_bytes}")
+        for name, value in (
+            ("header_timeout_s", header_timeout_s),
+            ("idle_timeout_s", idle_timeout_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"ChatEndpoint: {name} must be a number, got {value!r}")
+            if not 0 < value < math.inf:
+                raise ConfigError(f"ChatEndpoint: {name} must be > 0 and finite, got {value!r}")
         self.chat = chat
         self.host = host
         self.port = port
         self.model = model
         self.max_body_bytes = max_body_bytes
+        self.header_timeout_s = float(header_timeout_s)
+        self.idle_timeout_s = float(idle_timeout_s)
         self._token = token
         self._sessions: dict[str, _Session] = {}
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.BaseTransport, _Connection] = {}
         self._url: str | None = None
         self._addresses: list[tuple[str, int]] = []
         self._created = int(time.time())
@@ -357,22 +465,42 @@ class ChatEndpoint:
 
         @web.middleware
         async def guard(request: web.Request, handler: _Handler) -> web.StreamResponse:
-            return await self._guard(request, handler)
+            transport = request.transport
+            connection = None if transport is None else self._connections.get(transport)
+            if connection is not None:
+                connection.request_started()
+            try:
+                return await self._guard(request, handler)
+            finally:
+                if connection is not None:
+                    connection.request_ended()
 
         app = web.Application(middlewares=[guard], client_max_size=self.max_body_bytes)
         app.router.add_post("/t/{key}/v1/chat/completions", self._chat_completions)
         app.router.add_get("/t/{key}/v1/models", self._models)
         app.router.add_get("/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, keepalive_timeout=self.idle_timeout_s
+        )
         await runner.setup()
+        protocol = runner.server
+        assert protocol is not None  # set up
+
+        def connection() -> _Connection:
+            return _Connection(protocol(), self.header_timeout_s, self._connections)
+
         try:
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
+            # not web.TCPSite: each connection is wrapped to give it the header deadline
+            server = await asyncio.get_running_loop().create_server(
+                connection, self.host, self.port
+            )
         except BaseException:
             await runner.cleanup()
             raise
-        self._runner = runner
-        self._addresses = [(str(a[0]), int(a[1])) for a in runner.addresses]
+        self._runner, self._server = runner, server
+        self._addresses = [
+            (str(s.getsockname()[0]), int(s.getsockname()[1])) for s in server.sockets
+        ]
         port = self._addresses[0][1]
         host = f"[{self.host}]" if ":" in self.host else self.host
         self._url = f"http://{host}:{port}"
@@ -382,7 +510,10 @@ class ChatEndpoint:
     async def close(self) -> None:
         """Stop serving (safe to repeat); open sessions are dropped."""
         runner, self._runner = self._runner, None
+        server, self._server = self._server, None
         self._sessions.clear()
+        if server is not None:
+            server.close()  # stop accepting; the runner closes the open connections
         if runner is not None:
             await runner.cleanup()
 
@@ -831,7 +962,10 @@ def _error(exc: _Refusal) -> web.Response:
     headers = {"x-should-retry": "false"}
     if exc.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return web.json_response(body, status=exc.status, headers=headers)
+    response = web.json_response(body, status=exc.status, headers=headers)
+    if exc.status == 401:  # no keep-alive for a client without the token
+        response.force_close()
+    return response
 
 
 async def _stream(
