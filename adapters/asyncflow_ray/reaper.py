@@ -65,6 +65,13 @@ def cluster_processes(folders: Iterable[str], sid: int, spare: Iterable[int] = (
         parent[pid] = int(fields[1])
         if int(fields[3]) == sid and _uses(entry, names, under):
             roots.add(pid)
+    spared = set(spare)
+    return sorted(p for p in with_descendants(parent, roots) if p not in spared)
+
+
+def with_descendants(parent: dict[int, int], roots: set[int]) -> list[int]:
+    """The processes of ``parent`` (pid -> parent pid) that are in ``roots`` or descend from
+    one (at most 64 generations up)."""
     found = []
     for pid in parent:
         p, depth = pid, 0
@@ -73,8 +80,7 @@ def cluster_processes(folders: Iterable[str], sid: int, spare: Iterable[int] = (
                 found.append(pid)
                 break
             p, depth = parent.get(p, 0), depth + 1
-    spared = set(spare)
-    return sorted(p for p in found if p not in spared)
+    return found
 
 
 def _uses(entry: str, names: list[str], under: tuple[str, ...]) -> bool:

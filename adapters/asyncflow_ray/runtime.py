@@ -53,6 +53,7 @@ import torch
 
 from asyncflow_core.contracts.errors import ConfigError, MissingExtraError
 from asyncflow_core.infra.platform import Platform, get_platform
+from asyncflow_ray.reaper import with_descendants
 
 INSTALL = "pip install 'asyncflow[ray]'"
 TESTED = "2.60"
@@ -410,15 +411,7 @@ def _cluster_pids(ray: ModuleType) -> list[int]:
         parent[pid] = ppid
         if session in cmd:
             roots.add(pid)
-    out = []
-    for pid in parent:
-        p, seen = pid, 0
-        while p > 1 and seen < 64:
-            if p in roots:
-                out.append(pid)
-                break
-            p, seen = parent.get(p, 0), seen + 1
-    return out
+    return with_descendants(parent, roots)
 
 
 def _processes() -> Iterator[tuple[int, str, int]]:
