@@ -10,7 +10,7 @@ the README's failure table lists them, each row a test in ``tests/test_failure_t
   every row, an engine error): the message names the newest checkpoint to resume from;
 - ``2`` bad input: a config, a run folder or checkpoint that cannot be used as given;
 - ``3`` the environment: a folder that cannot be written (read-only, not permitted, a full
-  disk), an engine build left half done;
+  disk), an engine build left half done, an extra that is not installed;
 - ``4`` a bug: anything else, with its traceback and a request to report it."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from asyncflow_core.contracts.errors import (
     CheckpointError,
     ConfigError,
     EnvironmentFault,
+    MissingExtraError,
 )
 from asyncflow_core.flow.config import keys, load_config
 from asyncflow_core.infra.checkpoint import Checkpoints, FolderError
@@ -68,13 +69,13 @@ def _resume_config(run_dir: Path, sets: Sequence[str]) -> RunConfig:
     return cfg
 
 
-def _environment(exc: BaseException) -> OSError | EnvironmentFault | None:
+def _environment(exc: BaseException) -> OSError | AsyncFlowError | None:
     """The error in ``exc``'s chain that a run cannot get past by itself (a folder it cannot
-    write, a full disk, no permission, an ``EnvironmentFault`` such as a stale build lock),
-    if any: the environment's fault."""
+    write, a full disk, no permission, an ``EnvironmentFault`` such as a stale build lock, a
+    library that is not installed), if any: the environment's fault."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, FolderError | EnvironmentFault):
+        if isinstance(seen, FolderError | EnvironmentFault | MissingExtraError):
             return seen
         if isinstance(seen, OSError) and seen.errno in _ENVIRONMENT_ERRNOS:
             return seen
@@ -87,8 +88,8 @@ _ENVIRONMENT_ERRNOS = frozenset(
 )
 
 
-def _say_environment(error: OSError | EnvironmentFault, out: Path) -> int:
-    if isinstance(error, FolderError | EnvironmentFault):
+def _say_environment(error: OSError | AsyncFlowError, out: Path) -> int:
+    if not isinstance(error, OSError) or isinstance(error, FolderError):
         what = str(error)
     else:
         where = f"{error.filename}" if error.filename else str(out)
