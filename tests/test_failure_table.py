@@ -192,6 +192,22 @@ def row_all_damaged(capsys: Any, tmp_path: Path, finished_run: Path, **_: Any) -
     return code, err
 
 
+def row_foreign_key(
+    capsys: Any, tmp_path: Path, finished_run: Path, monkeypatch: pytest.MonkeyPatch, **_: Any
+) -> tuple[int, str]:
+    """A run folder signed on another machine (another checkpoint key): refused, naming the
+    opt-in; with ``--trust-checkpoints`` it resumes (its files still checked)."""
+    run = copy_of(finished_run, tmp_path)
+    (run / "summary.json").unlink()
+    monkeypatch.setenv("ASYNCFLOW_CHECKPOINT_KEY", "another-machine-" + "k" * 32)
+    code, err = cli(capsys, "--resume", str(run), "--quiet")
+    assert "not signed with your checkpoint key" in err
+    trusted, trusted_err = cli(capsys, "--resume", str(run), "--quiet", "--trust-checkpoints")
+    assert trusted == 0, trusted_err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    return code, err
+
+
 def _not_started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record any start-up work (building the workload): a refused folder must come first."""
     job_run = importlib.import_module(
@@ -293,6 +309,7 @@ INJECT: dict[str, Callable[..., tuple[int, str]]] = {
     "segment-garbled": row_segment_garbled,
     "job-edited": row_job_edited,
     "all-damaged": row_all_damaged,
+    "foreign-key": row_foreign_key,
     "read-only": row_read_only,
     "disk-full-start": row_disk_full_start,
     "disk-full-checkpoint": row_disk_full_checkpoint,
@@ -300,8 +317,8 @@ INJECT: dict[str, Callable[..., tuple[int, str]]] = {
     "bug": row_bug,
     "deepspeed-stale-lock": row_deepspeed_stale_lock,
 }
-NEEDS_RUN = {"out-taken", "resume-changed", "resume-none", "weights-flipped", "segment-missing",
-             "segment-garbled", "job-edited", "all-damaged"}  # fmt: skip
+NEEDS_RUN = {"foreign-key", "out-taken", "resume-changed", "resume-none", "weights-flipped",
+             "segment-missing", "segment-garbled", "job-edited", "all-damaged"}  # fmt: skip
 
 
 def test_every_row_of_the_table_has_an_injection_and_every_injection_a_row() -> None:

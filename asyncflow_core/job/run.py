@@ -290,12 +290,17 @@ def _checkpoint_config(folder: Path) -> RunConfig:
 
 def _check_checkpoint(folder: Path, meta: Mapping[str, Any]) -> None:
     """A verified checkpoint's own files agree with each other: its job state reads and is
-    consistent, its run state and trace segments are there, and the identity its manifest
-    signs is that of its ``config.toml``."""
+    consistent, its run state and trace segments are there, and the workload and seed its
+    manifest signs are its ``config.toml``'s. (Not ``config_sha256``: a later AsyncFlow with
+    one more config key hashes the same config otherwise; the signed ``config.toml`` is
+    compared key by key instead, ``changed_keys``.)"""
     JobState.read(folder)
     _trace_segments(_run_state(folder))
     identity = meta.get("identity")
-    if identity != run_identity(_checkpoint_config(folder)):
+    own = run_identity(_checkpoint_config(folder))
+    fixed = ("workload", "seed")
+    signed = {k: identity.get(k) for k in fixed} if isinstance(identity, dict) else {}
+    if signed != {k: own[k] for k in fixed}:
         raise CheckpointError(
             f"{str(folder)!r}: the run identity its manifest signs ({identity!r:.200}) is not "
             f"that of its {CONFIG_FILE}"
@@ -493,7 +498,7 @@ async def run(
                         ),
                         config=to_toml(cfg),
                     ),
-                    identity=run_identity(cfg),
+                    identity=run_identity(cfg), trust=trust_checkpoints,
                 )  # fmt: skip
             step_hook = on_step
             if out is not None:  # metrics.jsonl line by line (resumed: from the checkpoint's)
