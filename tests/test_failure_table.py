@@ -253,18 +253,18 @@ def row_disk_full_checkpoint(capsys: Any, mount: Callable[..., Path], **_: Any) 
 
 
 def row_trainer_lost(tmp_path: Path, **_: Any) -> tuple[int, str]:
-    # in a process of its own: a child's failpoint is read from the environment the child
+    # a process of its own: a child's failpoint is read from the environment the child
     # starts with, and this process's multiprocessing helpers may predate the variable
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "asyncflow_core.cli", "run", "--out", str(run), *SMALL,
-         "--set", "train.process=true"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
-        env={**os.environ, "ASYNCFLOW_FAILPOINTS": "process.trainer.train_step=3"},
-    )  # fmt: skip
-    assert "killed by SIGKILL" in done.stderr, done.stderr
-    assert f"asyncflow run --resume {run}" in done.stderr
-    return done.returncode, done.stderr
+    code, err = _in_a_process_of_its_own(
+        run,
+        "--set",
+        "train.process=true",
+        env={"ASYNCFLOW_FAILPOINTS": "process.trainer.train_step=3"},
+    )
+    assert "killed by SIGKILL" in err, err
+    assert f"asyncflow run --resume {run}" in err
+    return code, err
 
 
 def row_bug(
@@ -283,19 +283,30 @@ def row_bug(
     return code, err
 
 
-def row_deepspeed_stale_lock(
-    capsys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **_: Any
-) -> tuple[int, str]:
+def _in_a_process_of_its_own(run: Path, *sets: str, env: dict[str, str]) -> tuple[int, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncflow_core.cli", "run", "--out", str(run), *SMALL, *sets],
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    return done.returncode, done.stderr
+
+
+def row_deepspeed_stale_lock(tmp_path: Path, **_: Any) -> tuple[int, str]:
+    # a process of its own: one that has loaded the op already (an earlier DeepSpeed test in
+    # this one) rightly needs no build, so it never looks at the lock
     pytest.importorskip("deepspeed")
     cache = tmp_path / "torch_extensions"
     lock = cache / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()  # what a build killed mid-way leaves: nobody holds it, nobody removes it
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
-    code, err = cli(
-        capsys, "--out", str(tmp_path / "run"), *SMALL, "--set", "train.engine=deepspeed"
+    code, err = _in_a_process_of_its_own(
+        tmp_path / "run",
+        "--set",
+        "train.engine=deepspeed",
+        env={"TORCH_EXTENSIONS_DIR": str(cache)},
     )
-    assert f"rm {lock}" in err
+    assert f"rm {lock}" in err, err
     return code, err
 
 
