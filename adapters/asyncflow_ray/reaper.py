@@ -150,7 +150,15 @@ def main(sid: int) -> None:
             folders += [os.fsdecode(line) for line in lines[: lines.index(b"")]]
             break
         folders += [os.fsdecode(line) for line in lines]
-    reap(folders, sid, spare=(os.getpid(), driver))
+    ended = reap(folders, sid, spare=(os.getpid(), driver))
+    if ended:  # on the driver's stderr, if it still has one: what was left, and is no more
+        with contextlib.suppress(OSError):
+            print(
+                f"asyncflow_ray reaper: the Ray cluster's driver (pid {driver}) is gone; "
+                f"signalled its processes {ended}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
