@@ -30,6 +30,7 @@ from asyncflow_core.contracts.errors import (
     ConfigError,
     EnvironmentFault,
     MissingExtraError,
+    TaskFailedError,
 )
 from asyncflow_core.flow.config import keys, load_config
 from asyncflow_core.infra.checkpoint import Checkpoints, FolderError
@@ -67,6 +68,27 @@ def _resume_config(run_dir: Path, sets: Sequence[str]) -> RunConfig:
             f"trained with the run's value); these may: {', '.join(RESUME_KEYS)}"
         )
     return cfg
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc``'s explicit causes (``raise ... from``), nearest first."""
+    out: list[BaseException] = []
+    seen = exc.__cause__
+    while seen is not None and len(out) < 8:
+        out.append(seen)
+        seen = seen.__cause__
+    return out
+
+
+def _explain(exc: BaseException) -> str:
+    """``exc``'s message with its causes' (the cause often says what to do: an engine that
+    could not be built says why)."""
+    text = str(exc)
+    for cause in _causes(exc):
+        said = str(cause)
+        if said and said not in text:
+            text += f"\n  because {type(cause).__name__}: {said}"
+    return text
 
 
 def _environment(exc: BaseException) -> OSError | AsyncFlowError | None:
@@ -188,6 +210,12 @@ def main_job(args: Any) -> int:
         environment = _environment(e)
         if environment is not None:
             return _say_environment(environment, out)
+        causes = _causes(e)
+        if not isinstance(e, TaskFailedError) and any(
+            isinstance(c, ConfigError | CheckpointError) for c in causes
+        ):  # an engine that could not be built, because of what it was given
+            print(f"asyncflow run: {_explain(e)}", file=sys.stderr)
+            return EXIT_INPUT
         if isinstance(e, AsyncFlowError):  # the run stopped: a lost trainer, a failing reward
             latest = Checkpoints(out / "checkpoints").latest()
             where = (
@@ -195,7 +223,7 @@ def main_job(args: Any) -> int:
                 if latest is not None
                 else "no checkpoint was written yet"
             )
-            print(f"asyncflow run: the run stopped: {e}\n{where}", file=sys.stderr)
+            print(f"asyncflow run: the run stopped: {_explain(e)}\n{where}", file=sys.stderr)
             return EXIT_FAILED
         traceback.print_exc()
         print(
