@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class AsyncFlowError(Exception):
     """Root of every error AsyncFlow raises on purpose."""
@@ -188,3 +190,12 @@ class TaskFailedError(PipelineError):
     def __init__(self, task: str, message: str) -> None:
         super().__init__(message)
         self.task = task
+
+
+def error_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or while handling (``__cause__``, else
+    ``__context__``), nearest first: where to look for the error underneath a wrapper."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__

@@ -51,7 +51,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from asyncflow_core.contracts.errors import CheckpointError, ConfigError
+from asyncflow_core.contracts.errors import CheckpointError, ConfigError, error_chain
 
 FAILPOINTS_ENV = "ASYNCFLOW_FAILPOINTS"
 FAILPOINTS_ONCE_ENV = "ASYNCFLOW_FAILPOINTS_ONCE"
@@ -249,11 +249,9 @@ def _disk_full(folder: Path, exc: BaseException) -> str | None:
     """Why ``exc``, raised while writing into ``folder``, means its disk is full (an
     ``ENOSPC`` / ``EDQUOT`` anywhere in its chain, or torch's writer failing with under 1 MiB
     left there: ``torch.save`` says only "unexpected pos"); None otherwise."""
-    seen: BaseException | None = exc
-    while seen is not None:
+    for seen in error_chain(exc):
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return seen.strerror or "no space left"
-        seen = seen.__cause__ or seen.__context__
     if not isinstance(exc, Exception):
         return None
     try:

@@ -31,6 +31,7 @@ from asyncflow_core.contracts.errors import (
     EnvironmentFault,
     MissingExtraError,
     TaskFailedError,
+    error_chain,
 )
 from asyncflow_core.flow.config import keys, load_config
 from asyncflow_core.infra.checkpoint import Checkpoints, FolderError
@@ -39,9 +40,7 @@ from asyncflow_core.job.report import StepProgress, format_summary
 from asyncflow_core.job.run import (
     RunPreempted,
     changed_keys,
-    check_run_folder,
     config_value,
-    refuse_other_run,
     resume_point,
     run,
 )
@@ -95,13 +94,11 @@ def _environment(exc: BaseException) -> OSError | AsyncFlowError | None:
     """The error in ``exc``'s chain that a run cannot get past by itself (a folder it cannot
     write, a full disk, no permission, an ``EnvironmentFault`` such as a stale build lock, a
     library that is not installed), if any: the environment's fault."""
-    seen: BaseException | None = exc
-    while seen is not None:
+    for seen in error_chain(exc):
         if isinstance(seen, FolderError | EnvironmentFault | MissingExtraError):
             return seen
         if isinstance(seen, OSError) and seen.errno in _ENVIRONMENT_ERRNOS:
             return seen
-        seen = seen.__cause__ or seen.__context__
     return None
 
 
@@ -155,14 +152,9 @@ def main_job(args: Any) -> int:
             out = Path(resume)
         else:
             out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-            refuse_other_run(out)
     except ConfigError as e:
         print(f"asyncflow run: {e}", file=sys.stderr)
         return EXIT_INPUT
-    try:
-        check_run_folder(out)  # before any start-up work
-    except OSError as e:
-        return _say_environment(e, out)
     trust = bool(getattr(args, "trust_checkpoints", False))
     rl = cfg.rl_config()
     what = cfg.describe()
@@ -173,8 +165,8 @@ def main_job(args: Any) -> int:
         f"samples; writing {out}/",
         file=sys.stderr,
     )
-    done = 0
-    if resume:
+    done, point = 0, None
+    if resume:  # (run() then takes it as found: the checkpoint's files are hashed once here)
         try:
             point = resume_point(cfg, out, trust=trust)
         except (ConfigError, CheckpointError) as e:
@@ -189,7 +181,7 @@ def main_job(args: Any) -> int:
     try:
         output = asyncio.run(
             run(
-                cfg, out, on_step=progress, resume=bool(resume), preemptible=True,
+                cfg, out, on_step=progress, resume=point or False, preemptible=True,
                 trust_checkpoints=trust,
             )
         )  # fmt: skip

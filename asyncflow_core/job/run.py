@@ -288,16 +288,20 @@ def _checkpoint_config(folder: Path) -> RunConfig:
         raise CheckpointError(f"{str(folder)!r}: its {CONFIG_FILE} is not usable: {e}") from e
 
 
-def _check_checkpoint(folder: Path, meta: Mapping[str, Any]) -> None:
-    """A verified checkpoint's own files agree with each other: its job state reads and is
-    consistent, its run state and trace segments are there, and the workload and seed its
-    manifest signs are its ``config.toml``'s. (Not ``config_sha256``: a later AsyncFlow with
-    one more config key hashes the same config otherwise; the signed ``config.toml`` is
-    compared key by key instead, ``changed_keys``.)"""
-    JobState.read(folder)
-    _trace_segments(_run_state(folder))
+def _read_checkpoint(
+    folder: Path, meta: Mapping[str, Any]
+) -> tuple[JobState, dict[str, Any], RunConfig]:
+    """A verified checkpoint's job state, run state and config, after checking that they agree
+    with each other: its job state reads and is consistent, its run state and trace segments
+    are there, and the workload and seed its manifest signs are its ``config.toml``'s. (Not
+    ``config_sha256``: a later AsyncFlow with one more config key hashes the same config
+    otherwise; the signed ``config.toml`` is compared key by key instead, ``changed_keys``.)"""
+    state = JobState.read(folder)
+    run_state = _run_state(folder)
+    _trace_segments(run_state)
+    config = _checkpoint_config(folder)
     identity = meta.get("identity")
-    own = run_identity(_checkpoint_config(folder))
+    own = run_identity(config)
     fixed = ("workload", "seed")
     signed = {k: identity.get(k) for k in fixed} if isinstance(identity, dict) else {}
     if signed != {k: own[k] for k in fixed}:
@@ -305,6 +309,7 @@ def _check_checkpoint(folder: Path, meta: Mapping[str, Any]) -> None:
             f"{str(folder)!r}: the run identity its manifest signs ({identity!r:.200}) is not "
             f"that of its {CONFIG_FILE}"
         )
+    return state, run_state, config
 
 
 def resume_point(cfg: RunConfig, out: Path, *, trust: bool = False) -> ResumePoint:
@@ -320,7 +325,12 @@ def resume_point(cfg: RunConfig, out: Path, *, trust: bool = False) -> ResumePoi
             f"--resume {out}: {out / 'checkpoints'} holds no complete checkpoint (the run died "
             f"before its first one, every {cfg.checkpoint.every} steps); start it again"
         )
-    folder, skipped = checkpoints.intact(_check_checkpoint)
+    read: dict[Path, tuple[JobState, dict[str, Any], RunConfig]] = {}
+
+    def check(folder: Path, meta: dict[str, Any]) -> None:
+        read[folder] = _read_checkpoint(folder, meta)
+
+    folder, skipped = checkpoints.intact(check)
     if folder is None:
         why = "\n".join(f"  {f.name}: {reason}" for f, reason in skipped)
         raise CheckpointError(
@@ -328,7 +338,8 @@ def resume_point(cfg: RunConfig, out: Path, *, trust: bool = False) -> ResumePoi
             f"from:\n{why}\nstart the run again in a new folder (or, for a run folder copied "
             "from another machine or user that you trust, add --trust-checkpoints)"
         )
-    changed = changed_keys(cfg, _checkpoint_config(folder))
+    state, run_state, saved = read[folder]
+    changed = changed_keys(cfg, saved)
     if changed:
         raise ConfigError(
             f"--resume {out}: changed since checkpoint {folder.name} was written, and not "
@@ -337,14 +348,13 @@ def resume_point(cfg: RunConfig, out: Path, *, trust: bool = False) -> ResumePoi
             f"these may change: {', '.join(RESUME_KEYS)}; to train with the new values start "
             "a new run (--out NEW_FOLDER)"
         )
-    state = JobState.read(folder)
     done = state.version - state.origin
     if cfg.rl.steps < done or (cfg.rl.steps == done and (out / "summary.json").exists()):
         raise ConfigError(
             f"--resume {out}: the run already trained {done} steps of rl.steps = "
             f"{cfg.rl.steps}; to train longer, resume with --set rl.steps=N (N > {done})"
         )
-    return ResumePoint(folder, state, _run_state(folder), tuple(skipped))
+    return ResumePoint(folder, state, run_state, tuple(skipped))
 
 
 RUN_MARKERS = ("config.toml", "metrics.jsonl", "summary.json", "checkpoints")
@@ -418,7 +428,7 @@ async def run(
     out_dir: str | Path | None = None,
     *,
     on_step: Callable[[StepRecord], None] | None = None,
-    resume: bool = False,
+    resume: bool | ResumePoint = False,
     preemptible: bool = False,
     trust_checkpoints: bool = False,
 ) -> RunOutput:
@@ -427,7 +437,8 @@ async def run(
     write the run folder, checkpoints included (``cfg.checkpoint``). ``resume``: continue
     the run in ``out_dir`` from its newest checkpoint (``cfg`` is its config, with only
     ``RESUME_KEYS`` changed; a run that died after its last step but before its summary is
-    evaluated and summarised without training). ``preemptible``: on SIGTERM, write a
+    evaluated and summarised without training; a ``ResumePoint`` the caller got from
+    ``resume_point`` is used as it is, not looked for again). ``preemptible``: on SIGTERM, write a
     checkpoint and raise ``RunPreempted`` (installs a handler on the running loop; the main
     thread only). A fresh run refuses an ``out_dir`` that holds another run
     (``refuse_other_run``); a resumed one continues from the newest intact checkpoint, moving
@@ -441,7 +452,11 @@ async def run(
     if resume:
         if out is None:
             raise ConfigError("run(resume=True) needs out_dir, the run folder to resume")
-        point = resume_point(cfg, out, trust=trust_checkpoints)
+        point = (
+            resume
+            if isinstance(resume, ResumePoint)
+            else resume_point(cfg, out, trust=trust_checkpoints)
+        )
     elif out is not None:
         refuse_other_run(out)
     if out is not None:
