@@ -165,6 +165,26 @@ def test_compute_logprobs_is_transformers_forward_and_padding_free(arch: str) ->
     run(main())
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_response_padded_to_the_sequence_length_keeps_its_logprobs(arch: str) -> None:
+    """A response tensor padded wider than its rows (a micro-batch sliced from a wider batch)
+    can make the kept logits [b, r, V] the shape of all of them [b, t, V]; they were then
+    gathered a second time, from the wrong positions (found by the conformance suite's
+    loss-mask law, issue #42)."""
+    tight = padded_batch(prompts=[[1, 2, 3], [4, 5]], responses=[[11], [15]], advantages=[0, 0])
+    wide = padded_batch([[1, 2, 3], [4, 5]], [[11, 12, 13, 14], [15]], advantages=[0, 0])
+    wide = Batch(wide.rows, dict(wide.data), {**wide.lengths, "response": torch.tensor([1, 1])})
+
+    async def main() -> None:
+        async with closing(engine(arch, micro_batch_size=4)) as trainer:
+            want = await trainer.compute_logprobs(tight)
+            got = await trainer.compute_logprobs(wide)
+            assert got.shape == (2, 4)  # r == t == 4: the shape that was ambiguous
+            assert torch.allclose(got[:, :1], want, atol=1e-6), (got, want)
+
+    run(main())
+
+
 def test_rows_the_model_cannot_read_are_refused() -> None:
     config = tiny_config("tiny-llama", vocab_size=VOCAB)
     config.max_position_embeddings = 8

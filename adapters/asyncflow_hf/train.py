@@ -187,7 +187,11 @@ class HFTrainEngine(AdamWTrainer):
         t = seq.shape[1]
         steps = torch.arange(t).unsqueeze(0)
         mask = (steps < (rows.plen + rows.rlen).unsqueeze(1)).long()
-        keep = {"logits_to_keep": source.to(self.device)} if self._keeps_logits else {}
+        # with r == t the logits of a model that ignored logits_to_keep ([b, t, V]) could not
+        # be told from the kept ones ([b, r, V]): a micro-batch sliced from a wider batch can
+        # have that shape, so there every position's logits are computed and gathered
+        use_keep = self._keeps_logits and r != t
+        keep = {"logits_to_keep": source.to(self.device)} if use_keep else {}
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.dtype == "bf16"):
             out = self.model(
                 input_ids=seq.to(self.device),
@@ -199,7 +203,7 @@ class HFTrainEngine(AdamWTrainer):
         logits = getattr(out, "logits", out)
         if isinstance(logits, Tensor) and logits.dim() == 3 and logits.shape[:2] == (b, t):
             index = source.to(logits.device).unsqueeze(2).expand(b, r, logits.shape[2])
-            logits = logits.gather(1, index)  # a model that ignored logits_to_keep
+            logits = logits.gather(1, index)  # every position's, or a model that ignored it
         if not isinstance(logits, Tensor) or logits.dim() != 3 or logits.shape[:2] != (b, r):
             raise EngineError(
                 f"{self.name}: the model returned logits "
