@@ -47,6 +47,7 @@ from asyncflow_core import (
 )
 from asyncflow_core.contracts.protocols import FinishReason, LossFn
 from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, StepRecord
+from asyncflow_core.training.rl import response_mask
 from asyncflow_core.training.sampling import filter_logits, row_sampling, sampled_logprobs
 
 VOCAB = 16
@@ -312,15 +313,18 @@ class BigramTrainEngine:
             return self._logprobs(batch)
 
     def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        self._logprobs_no_grad(batch)  # validate the whole batch before any change
+        whole = self._logprobs_no_grad(batch)  # validate the whole batch before any change
         b, rlen = len(batch), batch.lengths["response"]
-        total = max(int(rlen.sum()), 1)
+        # token-weighted accumulation over the tokens that train (a loss_mask's 1s, else every
+        # response token), so the step is the same however the rows split into micro-batches
+        total = max(int(response_mask(whole, batch).sum()), 1)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for start in range(0, b, self.micro_batch_size):
             part = batch.slice(start, min(start + self.micro_batch_size, b))
-            loss, _ = loss_fn(self._logprobs(part), part)
-            weight = int(part.lengths["response"].sum()) / total  # token-weighted accumulation
+            logprobs = self._logprobs(part)
+            loss, _ = loss_fn(logprobs, part)
+            weight = int(response_mask(logprobs, part).sum()) / total
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             loss_sum += weight * float(loss.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
