@@ -471,6 +471,20 @@ class MaskBlindLoss(ToolLoopBackend):
         return loss_ignoring_the_mask
 
 
+class TrainerDropsTheMask(ToolLoopBackend):
+    """The reference trainer, but it rebuilds each batch from the fields it knows: the loss
+    never sees ``loss_mask``."""
+
+    def make_trainer(self) -> TorchTrainEngine:
+        class Dropping(TorchTrainEngine):
+            async def train_step(self, batch: Batch, loss_fn: Any) -> Any:
+                data = {k: v for k, v in batch.data.items() if k != LOSS_MASK}
+                lengths = {k: v for k, v in batch.lengths.items() if k != LOSS_MASK}
+                return await super().train_step(Batch(batch.rows, data, lengths), loss_fn)
+
+        return Dropping(turn_ending_model(), seed=0, lr=1e-2, threads=1)
+
+
 @dataclass(frozen=True)
 class Mutant:
     id: str
@@ -501,6 +515,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "the loop changed the client's sampling"),
     Mutant("tool/loss-ignores-mask", MaskBlindLoss, LOSS,
            "gradient with respect to the log-prob of response token"),
+    Mutant("tool/trainer-drops-the-mask", TrainerDropsTheMask, LOSS,
+           "Tool output reaches the loss through train_step"),
     Mutant("tool/restarts-interrupted-turns",
            lambda: wrapped(ToolLoopBackend, RestartsInterruptedTurns), RESUME,
            "regenerated instead of resumed"),

@@ -24,7 +24,12 @@ from asyncflow_conformance import (
     TrainEngineConformance,
     WeightSyncConformance,
 )
-from asyncflow_conformance.engines import BAD_REQUESTS, LOGPROB_SETTINGS, PHASE_MISUSES
+from asyncflow_conformance.engines import (
+    BAD_LOADS,
+    BAD_REQUESTS,
+    LOGPROB_SETTINGS,
+    PHASE_MISUSES,
+)
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
 from asyncflow_reference.sim import (
@@ -394,6 +399,9 @@ class TestTorchInferenceEngine(InferenceEngineConformance):
     def make_engine(self) -> TorchInferenceEngine:
         return TorchInferenceEngine(TORCH_MODEL, max_batch=8, seed=0)
 
+    def weights_for_load(self, engine: Any) -> Sequence[tuple[str, torch.Tensor]]:
+        return [(n, t.detach().clone()) for n, t in engine.model.named_parameters()]
+
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
 
@@ -722,9 +730,10 @@ def test_the_readme_engine_snippets_pass_from_outside(tmp_path: Path) -> None:
 
 
 LAW_COUNTS = {
-    # 11 laws, 2 pause modes, each bad request, the log-prob law under each sampling setting
-    "inference": 11 + 2 + len(BAD_REQUESTS) + len(LOGPROB_SETTINGS),
-    "train": 11 + 2 + 1,  # 11 laws, 2 bad bucket sizes, the default required field "response"
+    # 16 laws, 2 pause modes, each bad request and bad load, the log-prob law under each
+    # sampling setting
+    "inference": 16 + 2 + len(BAD_REQUESTS) + len(BAD_LOADS) + len(LOGPROB_SETTINGS),
+    "train": 13 + 2 + 1,  # 13 laws, 2 bad bucket sizes, the default required field "response"
     "weight sync": 3 + len(PHASE_MISUSES),
 }
 

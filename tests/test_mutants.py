@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from asyncflow_conformance import (
     InferenceEngineConformance,
     TrainEngineConformance,
 )
+from asyncflow_conformance.engines import BAD_LOADS, without_field
 from asyncflow_conformance.pair import PAIR_SETTINGS
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
@@ -34,6 +36,7 @@ from torch import Tensor
 from asyncflow_core.contracts.protocols import Batch, GenerationRequest, GenerationResult, LossFn
 from asyncflow_core.engines.lmtrain import TokenRows
 from asyncflow_core.sync.verify import TensorFingerprint, fingerprints_of
+from asyncflow_core.training.rl import LOSS_MASK
 from asyncflow_core.training.sampling import SAMPLING_FIELDS, filter_logits
 
 MODEL = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=2, max_seq_len=96, init_std=0.5)
@@ -252,7 +255,227 @@ class FingerprintsWhatItWasSent(SkipsOneTensor):
         return {**held, **getattr(self, "_sent", {})}
 
 
+# --------------------------------------------------------------------------------------------
+# Issue #42: bug classes the suite had no law for
+# --------------------------------------------------------------------------------------------
+# 1. version labels across weight changes
+class VersionAtAdmission(TorchInferenceEngine):
+    """Labels every token of a request with the weight version it was admitted under (one
+    version per request, read once)."""
+
+    def _admit(self, admit: list[Any]) -> None:
+        super()._admit(admit)
+        self.__dict__.setdefault("_admitted", {}).update({id(p): self._wversion for p in admit})
+
+    def _retire(self, slots: list[int], reasons: list[Any], out: Any) -> None:
+        admitted = self.__dict__.get("_admitted", {})
+        for slot in slots:
+            pending = self._slots[slot]
+            if pending is not None and id(pending) in admitted:
+                a = int(self._plen[slot]) + len(pending.request.resume_tokens)
+                self._ver[slot, a : int(self._ctx[slot])] = admitted.pop(id(pending))
+        super()._retire(slots, reasons, out)
+
+
+class RelabelsAtFinish(TorchInferenceEngine):
+    """Labels every new token of a request with the engine's version when it finishes."""
+
+    def _retire(self, slots: list[int], reasons: list[Any], out: Any) -> None:
+        for slot in slots:
+            pending = self._slots[slot]
+            if pending is not None:
+                a = int(self._plen[slot]) + len(pending.request.resume_tokens)
+                self._ver[slot, a : int(self._ctx[slot])] = self._wversion
+        super()._retire(slots, reasons, out)
+
+
+class LazyVersionLabel(TorchInferenceEngine):
+    """Reports the loaded version at once, but labels tokens with a version it refreshes only
+    when it admits new requests."""
+
+    _latest = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._latest
+
+    def _apply_weights(self, staged: Any, version: int) -> None:
+        label = self._wversion
+        super()._apply_weights(staged, version)
+        self._latest, self._wversion = version, label
+
+    def _admit(self, admit: list[Any]) -> None:
+        self._wversion = self._latest
+        super()._admit(admit)
+
+
+# 2. the loss mask through train_step
+class DropsLossMask(TorchTrainEngine):
+    """Rebuilds the batch from the fields it knows before the step: the loss never sees
+    ``loss_mask``, and every response token trains."""
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> Any:
+        return await super().train_step(without_field(batch, LOSS_MASK), loss_fn)
+
+
+class _AllTokenRows(TokenRows):
+    __slots__ = ()
+
+    @property
+    def trained_tokens(self) -> int:
+        return self.response_tokens
+
+    def part(self, start: int, stop: int) -> TokenRows:
+        rows = super().part(start, stop)
+        return _AllTokenRows(**{f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)})
+
+
+class WeighsByAllTokens(TorchTrainEngine):
+    """Weighs each micro-batch's loss by its share of all response tokens, not of the tokens
+    the loss mask trains."""
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        rows = super()._prepare(batch)
+        return _AllTokenRows(**{f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)})
+
+
+class MaskShiftedByOne(TorchTrainEngine):
+    """Aligns the loss mask with the input positions instead of the predicted tokens: shifted
+    one to the right."""
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> Any:
+        mask = batch.data.get(LOSS_MASK)
+        if isinstance(mask, Tensor) and mask.dim() == 2:
+            shifted = torch.ones_like(mask)
+            shifted[:, 1:] = mask[:, :-1]
+            batch = Batch(batch.rows, {**batch.data, LOSS_MASK: shifted}, dict(batch.lengths))
+        return await super().train_step(batch, loss_fn)
+
+
+# 3. sampling filters in the documented order
+def _greedy_safe(temp: Tensor) -> Tensor:
+    return torch.where(temp > 0, torch.ones_like(temp), torch.zeros_like(temp))
+
+
+class TopPBeforeTopK(TorchInferenceEngine):
+    """Applies top-p to the whole temperature-scaled distribution, then top-k."""
+
+    def _filter(self, logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+        first = filter_logits(logits, temp, torch.zeros_like(top_k), top_p)
+        return filter_logits(first, _greedy_safe(temp), top_k, torch.ones_like(top_p))
+
+
+class TopPBeforeTemperature(TorchInferenceEngine):
+    """Applies top-k and top-p to the temperature-1 distribution, then the temperature."""
+
+    def _filter(self, logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+        first = filter_logits(logits, _greedy_safe(temp), top_k, top_p)
+        return filter_logits(first, temp, torch.zeros_like(top_k), torch.ones_like(top_p))
+
+
+class TopPDropsTheCrossingToken(TorchInferenceEngine):
+    """Keeps the tokens whose cumulative probability stays within top_p, dropping the one that
+    crosses it (the documented rule keeps it)."""
+
+    def _filter(self, logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+        x = filter_logits(logits, temp, top_k, torch.ones_like(top_p))
+        probs, order = torch.softmax(x, dim=-1).sort(dim=-1, descending=True)
+        keep = probs.cumsum(dim=-1) <= top_p.unsqueeze(-1)
+        keep[..., 0] = True
+        drop = torch.zeros_like(keep).scatter(-1, order, ~keep)
+        active = ((top_p < 1) & (temp > 0)).unsqueeze(-1)
+        return x.masked_fill(active & drop, -math.inf)
+
+
+# 4. loads validated before anything changes
+class LoadsAsItChecks(TorchInferenceEngine):
+    """Copies each tensor in as soon as it is checked: a bad entry after good ones raises
+    with the good ones already loaded."""
+
+    def _check_weights(self, weights: Any) -> list[Any]:
+        for item in weights:
+            for param, tensor in super()._check_weights([item]):
+                with torch.no_grad():
+                    param.copy_(tensor)
+        return []
+
+
+class SkipsUnknownNames(TorchInferenceEngine):
+    """Loads the names it knows and silently skips the others."""
+
+    def _check_weights(self, weights: Any) -> list[Any]:
+        return super()._check_weights([(n, t) for n, t in weights if n in self._params])
+
+
+class VersionBeforeChecks(TorchInferenceEngine):
+    """Sets the new version before it checks the tensors."""
+
+    async def load_weights(self, weights: Any, version: int) -> None:
+        self._wversion = version
+        await super().load_weights(weights, version)
+
+
+# 5. stop tokens
+class StopTokenLeftOut(TorchInferenceEngine):
+    """Ends at a stop token but leaves it out of the result."""
+
+    def _retire(self, slots: list[int], reasons: list[Any], out: Any) -> None:
+        for slot, reason in zip(slots, reasons, strict=True):
+            if reason == "stop":
+                self._ctx[slot] -= 1
+        super()._retire(slots, reasons, out)
+
+
+class FirstStopIdOnly(TorchInferenceEngine):
+    """Honours only the first of several stop ids (passed on as a single EOS id)."""
+
+    def _admit(self, admit: list[Any]) -> None:
+        for pending in admit:
+            ids = pending.request.params.stop_token_ids[:1]
+            params = dataclasses.replace(pending.request.params, stop_token_ids=ids)
+            pending.request = dataclasses.replace(pending.request, params=params)
+        super()._admit(admit)
+
+
+class StopReportedAsLength(TorchInferenceEngine):
+    """Ends at a stop token with finish_reason "length"."""
+
+    def _retire(self, slots: list[int], reasons: list[Any], out: Any) -> None:
+        super()._retire(slots, ["length" if r == "stop" else r for r in reasons], out)
+
+
+# 6. what close() frees
+class CloseKeepsTheWorker(TorchInferenceEngine):
+    """``close()`` stops the driver but never shuts its worker thread's executor down."""
+
+    async def close(self) -> None:
+        self._executor.shutdown = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        await super().close()
+
+
+class CloseKeepsTheDriver(TorchInferenceEngine):
+    """``close()`` shuts the executor down but leaves the driver task waiting."""
+
+    async def close(self) -> None:
+        self._closed = True
+        self._executor.shutdown(wait=False)
+
+
+class TrainerCloseKeepsTheWorker(TorchTrainEngine):
+    """The trainer's ``close()`` marks it closed and leaves its worker thread running."""
+
+    async def close(self) -> None:
+        self._closed = True
+
+
 VERIFY_LAW = "test_a_sync_is_verified_against_the_engines_own_weights"
+LABEL_LAW = "test_tokens_after_a_load_carry_its_version"
+PAUSED_LABEL_LAW = "test_a_load_while_paused_labels_the_resumed_tokens"
+MASK_LAW = "test_train_step_honours_the_loss_mask"
+FILTER_LAW = "test_each_sampling_filter_removes_tokens"
+LOAD_LAW = "test_a_rejected_load_loads_nothing"
+STOP_LAW = "test_stop_token_ids_end_the_request"
+CLOSE_LAW = "test_close_releases_what_the_engine_started"
 
 
 def _closing(self: Any, engine: Any) -> Any:
@@ -265,9 +488,13 @@ def inference_suite(engine_cls: type[TorchInferenceEngine]) -> InferenceEngineCo
         context_window = MODEL.max_seq_len
         long_max_tokens = 80
         real_timeout_s = 120.0
+        release_timeout_s = 5.0  # a correct engine's thread ends within milliseconds
 
         def make_engine(self) -> TorchInferenceEngine:
             return engine_cls(MODEL, max_batch=8, seed=0)
+
+        def weights_for_load(self, engine: Any) -> list[tuple[str, Tensor]]:
+            return [(n, t.detach().clone()) for n, t in engine.model.named_parameters()]
 
         close_engine = _closing
 
@@ -279,6 +506,7 @@ def train_suite(trainer_cls: type[TorchTrainEngine], config: ModelConfig) -> Tra
         vocab_size = config.vocab_size
         required_fields = ("prompt", "response", "advantage")
         real_timeout_s = 120.0
+        release_timeout_s = 5.0
 
         def make_engine(self) -> TorchTrainEngine:
             return trainer_cls(config, micro_batch_size=2, seed=0)
@@ -373,6 +601,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "test_abort_right_after_submit_is_not_lost",
         "the abort was lost",
     ),
+    *(
+        Mutant(
+            f"d-late-registration-named-first-by-{law.removeprefix('test_')}",
+            lambda: inference_suite(LateAbortRegistration),
+            law,
+            "First cause: the engine registers a request late",
+        )
+        for law in (
+            "test_abort_returns_the_prefix",
+            "test_pause_keep_freezes_in_flight_requests",
+            "test_pause_abort_aborts_in_flight_requests",
+            LABEL_LAW,
+        )
+    ),
     Mutant(
         "e-checkpoint-drops-optimizer",
         lambda: train_suite(CheckpointDropsOptimizer, MODEL),
@@ -448,6 +690,72 @@ MUTANTS: tuple[Mutant, ...] = (
         VERIFY_LAW,
         "hashed from what it was sent",
     ),
+    # issue #42: one entry per (mutant, law that must fail it)
+    *(
+        Mutant(f"versions-{name}", lambda cls=cls: inference_suite(cls), law, message)
+        for name, cls in (
+            ("at-admission", VersionAtAdmission),
+            ("relabelled-at-finish", RelabelsAtFinish),
+            ("lazy-label", LazyVersionLabel),
+        )
+        for law, message in (
+            (LABEL_LAW, "(reports its version|not a later one)"),
+            (PAUSED_LABEL_LAW, "(every token sampled after the load|keep each token's own)"),
+        )
+    ),
+    *(
+        Mutant(f"mask-{name}", lambda cls=cls: train_suite(cls, MODEL), MASK_LAW, message)
+        for name, cls, message in (
+            ("dropped", DropsLossMask, "Masked tokens must not train"),
+            ("weighs-all-tokens", WeighsByAllTokens, "Masked tokens must not train"),
+            ("shifted-by-one", MaskShiftedByOne, "Masked tokens must not train"),
+        )
+    ),
+    *(
+        Mutant(f"filters-{name}", lambda cls=cls: inference_suite(cls), FILTER_LAW, message)
+        for name, cls, message in (
+            ("top-p-before-top-k", TopPBeforeTopK, "applies top-p to another distribution"),
+            ("top-p-before-temperature", TopPBeforeTemperature, "(another distribution|log-prob)"),
+            ("top-p-drops-the-crossing-token", TopPDropsTheCrossingToken, "(crossing|log-prob)"),
+            ("ignored", IgnoresTopKTopP, "top-k keeps the 4 most probable"),
+            ("logprobs-before-filters", LogprobsBeforeFilters, "renormalised after the filters"),
+        )
+    ),
+    *(
+        Mutant(f"load-{name}-{bad}", lambda cls=cls: inference_suite(cls), LOAD_LAW, message, bad)
+        for name, cls, message, cases in (
+            ("as-it-checks", LoadsAsItChecks, "it loaded the tensors before", BAD_LOADS),
+            ("skips-unknown-names", SkipsUnknownNames, "was accepted", ("unknown-name",)),
+            ("version-first", VersionBeforeChecks, "left weight_version at", BAD_LOADS),
+        )
+        for bad in cases
+    ),
+    *(
+        Mutant(f"stop-{name}", lambda cls=cls: inference_suite(cls), STOP_LAW, message)
+        for name, cls, message in (
+            ("token-left-out", StopTokenLeftOut, "it must end at the stop token"),
+            ("first-id-only", FirstStopIdOnly, "(it must end at the stop token|stop_token_ids)"),
+            ("reported-as-length", StopReportedAsLength, "finish_reason 'length' with"),
+        )
+    ),
+    Mutant(
+        "close-keeps-the-worker",
+        lambda: inference_suite(CloseKeepsTheWorker),
+        CLOSE_LAW,
+        "threads the engine started were still alive",
+    ),
+    Mutant(
+        "close-keeps-the-driver",
+        lambda: inference_suite(CloseKeepsTheDriver),
+        CLOSE_LAW,
+        "asyncio tasks the engine started still run",
+    ),
+    Mutant(
+        "trainer-close-keeps-the-worker",
+        lambda: train_suite(TrainerCloseKeepsTheWorker, MODEL),
+        CLOSE_LAW,
+        "threads the engine started were still alive",
+    ),
     Mutant(
         "loss-path-ignores-sampling",
         lambda: pair_suite(trainer_cls=LossPathIgnoresSampling),
@@ -481,6 +789,19 @@ def test_every_mutant_class_of_the_issue_is_covered() -> None:
     covered = {m.id.split("-")[0] for m in MUTANTS if len(m.id.split("-")[0]) == 1}
     assert covered >= set("abcdefgh"), sorted(covered)
     assert len(MUTANTS) >= 12
+
+
+def test_every_bug_class_of_issue_42_fails_on_two_mutants() -> None:
+    """Issue #42's classes (version labels, the loss mask, filters that bite, rejected loads,
+    stop tokens, close()): each has laws that fail on at least two different mutants."""
+    engines: dict[str, set[str]] = {}
+    for m in MUTANTS:
+        kind = m.id.split("-")[0]
+        if kind in ("versions", "mask", "filters", "load", "stop", "close", "trainer"):
+            kind = "close" if kind == "trainer" else kind
+            engines.setdefault(kind, set()).add(m.id.split("-", 1)[1].rsplit("-name", 1)[0])
+    short = {k: sorted(v) for k, v in engines.items() if len(v) < 2}
+    assert len(engines) == 6 and not short, (sorted(engines), short)
 
 
 class InvalidatedPrefixCache(StalePrefixCache):

@@ -54,7 +54,11 @@ the trajectories against. The laws:
    rows of trajectories with tool turns, every token the engine did not generate (by the
    recorded evidence, not by the trajectory's own labels) has ``loss_mask`` 0, the job's loss
    (``make_loss``, default ``policy_gradient_loss``) has an exactly zero gradient with
-   respect to its log-prob, and changing those log-probs leaves the loss bit for bit the same.
+   respect to its log-prob, and changing those log-probs leaves the loss bit for bit the same;
+   then through the trainer: from one checkpoint, ``train_step`` reports the same loss and
+   grad norm (``mask_rtol``) when the behaviour, proximal and reference log-probs of those
+   tokens move (under ``importance_weighted_loss``, which reads them), and other ones when
+   those of generated tokens move.
 4. **An interrupted trajectory resumes with its versions intact**
    (``test_an_interrupted_trajectory_resumes_with_versions_intact``): after
    ``interrupt_after_tokens`` tokens of its first turn (``SupportsProgress.wait_for_tokens``)
@@ -97,9 +101,11 @@ import dataclasses
 import inspect
 import itertools
 import math
+import tempfile
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal, cast
 
 import pytest
@@ -124,6 +130,7 @@ from asyncflow_core.contracts.protocols import (
     SupportsPause,
     SupportsProgress,
     TrainEngine,
+    TrainMetrics,
     Version,
     WeightSync,
 )
@@ -138,7 +145,14 @@ from asyncflow_core.flow.agent import (
 )
 from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
 from asyncflow_core.sync.transports import InProcessWeightSync
-from asyncflow_core.training.rl import LOSS_MASK, PROX_LOGPROBS, REF_LOGPROBS, policy_gradient_loss
+from asyncflow_core.training.rl import (
+    BEHAVIOUR_LOGPROBS,
+    LOSS_MASK,
+    PROX_LOGPROBS,
+    REF_LOGPROBS,
+    policy_gradient_loss,
+    response_mask,
+)
 from asyncflow_core.training.sampling import SAMPLING_FIELDS, sampling_columns
 
 __all__ = [
@@ -535,6 +549,21 @@ def trajectory_agreement(
     return Agreement(int(every.numel()), float(every.mean()), float(every.max()), tuple(rows))
 
 
+def importance_weighted_loss(
+    logprobs: torch.Tensor, batch: Batch
+) -> tuple[torch.Tensor, Mapping[str, float]]:
+    """``-mean(advantage · exp(logprob - behaviour logprob))`` over the ``loss_mask == 1``
+    response tokens (``response_mask``): a loss whose value moves with the behaviour log-probs
+    of every token it counts, so a trainer that lets masked tokens in shows it (law 3)."""
+    adv = torch.as_tensor(batch["advantage"], dtype=logprobs.dtype).reshape(-1, 1)
+    behaviour = torch.as_tensor(batch[BEHAVIOUR_LOGPROBS], dtype=logprobs.dtype)
+    behaviour = behaviour[:, : logprobs.shape[1]].to(logprobs.device)
+    mask = response_mask(logprobs, batch).to(logprobs.dtype)
+    ratio = torch.exp(logprobs - behaviour) * mask
+    loss = -(adv.to(logprobs.device) * ratio).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"iw_loss": float(loss.detach())}
+
+
 def _with_fields(batch: Batch, extra: Mapping[str, torch.Tensor], like: str) -> Batch:
     lengths = dict(batch.lengths)
     for name in extra:
@@ -653,6 +682,9 @@ class AgentLoopConformance(_Suite):
     """Bound on the mean |trainer - engine| log-prob over the generated tokens."""
     logprob_max_atol: ClassVar[float] = 1e-2
     """Bound on the largest |trainer - engine| log-prob of one generated token."""
+    mask_rtol: ClassVar[float] = 1e-3
+    """How far (relatively) ``train_step``'s loss and grad norm may move when only the
+    log-prob fields of tokens the policy did not generate change (law 3)."""
     bucket_bytes: ClassVar[int] = 1 << 30
     # -- failures ----------------------------------------------------------------------------
     tool_failures: ClassVar[tuple[ToolFailure, ...]] = TOOL_FAILURES
@@ -1021,6 +1053,62 @@ class AgentLoopConformance(_Suite):
         self._law(name, body, policy="model", trainer=True)
 
     # -- law 3 -------------------------------------------------------------------------------
+    async def _through_train_step(
+        self,
+        trainer: Any,
+        batch: Batch,
+        outside: Sequence[Sequence[int]],
+        generated: Sequence[set[int]],
+        trajectories: Sequence[Trajectory],
+    ) -> None:
+        """Law 3 through the trainer: from one checkpoint, ``train_step`` on the trajectory
+        batch and on the same batch with the behaviour, proximal and reference log-probs of
+        the tokens the policy did not generate moved report the same loss and grad norm
+        (``mask_rtol``), under ``importance_weighted_loss`` (which reads those fields); moving
+        those of generated tokens changes them. Catches a trainer that drops the
+        ``loss_mask`` before the loss or slices it wrongly into micro-batches."""
+        behaviour = batch[BEHAVIOUR_LOGPROBS].float()
+
+        def moved(rows: Sequence[Iterable[int]]) -> Batch:
+            values = behaviour.clone()
+            for i, cols in enumerate(rows):
+                for j in cols:
+                    values[i, j] -= 2.5 + 0.01 * j
+            fields = {BEHAVIOUR_LOGPROBS: values, PROX_LOGPROBS: values, REF_LOGPROBS: values}
+            return _with_fields(batch, fields, "response")
+
+        tool = moved(outside)
+        pairs = zip(trajectories, generated, strict=True)
+        own = moved([{g - t.prompt_length for g in gen} for t, gen in pairs])
+        loss_fn = importance_weighted_loss
+        metrics: dict[str, TrainMetrics] = {}
+        with tempfile.TemporaryDirectory(prefix="asyncflow-agent-mask-") as tmp:
+            path = str(Path(tmp) / "checkpoint")
+            await self._wait(trainer.save_checkpoint(path), "save_checkpoint()")
+            for label, rows in (("as is", batch), ("tool moved", tool), ("own moved", own)):
+                await self._wait(trainer.load_checkpoint(path), "load_checkpoint()")
+                metrics[label] = await self._wait(trainer.train_step(rows, loss_fn), "train_step()")
+
+        def apart(a: TrainMetrics, b: TrainMetrics) -> float:
+            return max(
+                abs(x - y) / max(abs(x), abs(y), 1e-6)
+                for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm))
+            )
+
+        a, b, c = metrics["as is"], metrics["tool moved"], metrics["own moved"]
+        assert apart(a, b) <= self.mask_rtol, (
+            f"train_step on the trajectories reported loss {a.loss:.6g} and grad norm "
+            f"{a.grad_norm:.6g}; with the behaviour/proximal/reference log-probs of the tokens "
+            f"the policy did not generate moved: {b.loss:.6g}, {b.grad_norm:.6g}. Tool output "
+            "reaches the loss through train_step: the trainer must hand the loss each "
+            "micro-batch's loss_mask rows"
+        )
+        assert apart(a, c) > 10 * self.mask_rtol, (
+            f"moving the behaviour log-probs of the generated tokens left train_step's loss "
+            f"({a.loss:.6g} -> {c.loss:.6g}) and grad norm unchanged: the law cannot see the "
+            "mask through train_step"
+        )
+
     def test_tool_output_is_never_trained_on(self) -> None:
         """Law 3 (module docstring) on ``samples_per_law`` trajectories of the tool policy
         (the model's engine without one; skipped if no trajectory holds a turn between
@@ -1101,13 +1189,14 @@ class AgentLoopConformance(_Suite):
                 "the loss has a zero gradient at every generated token too: the law cannot tell "
                 "a masked loss from a constant one (make_loss must train the generated tokens)"
             )
+            await self._through_train_step(law.trainer, batch, outside, generated, trajectories)
             self._note(
                 name,
                 f"{_summary(runs)}; {sum(len(c) for c in outside)} response tokens not "
-                "generated: mask 0, gradient 0, loss unchanged",
+                "generated: mask 0, gradient 0, loss unchanged, also through train_step",
             )
 
-        self._law(name, body, policy="tools")
+        self._law(name, body, policy="tools", trainer=True)
 
     # -- law 4 -------------------------------------------------------------------------------
     def test_an_interrupted_trajectory_resumes_with_versions_intact(self) -> None:

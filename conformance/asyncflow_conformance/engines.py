@@ -49,7 +49,10 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import tempfile
+import threading
+import time
 import zlib
 from collections import Counter
 from collections.abc import (
@@ -68,6 +71,7 @@ import pytest
 import torch
 
 from asyncflow_conformance._guard import run_on_fresh_loop
+from asyncflow_conformance.shared import _Proxy
 from asyncflow_core.contracts.errors import AsyncFlowError, WeightSyncError
 from asyncflow_core.contracts.protocols import (
     Batch,
@@ -85,10 +89,12 @@ from asyncflow_core.contracts.protocols import (
     Version,
     WeightBucket,
     WeightSync,
+    tensor_load_refusal,
     unavailable_ability,
 )
 from asyncflow_core.flow.vclock import SimulationDeadlockError
-from asyncflow_core.training.rl import policy_gradient_loss
+from asyncflow_core.sync.verify import SupportsWeightFingerprints
+from asyncflow_core.training.rl import LOSS_MASK, policy_gradient_loss
 from asyncflow_core.training.sampling import sampling_columns
 
 __all__ = [
@@ -262,6 +268,77 @@ class _Suite:
 
         self._run(name, main)
 
+    engine_is_shared: ClassVar[bool] = False
+    """``make_engine`` hands out one engine shared across laws (``close_engine`` does not close
+    it): the law on what ``close()`` releases is skipped."""
+    release_timeout_s: ClassVar[float] = 60.0
+    """Real seconds a closed engine's threads and processes get to end (a safety net: the law
+    returns as soon as they have)."""
+
+    def _close_law(
+        self,
+        name: str,
+        protocol: type,
+        lacks: str,
+        use: Callable[[Any], Coroutine[Any, Any, None]],
+    ) -> None:
+        """Build an engine, ``use`` it, ``close_engine`` it: every asyncio task, thread and
+        child process that appeared since just before ``make_engine()`` must be gone."""
+        if self.engine_is_shared:
+            pytest.skip("the engine is shared across laws (engine_is_shared): it is not closed")
+
+        async def main() -> None:
+            threads = set(threading.enumerate())
+            tasks = asyncio.all_tasks()
+            children = _child_pids()
+            make = self.make_engine  # type: ignore[attr-defined]
+            engine = await self._wait(_resolve(make()), "make_engine()")
+            assert isinstance(engine, protocol), (
+                f"make_engine() returned {type(engine).__name__}, which lacks {lacks}"
+            )
+            if isinstance(engine, _Proxy):
+                pytest.skip("the engine is an EngineHost's, shared across laws: it is not closed")
+            try:
+                await use(engine)
+            finally:
+                await self._wait(self.close_engine(engine), "close_engine()")
+            await settle()
+            me = asyncio.current_task()
+            started = [t for t in asyncio.all_tasks() - tasks if t is not me and not t.done()]
+            if started:  # cancelled ones finish at their next step
+                await asyncio.wait(started, timeout=self.release_timeout_s)
+            left = sorted(_task_name(t) for t in started if not t.done())
+            assert not left, (
+                f"after close_engine() these asyncio tasks the engine started still run: {left}; "
+                "close() must cancel (and await) its background tasks"
+            )
+            deadline = time.monotonic() + self.release_timeout_s
+            new = [
+                t
+                for t in threading.enumerate()
+                if t not in threads and not t.name.startswith("asyncio_")  # the loop's own pool
+            ]
+            for thread in new:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            alive = sorted(t.name for t in new if t.is_alive())
+            assert not alive, (
+                f"{self.release_timeout_s:.0f} s after close_engine() these threads the engine "
+                f"started were still alive: {alive}; close() must stop its worker threads "
+                "(e.g. executor.shutdown())"
+            )
+            spawned = _child_pids() - children
+            while spawned and time.monotonic() < deadline:
+                spawned = {pid for pid in spawned if _running(pid)}
+                if spawned:
+                    time.sleep(0.05)
+            spawned = {pid for pid in spawned if _running(pid)}
+            assert not spawned, (
+                f"{self.release_timeout_s:.0f} s after close_engine() the child process(es) "
+                f"{sorted(spawned)} the engine started were still running; close() must end them"
+            )
+
+        self._run(name, main)
+
     async def _wait(self, awaitable: Awaitable[T], what: str) -> T:
         return await bounded(awaitable, self.timeout_s, what)
 
@@ -381,6 +458,19 @@ def check_generation_result(
     if reason == "stop":
         assert n >= 1, f"{what}: finish_reason 'stop' with no token; the stop token is included"
     k = check_resumed_prefix(request, result, what)
+    stops = set(request.params.stop_token_ids)
+    if stops:
+        # a stop token ends the request where it is sampled: none before the last new token,
+        # and none at all unless the result says "stop" (an engine may also stop on its own
+        # end-of-sequence token, which the request does not name)
+        last = n - 1 if reason == "stop" else n
+        early_stop = [i for i in range(k, last) if result.tokens[i] in stops]
+        assert not early_stop, (
+            f"{what}: new token {early_stop[0]} is {result.tokens[early_stop[0]]}, one of the "
+            f"request's stop_token_ids {sorted(stops)}, yet the request went on to "
+            f"{n} tokens ({reason!r}); a stop token ends the request with 'stop', the token "
+            "included"
+        )
     for i in range(k, n):
         token, lp = result.tokens[i], result.logprobs[i]
         assert isinstance(token, int), f"{what}: token {i} is {token!r}, not an int"
@@ -564,6 +654,137 @@ prefix longer than ``max_tokens`` (no result could both echo it and respect the 
 already in flight."""
 
 
+def _task_name(task: asyncio.Task[Any]) -> str:
+    coro = task.get_coro()
+    return f"{task.get_name()} ({getattr(coro, '__qualname__', type(coro).__name__)})"
+
+
+_SHARED_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+"""Child processes Python starts once and keeps for the interpreter's life (the first spawned
+process starts them): not the engine's."""
+
+
+def _child_pids() -> set[int]:
+    """This process's child processes (Linux ``/proc``; empty elsewhere), but Python's own
+    long-lived multiprocessing helpers."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+                found.update(int(pid) for pid in f.read().split())
+    helpers = set()
+    for pid in found:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+            if any(name in command for name in _SHARED_HELPERS):
+                helpers.add(pid)
+    return found - helpers
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _runs(versions: Sequence[Version]) -> str:
+    """``[0, 0, 0, 1, 1]`` as ``0x3 1x2``: a sequence's versions, for messages."""
+    out: list[str] = []
+    for v in versions:
+        if out and out[-1].split("x")[0] == str(v):
+            head, count = out[-1].split("x")
+            out[-1] = f"{head}x{int(count) + 1}"
+        else:
+            out.append(f"{v}x1")
+    return " ".join(out) or "(none)"
+
+
+def _rounded(q: Mapping[int, float]) -> dict[int, float]:
+    return {t: round(p, 4) for t, p in sorted(q.items(), key=lambda kv: -kv[1])}
+
+
+def _bite_top_p(q: Mapping[int, float], temperature: float) -> tuple[float, set[int]] | None:
+    """A ``top_p`` that keeps exactly the two most probable tokens of ``q`` (top-k's
+    renormalised distribution at ``temperature``), with a margin on both sides and, where one
+    exists, a value at which the same tokens at temperature 1 would keep another number (so
+    top-p applied before the temperature draws otherwise); None on near-ties."""
+    order = sorted(q, key=lambda t: q[t], reverse=True)
+    if len(order) < 3:
+        return None
+    p = [q[t] for t in order]
+    margin = 0.005  # the engine's own numbers: rounding is far below this
+    if p[1] - p[2] < 1e-3 or p[1] < 2 * margin:
+        return None
+    low, high = p[0] + margin, p[0] + p[1] - margin
+    if temperature != 1.0:  # q at temperature 1 is q ** temperature, renormalised
+        raw = [x**temperature for x in p]
+        one, two = raw[0] / sum(raw), (raw[0] + raw[1]) / sum(raw)
+        apart = [(low, min(high, one - margin)), (max(low, two + margin), high)]
+        wide = max(apart, key=lambda span: span[1] - span[0])
+        if wide[1] > wide[0]:
+            low, high = wide
+    if low > high:
+        return None
+    return (low + high) / 2, set(order[:2])
+
+
+def _masked_tails(batch: Batch, field: str, lengths: Sequence[int]) -> tuple[Batch | None, Batch]:
+    """``(masked, cut)``: ``batch`` with a ``loss_mask`` that zeroes a tail of several rows'
+    responses (uneven shares, so micro-batches weigh differently by all tokens than by trained
+    ones), and ``batch`` with those tails cut off (no mask). ``(None, batch)`` when no row has
+    two response tokens or the layout is neither padded (``[B, R]`` with ``lengths``) nor a
+    list of rows."""
+    tails = [(n - 1 if i % 2 == 0 else 0) if n >= 2 else 0 for i, n in enumerate(lengths)]
+    if not any(tails):
+        return None, batch
+    keep = [n - t for n, t in zip(lengths, tails, strict=True)]
+    value = batch.data.get(field)
+    data = dict(batch.data)
+    sizes = dict(batch.lengths)
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and field in batch.lengths:
+        width = int(value.shape[1])
+        mask = torch.zeros(len(lengths), width, dtype=torch.uint8)
+        for i, n in enumerate(keep):
+            mask[i, :n] = 1
+        masked = Batch(batch.rows, {**data, LOSS_MASK: mask}, sizes, batch.tags)
+        ref = batch.lengths[field]
+        cut_lengths = torch.tensor(keep, dtype=ref.dtype).reshape(ref.shape)
+        cut = Batch(batch.rows, data, {**sizes, field: cut_lengths}, batch.tags)
+        return masked, cut
+    if isinstance(value, list | tuple) and all(isinstance(t, torch.Tensor) for t in value):
+        rows = [torch.ones(n, dtype=torch.uint8) for n in lengths]
+        for i, n in enumerate(keep):
+            rows[i][n:] = 0
+        masked = Batch(batch.rows, {**data, LOSS_MASK: rows}, sizes, batch.tags)
+        cut_rows = [t[:n] for t, n in zip(value, keep, strict=True)]
+        cut = Batch(batch.rows, {**data, field: cut_rows}, sizes, batch.tags)
+        return masked, cut
+    return None, batch
+
+
+_LATE_LAW = "test_abort_right_after_submit_is_not_lost"
+
+
+def _late_message(evidence: str) -> str:
+    return (
+        "First cause: the engine registers a request late. One event-loop step after "
+        f"generate() was called the request was not in flight ({evidence}). Register its id "
+        "before generate's first await (the protocol's rule; the law "
+        f"{_LATE_LAW} holds it): an abort, pause, load or wait right after the call otherwise "
+        "finds nothing, and the laws acting on requests in flight fail for that reason."
+    )
+
+
+BadLoad = Literal["unknown-name", "wrong-shape"]
+BAD_LOADS: tuple[BadLoad, ...] = ("unknown-name", "wrong-shape")
+"""The malformed loads ``load_weights`` must reject whole: an unknown name, or a tensor of the
+wrong shape, after every valid tensor."""
+
+
 @dataclass
 class _Gen:
     """A submitted ``generate``: the request, its task and the engine's version then."""
@@ -703,10 +924,61 @@ class InferenceEngineConformance(_Suite):
 
     # -- plumbing ----------------------------------------------------------------------------
     def _law(self, name: str, body: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
+        async def first_cause(engine: Any) -> None:
+            try:
+                await body(engine)
+            except AssertionError as exc:
+                late = await self._registered_late()
+                if late is None:
+                    raise
+                raise AssertionError(
+                    f"{late}\n\nThe law's own failure, which may follow: {exc}"
+                ) from exc
+
         self._engine_law(
-            name, body, InferenceEngine,
+            name, body if name == _LATE_LAW else first_cause, InferenceEngine,
             "the InferenceEngine protocol (weight_version, generate, abort)",
         )  # fmt: skip
+
+    async def _registered_late(self) -> str | None:
+        """After a failed law: whether a fresh engine registers a request only after
+        ``generate``'s first await (the first cause of many failures: an abort, pause or wait
+        right after the call finds nothing), as a message naming it, or None."""
+        try:
+            engine = await self._wait(_resolve(self.make_engine()), "make_engine()")
+        except Exception:
+            return None
+        gen = self._submit(engine, self._long("registration-probe", 3, 11))
+        rid = gen.request.request_id
+        try:
+            await asyncio.sleep(0)  # generate ran to its first await: the id must be in flight
+            if gen.task.done():
+                return None
+            hook = self.progress(engine)
+            if hook is not None:
+                try:
+                    await self._wait(hook(rid, 1), f"wait_for_tokens({rid!r}, 1)")
+                except AsyncFlowError as exc:
+                    if not gen.task.done():
+                        return _late_message(f"wait_for_tokens({rid!r}, 1) raised: {exc}")
+                return None
+            await self._wait(engine.abort([rid]), f"abort([{rid!r}])")
+            result = await self._wait(gen.task, f"generate({rid!r})")
+            if result.finish_reason != "abort":
+                return _late_message(
+                    f"abort([{rid!r}]) right after the call was lost: it ran to "
+                    f"{len(result.tokens)} tokens ({result.finish_reason!r})"
+                )
+            return None
+        except Exception:
+            return None
+        finally:
+            with contextlib.suppress(Exception):
+                if not gen.task.done():
+                    await self._wait(engine.abort([rid]), "abort(probe)")
+                    await asyncio.wait([gen.task], timeout=self.timeout_s)
+            with contextlib.suppress(Exception):
+                await self._wait(self.close_engine(engine), "close_engine()")
 
     def _request(
         self, rid: str, index: int, max_tokens: int, *, seed: int | None = None
@@ -1245,6 +1517,313 @@ class InferenceEngineConformance(_Suite):
 
         self._law("test_a_load_mid_generation_keeps_versions_ordered", body)
 
+    # -- versions across weight changes ----------------------------------------------------
+    def _require_progress(self, engine: Any, law: str) -> ProgressHook:
+        hook = self.progress(engine)
+        if hook is None:
+            pytest.skip(
+                f"{law} needs evidence of how many tokens a request has at a given moment "
+                "(SupportsProgress.wait_for_tokens, or the suite's progress() hook); the engine "
+                "gives none"
+            )
+        return hook
+
+    async def _count(self, hook: ProgressHook, gen: _Gen, count: int) -> int:
+        """How many tokens ``gen`` has once it has ``count`` (or ended): the hook's answer,
+        read after this call began; the final count of a request that had ended."""
+        rid = gen.request.request_id
+        if not gen.task.done():
+            try:
+                return int(await self._wait(hook(rid, count), f"wait_for_tokens({rid!r}, {count})"))
+            except AsyncFlowError:
+                pass  # not in flight: it has ended
+        result = await self._wait(gen.task, f"generate({rid!r})")
+        return len(result.tokens)
+
+    def test_tokens_after_a_load_carry_its_version(self) -> None:
+        """Each token is labelled with the weights that sampled it: two long requests
+        generate through two loads; before each ``load_weights(..., v)`` the law reads each
+        request's count (``progress``), and after the load returns, the count again. Tokens
+        below the count before the load report a version below ``v`` (they were sampled
+        before it); tokens from the count after it on report ``v`` or newer, exactly the last
+        loaded version after the last load. Catches a version taken once per request (at
+        admission, or at the end for every token) or refreshed only when new requests
+        arrive. Needs the engine's evidence of progress; an attempt in which the requests
+        ended before the last load is repeated."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsLoadWeights, "SupportsLoadWeights")
+            hook = self._require_progress(engine, "test_tokens_after_a_load_carry_its_version")
+            seen: list[str] = []
+            for attempt in range(self.max_attempts):
+                base = engine.weight_version
+                gens = [
+                    self._submit(
+                        engine, self._long(f"label-{attempt}-{i}", 14 + i, 77 * attempt + i)
+                    )
+                    for i in range(2)
+                ]
+                await asyncio.sleep(0)  # each generate reached its first await: in flight
+                have = {g.request.request_id: 0 for g in gens}
+                marks: list[tuple[Version, dict[str, int], dict[str, int]]] = []
+                for step in (1, 2):
+                    version = base + step
+                    before = {}
+                    for g in gens:
+                        rid = g.request.request_id
+                        before[rid] = await self._count(hook, g, have[rid] + 1)
+                    await self._wait(
+                        engine.load_weights(self.weights_for_load(engine), version),
+                        f"load_weights(..., {version}) while requests generate",
+                    )
+                    after = {}
+                    for g in gens:
+                        rid = g.request.request_id
+                        after[rid] = have[rid] = await self._count(hook, g, before[rid] + 1)
+                    marks.append((version, before, after))
+                results = [await self._finish(engine, g) for g in gens]
+                checked = 0
+                for result in results:
+                    rid = result.request_id
+                    versions = tuple(result.versions)
+                    for version, before, after in marks:
+                        stale = [
+                            i
+                            for i in range(min(before[rid], len(versions)))
+                            if versions[i] >= version
+                        ]
+                        assert not stale, (
+                            f"request {rid!r}: token {stale[0]} reports version "
+                            f"{versions[stale[0]]}, but it was sampled before load_weights(..., "
+                            f"{version}) was called (the request had {before[rid]} tokens "
+                            f"then); a token reports the version of the weights that sampled "
+                            f"it, not a later one (versions {_runs(versions)})"
+                        )
+                        old = [i for i in range(after[rid], len(versions)) if versions[i] < version]
+                        assert not old, (
+                            f"request {rid!r}: token {old[0]} reports version {versions[old[0]]}, "
+                            f"but it was sampled after load_weights(..., {version}) had returned "
+                            f"(the request had {after[rid]} tokens by then); every token sampled "
+                            f"after a load reports its version (versions {_runs(versions)})"
+                        )
+                    last_version, _, last_after = marks[-1]
+                    tail = versions[last_after[rid] :]
+                    wrong = sorted(set(tail) - {last_version})
+                    assert not wrong, (
+                        f"request {rid!r}: tokens sampled after the last load_weights(..., "
+                        f"{last_version}) report versions {wrong}; they must report "
+                        f"{last_version} (versions {_runs(versions)})"
+                    )
+                    checked += len(tail)
+                if checked:
+                    return
+                seen.append(f"attempt {attempt}: both requests ended before the last load")
+            raise AssertionError(
+                f"no long request (max_tokens={self.long_max_tokens}) generated a token after "
+                f"a load_weights in {self.max_attempts} attempts ({'; '.join(seen)}): "
+                "load_weights waits for requests to finish, or the requests end within a few "
+                "tokens (raise long_max_tokens)"
+            )
+
+        self._law("test_tokens_after_a_load_carry_its_version", body)
+
+    def test_a_load_while_paused_labels_the_resumed_tokens(self) -> None:
+        """``pause("keep")`` → ``load_weights(..., v)`` → ``resume()`` (the blocking sync):
+        the tokens a kept request had at the pause keep their old version, and every token it
+        samples after ``resume`` reports ``v``. Catches an engine that labels a kept request
+        with the version it was admitted under, or relabels its whole sequence."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsPause, "SupportsPause")
+            self._require(engine, SupportsLoadWeights, "SupportsLoadWeights")
+            law = "test_a_load_while_paused_labels_the_resumed_tokens"
+            hook = self._require_progress(engine, law)
+            seen: list[str] = []
+            for attempt in range(self.max_attempts):
+                base = engine.weight_version
+                version = base + 1
+                gens = [
+                    self._submit(
+                        engine, self._long(f"kept-{attempt}-{i}", 16 + i, 91 * attempt + i)
+                    )
+                    for i in range(2)
+                ]
+                await asyncio.sleep(0)
+                for g in gens:
+                    await self._count(hook, g, 2)
+                await self._wait(engine.pause("keep"), "pause('keep')")
+                try:
+                    frozen = {g.request.request_id: await self._count(hook, g, 1) for g in gens}
+                    await self._wait(
+                        engine.load_weights(self.weights_for_load(engine), version),
+                        f"load_weights(..., {version}) while paused",
+                    )
+                finally:
+                    await self._wait(engine.resume(), "resume()")
+                checked = 0
+                for g in gens:
+                    result = await self._finish(engine, g)
+                    rid = result.request_id
+                    versions = tuple(result.versions)
+                    k = frozen[rid]
+                    relabelled = sorted({v for v in versions[:k] if v >= version})
+                    assert not relabelled, (
+                        f"request {rid!r}: its first {k} tokens were sampled before the pause, "
+                        f"yet report version(s) {relabelled} of the load made while paused; "
+                        f"keep each token's own version (versions {_runs(versions)})"
+                    )
+                    stale = sorted({v for v in versions[k:] if v != version})
+                    assert not stale, (
+                        f"request {rid!r}: after pause('keep') -> load_weights(..., {version}) -> "
+                        f"resume(), its tokens from {k} on report version(s) {stale}; every "
+                        f"token sampled after the load reports {version} (versions "
+                        f"{_runs(versions)})"
+                    )
+                    checked += len(versions) - k
+                if checked:
+                    return
+                seen.append(f"attempt {attempt}: both requests had ended at the pause")
+            raise AssertionError(
+                f"no long request (max_tokens={self.long_max_tokens}) was still generating at "
+                f"pause('keep') in {self.max_attempts} attempts ({'; '.join(seen)})"
+            )
+
+        self._law("test_a_load_while_paused_labels_the_resumed_tokens", body)
+
+    # -- rejected loads ----------------------------------------------------------------------
+    async def _held_weights(self, engine: Any) -> tuple[str, Any]:
+        """What the engine holds, as evidence: its weight fingerprints where it can report
+        them, else a greedy probe's tokens and log-probs."""
+        if isinstance(engine, SupportsWeightFingerprints):
+            prints = await self._wait(engine.weight_fingerprints(), "weight_fingerprints()")
+            return "fingerprints", dict(prints)
+        probe = GenerationRequest(
+            f"probe-{zlib.crc32(repr(engine.weight_version).encode())}-{id(engine) % 997}",
+            tuple(self.prompt_tokens(2)),
+            SamplingParams(max_tokens=4, temperature=0.0),
+        )
+        result = await self._generate(engine, probe)
+        return "greedy probe", (tuple(result.tokens), tuple(result.logprobs))
+
+    def _same_holding(self, a: tuple[str, Any], b: tuple[str, Any]) -> str | None:
+        """None when two ``_held_weights`` agree, else what differs."""
+        kind, x = a
+        y = b[1]
+        if kind == "fingerprints":
+            changed = sorted(n for n in set(x) | set(y) if x.get(n) != y.get(n))
+            return None if not changed else f"fingerprints of {changed[:4]} changed"
+        if x[0] != y[0]:
+            return f"greedy tokens {x[0]} became {y[0]}"
+        gap = max((abs(p - q) for p, q in zip(x[1], y[1], strict=True)), default=0.0)
+        return None if gap <= self.logprob_atol else f"greedy log-probs moved by {gap:.3g}"
+
+    @pytest.mark.parametrize("bad", BAD_LOADS)
+    def test_a_rejected_load_loads_nothing(self, bad: BadLoad) -> None:
+        """``load_weights`` checks every name and shape before it changes anything: a load of
+        changed tensors (the ``weights_for_load`` ones, negated) followed by one unknown name
+        or one tensor of a wrong shape raises an ``AsyncFlowError`` naming it, and leaves the
+        version and the weights as they were (fingerprints, or a greedy probe); the same load
+        without the bad entry then changes them (so the law can see a change). Needs real
+        tensors from ``weights_for_load``."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsLoadWeights, "SupportsLoadWeights")
+            refusal = tensor_load_refusal(engine)
+            if refusal is not None:
+                pytest.skip(f"the engine's load_weights takes no tensors: {refusal}")
+            original = [(n, t) for n, t in self.weights_for_load(engine) if t.is_floating_point()]
+            if not original:
+                pytest.skip(
+                    "weights_for_load returns no tensors (a version bump only), so no load can "
+                    "be checked for atomicity; return the engine's weights there"
+                )
+            changed = [(n, -t.detach().clone()) for n, t in original]
+            if bad == "unknown-name":
+                name = "conformance.no_such_parameter.weight"
+                load = [*changed, (name, changed[-1][1].clone())]
+            else:  # a wrong shape, last (after every valid tensor)
+                name, tensor = changed[-1]
+                shape = list(tensor.shape) or [1]
+                shape[0] += 1
+                load = [*changed[:-1], (name, torch.zeros(shape, dtype=tensor.dtype))]
+            base = engine.weight_version
+            before = await self._held_weights(engine)
+            error = await self._expect_error(
+                engine.load_weights(load, base + 1), f"load_weights with {bad} {name!r}"
+            )
+            assert name in str(error), (
+                f"load_weights rejected the {bad} {name!r} but its message does not name it: "
+                f"{error}"
+            )
+            assert engine.weight_version == base, (
+                f"a rejected load_weights(..., {base + 1}) left weight_version at "
+                f"{engine.weight_version}, not {base}; a rejected load changes nothing"
+            )
+            after = await self._held_weights(engine)
+            moved = self._same_holding(before, after)
+            assert moved is None, (
+                f"load_weights rejected the {bad} {name!r}, yet the engine's weights changed "
+                f"({moved}): it loaded the tensors before the bad one; check every name and "
+                "shape before changing anything"
+            )
+            await self._wait(engine.load_weights(changed, base + 1), "load_weights(valid)")
+            seen = self._same_holding(before, await self._held_weights(engine))
+            try:
+                assert seen is not None, (
+                    f"loading the negated weights changed nothing the law can see ({before[0]}), "
+                    "so it cannot tell whether the rejected load changed anything"
+                )
+            finally:  # a shared engine goes on with the weights it had
+                await self._wait(engine.load_weights(original, base + 2), "load_weights(back)")
+
+        self._law(f"test_a_rejected_load_loads_nothing[{bad}]", body)
+
+    # -- stop tokens -------------------------------------------------------------------------
+    def test_stop_token_ids_end_the_request(self) -> None:
+        """A token of ``stop_token_ids`` ends the request with ``"stop"``, the token included:
+        a seeded request is generated without stop tokens, then again with one of its tokens
+        (its first occurrence at position j) as the stop token: the second result is the
+        first's first j + 1 tokens, ``"stop"``; with other stop ids beside it and the same
+        as a resumed request, too. Without seed determinism the law checks the shape of such
+        results only (no stop token before the end, ``"stop"`` ends on one)."""
+
+        async def body(engine: InferenceEngine) -> None:
+            cap = max(self.max_tokens, 6)
+            plain = self._request("stop-free", 4, cap, seed=4242)
+            free = await self._generate(engine, plain)
+            tokens = tuple(free.tokens)
+            if not tokens:
+                raise AssertionError("a request without stop tokens returned no token")
+            target = tokens[len(tokens) // 2]
+            j = tokens.index(target)
+            others = tuple(sorted({t for t in range(8)} - set(tokens)))[:3]
+            for label, stops in (("alone", (target,)), ("among others", (*others, target))):
+                params = dataclasses.replace(plain.params, stop_token_ids=stops)
+                request = dataclasses.replace(plain, params=params)  # the same id: no two at once
+                result = await self._generate(engine, request)
+                if not self.supports_seed_determinism:
+                    continue  # check_generation_result held its shape
+                assert (tuple(result.tokens), result.finish_reason) == (tokens[: j + 1], "stop"), (
+                    f"a seeded request that generates {list(tokens)} without stop tokens, sent "
+                    f"again with stop_token_ids={list(stops)} ({label}), returned "
+                    f"{list(result.tokens)} ({result.finish_reason!r}); it must end at the stop "
+                    f"token {target} (position {j}) with 'stop', the token included: "
+                    f"{list(tokens[: j + 1])}"
+                )
+            if j >= 1 and self.supports_seed_determinism:
+                resumed = dataclasses.replace(
+                    plain,
+                    params=dataclasses.replace(plain.params, stop_token_ids=(tokens[j],)),
+                    resume_tokens=tokens[:j],
+                    resume_logprobs=tuple(free.logprobs[:j]),
+                    resume_versions=tuple(free.versions[:j]),
+                )
+                result = await self._generate(engine, resumed)
+                # a resumed request re-seeds: only the shape is certain
+                assert result.finish_reason != "abort", "a resumed request came back 'abort'"
+
+        self._law("test_stop_token_ids_end_the_request", body)
+
     def test_sleep_and_wake_up(self) -> None:
         """``sleep()`` then ``wake_up()`` keeps the weight version, and the engine generates
         normally again."""
@@ -1379,6 +1958,165 @@ class InferenceEngineConformance(_Suite):
 
         self._law(f"test_logprobs_match_the_sampling_distribution[{name}]", body)
 
+    # -- sampling filters that bite ------------------------------------------------------------
+    async def _draws(
+        self, engine: InferenceEngine, tag: str, prompt: tuple[int, ...], params: SamplingParams
+    ) -> list[tuple[int, float]]:
+        """``logprob_samples`` one-token requests (distinct seeds) under ``params``:
+        ``(token, log-prob)`` each."""
+        n = self.logprob_samples
+        gens = [
+            self._submit(
+                engine,
+                GenerationRequest(
+                    f"{tag}-{i}", prompt, dataclasses.replace(params, max_tokens=1, seed=5000 + i)
+                ),
+            )
+            for i in range(n)
+        ]
+        out = []
+        for gen in gens:
+            result = await self._finish(engine, gen)
+            assert len(result.tokens) == 1, f"{result.request_id!r}: {len(result.tokens)} tokens"
+            out.append((result.tokens[0], result.logprobs[0]))
+        return out
+
+    async def _refusable(
+        self, engine: InferenceEngine, tag: str, prompt: tuple[int, ...], params: SamplingParams
+    ) -> list[tuple[int, float]]:
+        """``_draws``; an engine that refuses the setting (an ``AsyncFlowError``) skips the
+        law with its message, as an engine may refuse what it cannot honour."""
+        try:
+            return await self._draws(engine, tag, prompt, params)
+        except AsyncFlowError as exc:
+            pytest.skip(f"the engine refuses {params}: {exc}")
+
+    def test_each_sampling_filter_removes_tokens(self) -> None:
+        """Settings chosen on the engine under test so that each filter removes tokens, then
+        the documented order (temperature, top-k, top-p on the renormalised top-k
+        distribution) checked exactly. At temperature ``T`` (2, else 0.5, else 1) on a prompt where
+        more than ``k = 4`` distinct first tokens are drawn: ``top_k=4`` lets at most 4
+        through, renormalised (their probabilities sum to 1 once all are seen); from those
+        probabilities ``q`` the law picks a ``top_p`` between the top-1 and top-2 mass of
+        ``q`` (and, where it can, above the top-2 mass of the same tokens at temperature 1),
+        so exactly the two most probable tokens survive: every draw is one of them, with the
+        log-prob ``log(q_i / (q_1 + q_2))``. Top-p applied before top-k or before the
+        temperature, a threshold that drops the token crossing it, or log-probs from before a
+        filter all draw or report otherwise. An engine whose model is too peaked for top-k to
+        remove anything on any prompt is skipped, saying so."""
+        if not self.supports_real_logprobs:
+            pytest.skip(
+                "the engine declares supports_real_logprobs = False (its log-probs are not "
+                "those of the sampling distribution)"
+            )
+        k = 4
+
+        async def body(engine: InferenceEngine) -> None:
+            tried: list[str] = []
+            for temperature in (2.0, 0.5, 1.0):
+                for index in range(3):
+                    prompt = tuple(self.prompt_tokens(20 + index))
+                    tag = f"bite-t{temperature}-{index}"
+                    try:
+                        free = await self._draws(
+                            engine, f"{tag}-free", prompt, SamplingParams(temperature=temperature)
+                        )
+                    except AsyncFlowError as exc:
+                        pytest.skip(f"the engine refuses temperature {temperature}: {exc}")
+                    distinct = len({t for t, _ in free})
+                    if distinct <= k:
+                        tried.append(
+                            f"T={temperature} prompt {index}: {distinct} tokens unfiltered"
+                        )
+                        continue
+                    top_k = SamplingParams(temperature=temperature, top_k=k)
+                    drawn = await self._refusable(engine, f"{tag}-k", prompt, top_k)
+                    q: dict[int, float] = {}
+                    for token, lp in drawn:
+                        q.setdefault(token, math.exp(lp))
+                    assert len(q) <= k, (
+                        f"[T={temperature}, top_k={k}] {len(q)} distinct tokens were sampled "
+                        f"({sorted(q)}); top-k keeps the {k} most probable after temperature"
+                    )
+                    if len(q) < k:
+                        more = await self._draws(engine, f"{tag}-k2", prompt, top_k)
+                        for token, lp in more:
+                            q.setdefault(token, math.exp(lp))
+                        assert len(q) <= k, (
+                            f"[T={temperature}, top_k={k}] {len(q)} distinct tokens were "
+                            f"sampled ({sorted(q)}); top-k keeps the {k} most probable"
+                        )
+                    mass = sum(q.values())
+                    if len(q) == k:
+                        assert abs(mass - 1.0) <= 2 * self.logprob_atol, (
+                            f"[T={temperature}, top_k={k}] the {k} tokens top-k keeps were "
+                            f"reported with probabilities {_rounded(q)}, summing to {mass:.4f}, "
+                            "not 1: report the log-probs of the distribution sampled from, "
+                            "renormalised after the filters (asyncflow_core.training.sampling)"
+                        )
+                    else:
+                        tried.append(
+                            f"T={temperature} prompt {index}: top-k showed {len(q)} of {k} tokens"
+                        )
+                        continue
+                    choice = _bite_top_p(q, temperature)
+                    if choice is None:
+                        tried.append(f"T={temperature} prompt {index}: near-ties in {_rounded(q)}")
+                        continue
+                    top_p, kept = choice
+                    both = SamplingParams(temperature=temperature, top_k=k, top_p=top_p)
+                    final = await self._refusable(engine, f"{tag}-kp", prompt, both)
+                    z = sum(q[t] for t in kept)
+                    setting = f"T={temperature}, top_k={k}, top_p={top_p:.4f}"
+                    outside = sorted({t for t, _ in final if t not in kept})
+                    assert not outside, (
+                        f"[{setting}] sampled token(s) {outside}; top-k keeps {_rounded(q)} "
+                        f"(probabilities after temperature, as this engine reported them), and "
+                        f"top-p={top_p:.4f} on that renormalised distribution keeps only "
+                        f"{sorted(kept)}. The engine applies top-p to another distribution "
+                        "(before top-k, or before the temperature), or in another order"
+                    )
+                    for token, lp in final:
+                        want = math.log(q[token] / z)
+                        assert abs(lp - want) <= self.logprob_atol, (
+                            f"[{setting}] token {token} was reported with log-prob {lp:.4f}; "
+                            f"after top-k {_rounded(q)} and top-p keeping {sorted(kept)} it is "
+                            f"log({q[token]:.4f} / {z:.4f}) = {want:.4f}"
+                        )
+                    n = len(final)
+                    for token in kept:
+                        share = q[token] / z
+                        hits = sum(1 for t, _ in final if t == token)
+                        if hits == 0 and (1 - share) ** n < 1e-6:
+                            raise AssertionError(
+                                f"[{setting}] token {token} (probability {share:.3f} after "
+                                f"top-k and top-p) was never sampled in {n} draws; top-p must "
+                                f"keep {sorted(kept)}, the token whose cumulative probability "
+                                "crosses top_p included"
+                            )
+                    return
+            pytest.skip(
+                f"no setting in which top-k removes tokens and top-p then removes some of "
+                f"those ({'; '.join(tried)}): the model is too peaked (or too tied) here"
+            )
+
+        self._law("test_each_sampling_filter_removes_tokens", body)
+
+    def test_close_releases_what_the_engine_started(self) -> None:
+        """After ``close_engine`` (its ``close()``) every asyncio task, thread and child
+        process that the engine started (since just before ``make_engine()``, through one
+        request) has ended (waited for, up to ``release_timeout_s``)."""
+
+        async def use(engine: InferenceEngine) -> None:
+            await self._still_works(engine, "before-close")
+
+        self._close_law(
+            "test_close_releases_what_the_engine_started",
+            InferenceEngine,
+            "the InferenceEngine protocol (weight_version, generate, abort)",
+            use,
+        )
+
     def _require(self, engine: Any, ability: type, name: str) -> None:
         if not isinstance(engine, ability):
             pytest.skip(f"{type(engine).__name__} does not implement {name} (optional ability)")
@@ -1441,6 +2179,9 @@ class TrainEngineConformance(_Suite):
     logprob_atol: ClassVar[float] = 1e-4
     """How far two ``compute_logprobs`` of the same batch (no step between) may differ."""
     checkpoint_rtol: ClassVar[float] = 1e-3
+    mask_rtol: ClassVar[float] = 1e-3
+    """How far (relatively) the loss and grad norm of a step with masked tail tokens may differ
+    from those of the step with the tokens cut off."""
     """How far (relative to the step's own size) a step after ``load_checkpoint`` may differ
     from the step that followed ``save_checkpoint``."""
 
@@ -1680,6 +2421,78 @@ class TrainEngineConformance(_Suite):
             )
 
         self._law("test_checkpoint_resumes_the_optimizer", body)
+
+    def test_train_step_honours_the_loss_mask(self) -> None:
+        """A ``loss_mask`` field (1 on the response tokens the policy generated, 0 elsewhere,
+        e.g. a tool's output) decides what trains, through ``train_step``: from one saved
+        checkpoint, a step on rows whose trailing response tokens are masked reports the loss
+        and gradient norm of the step on the same rows with those tokens cut off (relative
+        ``mask_rtol``), and not those of the step on the rows without the mask. Catches a
+        trainer that drops the field before the loss, slices it wrongly into micro-batches,
+        or weighs micro-batches by every response token instead of the trained ones. (The
+        metrics, not the weights, are compared: Adam's first step turns rounding noise in a
+        near-zero gradient into a full step.)"""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine does not train")
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            lengths = self.response_lengths(batch)
+            masked, cut = _masked_tails(batch, self.response_field, lengths)
+            if masked is None:
+                pytest.skip(
+                    "make_batch's responses are too short (or not in the padded or list "
+                    "layout) to mask a tail"
+                )
+            runs: dict[str, TrainMetrics] = {}
+            with tempfile.TemporaryDirectory(prefix="asyncflow-mask-") as tmp:
+                path = str(Path(tmp) / "checkpoint")
+                await self._checkpoint(engine, "save", path)
+                for label, rows in (("masked", masked), ("cut", cut), ("unmasked", batch)):
+                    await self._checkpoint(engine, "load", path)
+                    runs[label] = await self._step(engine, rows)
+
+            def apart(a: TrainMetrics, b: TrainMetrics) -> float:
+                """The larger relative difference of the two steps' loss and grad norm."""
+                return max(
+                    abs(x - y) / max(abs(x), abs(y), 1e-6)
+                    for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm))
+                )
+
+            m, c, u = runs["masked"], runs["cut"], runs["unmasked"]
+            assert apart(m, c) <= self.mask_rtol, (
+                f"a step on rows whose last response tokens have loss_mask 0 reported loss "
+                f"{m.loss:.6g} and grad norm {m.grad_norm:.6g}; the same rows with those tokens "
+                f"cut off: loss {c.loss:.6g}, grad norm {c.grad_norm:.6g} (without the mask: "
+                f"{u.loss:.6g}, {u.grad_norm:.6g}). Masked tokens must not train: hand the loss "
+                "each micro-batch's own loss_mask rows and weigh micro-batches by their "
+                "loss_mask == 1 tokens (asyncflow_core.training.rl.response_mask)"
+            )
+            assert apart(m, u) > 10 * self.mask_rtol, (
+                f"the step with the loss_mask reported loss {m.loss:.6g} and grad norm "
+                f"{m.grad_norm:.6g}, the step without it {u.loss:.6g} and {u.grad_norm:.6g}: "
+                "the trainer (or the loss) ignores the loss_mask field"
+            )
+
+        self._law("test_train_step_honours_the_loss_mask", body)
+
+    def test_close_releases_what_the_engine_started(self) -> None:
+        """After ``close_engine`` (its ``close()``) every asyncio task, thread and child
+        process that the engine started (since just before ``make_engine()``, through a
+        ``compute_logprobs`` and a ``train_step``) has ended (waited for, up to
+        ``release_timeout_s``)."""
+
+        async def use(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            await self._wait(engine.compute_logprobs(batch), "compute_logprobs()")
+            await self._step(engine, batch)
+
+        self._close_law(
+            "test_close_releases_what_the_engine_started",
+            TrainEngine,
+            "the TrainEngine protocol",
+            use,
+        )
 
     def test_export_holds_no_parameter_twice(self) -> None:
         """After a step, no two exported names hold the same tensor (same dtype, shape and
@@ -2075,7 +2888,7 @@ class WeightSyncConformance(_Suite):
                 f"{reported}, not {version}"
             )
             if isinstance(target, InferenceEngine):
-                params = SamplingParams(max_tokens=self.max_tokens, seed=i)
+                params = SamplingParams(max_tokens=self.max_tokens, seed=i, stop_token_ids=(1, 2))
                 request = GenerationRequest(
                     f"after-{version}-{i}", tuple(self.prompt_tokens()), params
                 )

@@ -81,6 +81,7 @@ PAIR_SETTINGS: tuple[tuple[str, SamplingParams], ...] = (
     ("t0.7", SamplingParams(temperature=0.7)),
     ("t1.3-top_k=4", SamplingParams(temperature=1.3, top_k=4)),
     ("top_p=0.8", SamplingParams(temperature=1.0, top_p=0.8)),
+    ("t1-stop", SamplingParams(temperature=1.0, stop_token_ids=(1, 2, 3))),
     ("t0.8-top_k=5-top_p=0.9", SamplingParams(temperature=0.8, top_k=5, top_p=0.9)),
 )
 """The sampling settings the agreement law runs under (id, params; ``max_tokens`` and

@@ -480,12 +480,15 @@ def _run_guarded(
     virtual_clock: bool,
     real_timeout_s: float,
     deadlock_timeout_s: float,
+    before: set[threading.Thread],
+    release_timeout_s: float = 60.0,
 ) -> tuple[BaseException | None, bool, tuple[str, ...]]:
     """Run ``make_main()`` on a fresh event loop in a daemon thread. Returns the error that
     escaped the loop (e.g. ``SimulationDeadlockError``), whether the real-time limit ran out
-    (the main task is then cancelled), and the new non-daemon threads still alive after the
-    loop closed. A loop that ignores the cancellation fails the calling test."""
-    before = set(threading.enumerate())
+    (the main task is then cancelled), and the non-daemon threads not in ``before`` (taken
+    before the engines were made) still alive after the loop closed, each given up to
+    ``release_timeout_s`` real seconds in all to end (a safety net: a thread told to stop
+    ends at once). A loop that ignores the cancellation fails the calling test."""
     run = run_on_fresh_loop(
         make_main, name="asyncflow-conformance-job", virtual_clock=virtual_clock,
         real_timeout_s=real_timeout_s, deadlock_timeout_s=deadlock_timeout_s,
@@ -496,13 +499,15 @@ def _run_guarded(
             f"within {CANCEL_GRACE_S:.0f} s of being cancelled (a task ignores cancellation or "
             "a thread blocks forever); its thread is left behind as a daemon"
         )
-    leftover = tuple(
-        sorted(
-            t.name
-            for t in threading.enumerate()
-            if t not in before and t is not run.thread and t.is_alive() and not t.daemon
-        )
-    )
+    new = [
+        t
+        for t in threading.enumerate()
+        if t not in before and t is not run.thread and t.is_alive() and not t.daemon
+    ]
+    deadline = time.monotonic() + release_timeout_s
+    for thread in new:  # an executor shut down with wait=False ends a moment later
+        thread.join(max(0.0, deadline - time.monotonic()))
+    leftover = tuple(sorted(t.name for t in new if t.is_alive()))
     return run.error, run.timed_out, leftover
 
 
@@ -734,8 +739,9 @@ class WorkflowConformance:
     n: ClassVar[int] = 4
     max_tokens: ClassVar[int] = 32
     cases: ClassVar[Sequence[WorkflowCase]] = DEFAULT_CASES
-    real_timeout_s: ClassVar[float] = 60.0
-    """Real seconds one job may take before it is cancelled and its test fails."""
+    real_timeout_s: ClassVar[float] = 600.0
+    """Real seconds one job may take before it is cancelled and its test fails: a safety net
+    against hangs, far above a correct job on a busy machine (60 s failed one once)."""
     deadlock_timeout_s: ClassVar[float] = 10.0
     """Virtual clock: real seconds with nothing scheduled before the loop reports a deadlock."""
     reward_fault_at: ClassVar[int | None] = None
@@ -814,6 +820,7 @@ class WorkflowConformance:
             recorder.fail_train_step_at = self.train_fault_at
         reward_fault = (self.reward_fault_at or batch + 1) if fault == "reward" else None
         run = WorkflowRun(case, config, recorder)
+        threads = set(threading.enumerate())  # before the engines: their threads count too
         made = self.make_engines()
         engines = record_engines(made, recorder)
         lock = threading.Lock()
@@ -869,15 +876,16 @@ class WorkflowConformance:
             )
 
         t0 = time.perf_counter()
-        error, timed_out, threads = _run_guarded(
+        error, timed_out, leftover = _run_guarded(
             main,
             virtual_clock=self.virtual_clock,
             real_timeout_s=self.real_timeout_s,
             deadlock_timeout_s=self.deadlock_timeout_s,
+            before=threads,
         )
         run.real_s = time.perf_counter() - t0
         run.timed_out = timed_out
-        run.leftover_threads = threads
+        run.leftover_threads = leftover
         if error is not None and (
             run.error is None or isinstance(run.error, asyncio.CancelledError)
         ):  # e.g. SimulationDeadlockError escaped the loop, which then cancelled the job

@@ -444,7 +444,7 @@ class TorchInferenceEngine:
             )
         future: asyncio.Future[int] = loop.create_future()
         have = len(pending.request.resume_tokens)
-        if have >= count:
+        if pending.state == "waiting" and have >= count:  # not admitted: the prefix is all
             future.set_result(have)
             return future
         pending.watchers.append((int(count), future))
@@ -773,7 +773,7 @@ class TorchInferenceEngine:
         greedy = temp == 0
         n_greedy = int(greedy.sum())
         logp_all = torch.log_softmax(
-            filter_logits(logits, temp, self._top_k[idx], self._top_p[idx]), dim=-1
+            self._filter(logits, temp, self._top_k[idx], self._top_p[idx]), dim=-1
         )  # -inf off the support: the filtered, renormalised distribution
         if n_greedy == idx.shape[0]:
             choice = logits.argmax(dim=-1)
@@ -802,6 +802,10 @@ class TorchInferenceEngine:
                 choice = torch.where(greedy, logits.argmax(dim=-1), choice)
         logp = logp_all.gather(1, choice.unsqueeze(1)).squeeze(1)
         return choice, logp
+
+    def _filter(self, logits: Tensor, temp: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+        """The sampling distribution's logits (``filter_logits``: temperature, top-k, top-p)."""
+        return filter_logits(logits, temp, top_k, top_p)
 
     def _retire(self, slots: list[int], reasons: list[FinishReason], out: _JobOut) -> None:
         rows = torch.tensor(slots, dtype=torch.long)

@@ -510,7 +510,8 @@ class SimInferenceEngine:
     prefill). A request's response length is ``cost.response_length_at(u)``, ``u`` a hash of
     ``(seed, request_id)``, so a resumed request keeps its target (same seed, same id);
     ``SamplingParams.max_tokens`` caps the whole response, resumed tokens included
-    (``finish_reason="length"``), else it ends with ``"stop"``. Tokens are deterministic ids in
+    (``finish_reason="length"``), else it ends with ``"stop"``, as it does at the first new
+    token in ``stop_token_ids`` (included). Tokens are deterministic ids in
     [0, 32000) and log-probs in [-5, 0) (also functions of ``(seed, request_id)``);
     ``versions[i]`` is the engine's weight version when token ``i`` was produced, so a load
     mid-generation gives later tokens the new version (in-flight swap, KV kept).
@@ -615,6 +616,13 @@ class SimInferenceEngine:
         cap = request.params.max_tokens
         reason: FinishReason = "length" if natural > cap else "stop"
         target = min(natural, cap)
+        stops = set(request.params.stop_token_ids)
+        if stops:  # the first stop token among the new ones ends it, included
+            ids_pool, _ = _pools(_POOL_BASES + self.cost.response_max_tokens)
+            base = key % _POOL_BASES
+            hit = next((i for i in range(start, target) if ids_pool[base + i] in stops), None)
+            if hit is not None:
+                target, reason = hit + 1, "stop"
         seq = _Seq(
             request, target, reason, start, len(request.prompt_tokens), key, loop.create_future()
         )
