@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 TORCH_NPU_PIN := torch-npu==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: run run-hf test lint typecheck pytest pytest-main pytest-side test-vllm vllm-venv bench bench-vllm clean venv faults
+.PHONY: run run-hf test lint typecheck pytest pytest-main pytest-side test-vllm vllm-venv bench bench-vllm clean venv faults mutation test-busy
 
 venv: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml conformance/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,bench-trl,vllm-client,sglang-client,serve,ray,tq,tq-bench]" "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[dev,plot,deepspeed,hf,bench-trl,vllm-client,sglang-client,serve,ray,tq,tq-bench,mutation]" "$(TORCH_PIN)"
 	# The real TransferQueue for tests/test_ray_tq_diff.py and benchmarks/transferqueue.py: its
 	# requirements come from the [tq-bench] extra; --no-deps skips ray[default]'s dashboard
 	# packages, which it does not use (it would not change the torch or ray versions either).
@@ -70,12 +70,14 @@ RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_
 	tests/test_ray_tq_diff.py tests/test_ray_tq_attach.py tests/test_ray_tq_bench.py tests/test_ray_driver_death.py
 # Benchmarks run in a subprocess, --quick, and the staleness quality guard.
 BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/test_staleness_guard.py tests/test_staleness_quality_bench.py
+# The engine suites beside two busy loops (issue #42: no law races the clock).
+BUSY_TESTS := tests/test_busy_engine_suites.py
 # The side tests run in a pytest of their own, beside the main one: the Ray tests need a fresh
 # interpreter (Ray forks its cluster's processes from the test process, and one grown by the
 # ~1,600 tests before could not fork (ENOMEM) in CI), and both sets mostly wait on processes
 # of their own. On the 2-core dev box (fresh clone, 2026-11-27) the pair took 30 min, where
 # one after the other took 42.
-SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS)
+SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS) $(BUSY_TESTS)
 SIDE_LOG := .pytest-side.log
 # The live vLLM tier (tests/live_vllm): a real vLLM (the CPU build) in .venv-vllm, after both
 # halves (it takes both cores: a server, an in-process engine and the trainer). Debug logs of
@@ -127,8 +129,26 @@ test: lint typecheck pytest test-vllm
 faults: $(STAMP)
 	$(PY) -m pytest -q tests/test_failure_table.py tests/test_resume.py tests/test_fuzz_checkpoints.py tests/test_tq_checkpoint.py tests/test_no_unpickling.py
 
+# The engine suites with two busy loops beside them, alone (also in the side half of `make test`).
+test-busy: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -s $(BUSY_TESTS)
+
 bench: $(STAMP)
 	$(PY) benchmarks/datastore.py
+
+# The conformance suite's mutation score (tools/mutation.py, issue #42): MUTATION_SAMPLE code
+# locations of the reference engines, the trainer core, the sampling maths and the weight-sync
+# transports, each mutant run in a copy of the repo against the laws that reach it, two at a
+# time; tables on stdout, the survivors with their diffs in runs/mutation-report.{md,json}.
+# Sized from a measured run (2-core dev box, load average 1.5-4.4): 24 mutants took 8m21s, of
+# which 49 s the baseline and 50 s the sanity mutants, so ~17 s a mutant two at a time (33 s
+# each): 200 take about an hour. The 300 s per mutant lets the laws' own deadlines (up to 120 s)
+# catch a hang first. Not part of `make test`: tests/test_mutation_sample.py runs two fixed
+# mutants there.
+MUTATION_SAMPLE ?= 200
+MUTATION_SEED ?= 0
+mutation: $(STAMP)
+	$(PY) tools/mutation.py --sample $(MUTATION_SAMPLE) --seed $(MUTATION_SEED) --jobs 2 --timeout 300
 
 # vLLM against the HF engine in the main job (learning and samples/s, both environments), and
 # what a weight load into vLLM costs (docs/vllm.md): minutes, not part of `make test`.
