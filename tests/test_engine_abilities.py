@@ -188,6 +188,32 @@ class LoopBound:
         self.weight_version = -1
 
 
+def test_streamed_counts_answer_waits_for_tokens() -> None:
+    """``InFlight.wait_for_tokens`` (what a streaming adapter offers as progress evidence,
+    e.g. ``VLLMEngine.streamed_tokens``): returns once ``advance`` reports the count (with the
+    count then), at once when it is already there, with the final count when the request ends
+    first, and refuses an id not in flight."""
+
+    async def main() -> None:
+        flight = InFlight()
+        flight.start("r", 2)  # a resumed prefix of 2
+        assert await flight.wait_for_tokens("r", 1, who="t") == 2
+        waiting = asyncio.ensure_future(flight.wait_for_tokens("r", 5, who="t"))
+        never = asyncio.ensure_future(flight.wait_for_tokens("r", 99, who="t"))
+        await asyncio.sleep(0)
+        flight.advance("r", 4)
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        flight.advance("r", 7)  # a delta of 3 tokens
+        assert await waiting == 7
+        flight.end("r")
+        assert await never == 7
+        with pytest.raises(EngineError, match="not in flight"):
+            await flight.wait_for_tokens("r", 1, who="t")
+
+    asyncio.run(main())
+
+
 def test_an_engine_host_serves_one_engine_to_every_loop() -> None:
     async def made() -> LoopBound:
         return LoopBound()

@@ -1144,7 +1144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # a mutant run by --ids in a function no law calls: every test that calls into
                 # its file
                 units = units_for(m, base) or base.files.get(m.file, set())
-                source = mutated_source(runner.originals[m.file], m)
+                try:
+                    source = mutated_source(runner.originals[m.file], m)
+                except Exception as exc:  # an operator that cannot rewrite this node
+                    job = Job(m.id, m.file, m.line, m.definition, m.operator, None, frozenset())
+                    why = f"cosmic-ray could not apply {m.operator} here: {exc!r}"
+                    outcomes.append(Outcome(job, [], Verdict("error", {}, [], why), 0, 0.0))
+                    print(f"mutant {m.id}: error: {why}", file=log, flush=True)
+                    continue
                 job = Job(m.id, m.file, m.line, m.definition, m.operator, source, frozenset(units))
                 futures.append(pool_.submit(runner.run, job))
             for i, future in enumerate(as_completed(futures), 1):

@@ -362,7 +362,7 @@ class VLLMEngine(OwnVLLMTransport):
                 "logprobs_mode='processed_logprobs', or sample at temperature 1 unfiltered"
             )
         rid = request.request_id
-        self._requests.start(rid)
+        self._requests.start(rid, len(request.resume_tokens))
         try:
             while True:
                 if not await self._requests.gate(self._gate, rid):
@@ -381,6 +381,14 @@ class VLLMEngine(OwnVLLMTransport):
                     self.retried_requests += 1
         finally:
             self._requests.end(rid)
+
+    async def streamed_tokens(self, request_id: str, count: int) -> int:
+        """Once request ``request_id`` has streamed ``count`` response tokens (resumed ones
+        included) or has ended: its count then (``EngineError`` if it is not in flight). As
+        ``SupportsProgress.wait_for_tokens``, but vLLM is not held meanwhile and a delta may
+        bring many tokens at once, so the engine does not claim that protocol (whose users
+        expect to act at that count); the conformance suite's ``progress`` hook can use it."""
+        return await self._requests.wait_for_tokens(request_id, count, who=self.name)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """``AsyncLLM.abort(ids)`` for the named requests in flight. vLLM drops an abort for a
@@ -655,6 +663,7 @@ class VLLMEngine(OwnVLLMTransport):
             logprobs += _sampled_logprobs(self.name, rid, new, out.logprobs, len(tokens))
             tokens += new
             last = out
+            self._requests.advance(rid, len(request.resume_tokens) + len(tokens))
             if rid in self._requests.aborted and not resent:
                 resent = True  # vLLM has it now: an abort that came before it holds
                 await self.engine.abort([rid])

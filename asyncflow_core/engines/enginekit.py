@@ -410,6 +410,8 @@ class InFlight:
         self._ended: dict[str, asyncio.Event] = {}
         self._abort: dict[str, asyncio.Event] = {}
         self.aborted: set[str] = set()
+        self._counts: dict[str, int] = {}
+        self._watchers: dict[str, list[tuple[int, asyncio.Future[int]]]] = {}
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._ended
@@ -417,13 +419,54 @@ class InFlight:
     def ids(self) -> list[str]:
         return list(self._ended)
 
-    def start(self, rid: str) -> None:
+    def start(self, rid: str, tokens: int = 0) -> None:
+        """``rid`` is in flight, with ``tokens`` response tokens (its resumed prefix)."""
         self._ended[rid] = asyncio.Event()
         self._abort[rid] = asyncio.Event()
+        self._counts[rid] = tokens
+
+    def advance(self, rid: str, tokens: int) -> None:
+        """``rid`` has ``tokens`` response tokens now (an adapter that streams says so as
+        they arrive): the ``wait_for_tokens`` calls they satisfy return."""
+        if rid not in self._counts:
+            return
+        self._counts[rid] = tokens
+        waiting = self._watchers.get(rid)
+        if waiting:
+            keep = []
+            for count, future in waiting:
+                if count <= tokens:
+                    if not future.done():
+                        future.set_result(tokens)
+                else:
+                    keep.append((count, future))
+            waiting[:] = keep
+
+    async def wait_for_tokens(self, rid: str, count: int, *, who: str) -> int:
+        """``SupportsProgress.wait_for_tokens`` from the counts ``advance`` reported: once
+        ``rid`` has ``count`` tokens (or has ended), its count then; ``EngineError`` if it is
+        not in flight. The request may run on a little meanwhile (nothing holds its engine)."""
+        if not is_int(count) or count < 0:
+            raise EngineError(f"{who}: count must be an int >= 0, got {count!r}")
+        have = self._counts.get(rid)
+        if have is None:
+            raise EngineError(
+                f"{who}: request {rid!r} is not in flight; wait on it before its generate() "
+                "call returns"
+            )
+        if have >= count:
+            return have
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._watchers.setdefault(rid, []).append((count, future))
+        return await future
 
     def end(self, rid: str) -> None:
         self._abort.pop(rid, None)
         self.aborted.discard(rid)
+        final = self._counts.pop(rid, 0)
+        for _, future in self._watchers.pop(rid, ()):
+            if not future.done():
+                future.set_result(final)
         event = self._ended.pop(rid, None)
         if event is not None:
             event.set()

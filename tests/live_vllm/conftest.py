@@ -22,8 +22,18 @@ import pytest
 
 REQUIRED = os.environ.get("ASYNCFLOW_LIVE_VLLM") == "1"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-ALLOWED_SKIPS = ("declares SupportsSleep unavailable", "declares GroupReceiver unavailable")
-"""The only skip reasons the tier accepts: a CPU has no sleep mode and no NCCL."""
+ALLOWED_SKIPS = (
+    "declares SupportsSleep unavailable",
+    "declares GroupReceiver unavailable",
+    # the engine the in-process laws share is closed once, at the end, by its EngineHost
+    "shared across laws: it is not closed",
+    # VLLMHTTPEngine asks vLLM's server for whole (non-streamed) answers: it sees no token of
+    # a request before the end, so the version-label laws cannot say which tokens came after
+    # a load; they run on the in-process engine, which streams (issue #42)
+    "needs evidence of how many tokens a request has",
+)
+"""The only skip reasons the tier accepts: a CPU has no sleep mode and no NCCL; the shared
+engine is not closed by a law; the HTTP client has no evidence of progress."""
 
 _counts = {"passed": 0, "failed": 0, "skipped": 0}
 _skips: list[tuple[str, str]] = []

@@ -58,5 +58,10 @@ class TestLiveInProcessEngine(_Live):
         cls.host = live.host(cls.key)
         cls.vocab_size = live.vocab_size(cls.key)
 
+    def progress(self, engine: Any) -> Any:
+        # the deltas the adapter has streamed (vLLM sends one per engine step): evidence for
+        # the laws that act on requests in flight, the version-label laws among them
+        return engine.streamed_tokens
+
     def make_engine(self) -> Any:
         return self.host.proxy()
