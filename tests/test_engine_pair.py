@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from asyncflow_conformance import EnginePairConformance
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
 from asyncflow_reference.model import ModelConfig
@@ -98,5 +99,26 @@ def test_the_readme_pair_snippet_passes_from_outside(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    laws = len(EnginePairConformance.pair_settings) + 3  # + resume, loss, verified sync
+    laws = len(EnginePairConformance.pair_settings) + 4  # + resume, loss, verified, in-flight
     assert proc.returncode == 0 and f"{laws} passed" in out, out[-3000:]
+
+
+class KeepsStaleKVAtALoad(TorchInferenceEngine):
+    """Mutant (issue #42): an in-flight load copies the weights in but keeps the running
+    sequences' KV cache of the old weights, so their next tokens, labelled with the new
+    version, come from a mixed state."""
+
+    def _apply_weights(self, staged: Any, version: int) -> None:
+        refill = self._refill.clone()
+        super()._apply_weights(staged, version)
+        self._refill.copy_(refill)
+
+
+def test_the_inflight_pair_law_fails_a_stale_kv_cache_and_passes_its_fix() -> None:
+    class Stale(TestTorchPair):
+        def make_inference(self) -> TorchInferenceEngine:
+            return KeepsStaleKVAtALoad(PAIR_MODEL, max_batch=16, seed=0)
+
+    with pytest.raises(AssertionError, match=r"while .* requests were generating"):
+        Stale().test_logprobs_agree_across_an_inflight_load()
+    TestTorchPair().test_logprobs_agree_across_an_inflight_load()  # the same engine, refilled

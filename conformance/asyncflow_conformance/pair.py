@@ -43,22 +43,26 @@ import pytest
 import torch
 
 from asyncflow_conformance.engines import (
+    ProgressHook,
     _resolve,
     _Suite,
     _with_sampling,
     check_generation_result,
 )
+from asyncflow_core.contracts.errors import AsyncFlowError
 from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
     GenerationResult,
     InferenceEngine,
     SamplingParams,
+    SupportsProgress,
     TrainEngine,
     TrainMetrics,
     Version,
     WeightBucket,
     WeightSync,
+    inflight_load_refusal,
 )
 from asyncflow_core.data.store import InProcessDataStore
 from asyncflow_core.sync.transports import InProcessWeightSync
@@ -450,6 +454,112 @@ class EnginePairConformance(_Suite):
                 )
 
         self._law(f"test_logprobs_agree_after_a_sync[{name}]", body)
+
+    def progress(self, engine: Any) -> ProgressHook | None:
+        """How the in-flight law sees that requests are generating (as
+        ``InferenceEngineConformance.progress``): default the engine's ``wait_for_tokens``
+        (``SupportsProgress``), else None and the law paces itself from a measured request."""
+        return engine.wait_for_tokens if isinstance(engine, SupportsProgress) else None
+
+    def test_logprobs_agree_across_an_inflight_load(self) -> None:
+        """A sync while requests generate (no pause: ``weight_sync="inflight"``): the tokens
+        labelled with the new version have the trainer's log-probs given the whole context,
+        the tokens sampled under the old weights included (the engine recomputed, or never
+        kept, the context's keys and values of the old weights). After a sync to v (idle),
+        the trainer steps to v + 1; requests of ``2 * max_tokens`` start, and once each has
+        ``max_tokens // 2`` tokens (``progress``; else paced from a measured request) the sync
+        to v + 1 runs. Skipped for an engine that refuses in-flight loads
+        (``inflight_weight_load_refusal``); an attempt in which no request had tokens of both
+        versions is repeated, acting sooner."""
+        params = dataclasses.replace(self.resume_setting, max_tokens=2 * self.max_tokens)
+        short = dataclasses.replace(self.resume_setting, max_tokens=self.max_tokens)
+
+        async def body(pair: _Pair) -> None:
+            refusal = inflight_load_refusal(pair.engine)
+            if refusal is not None:
+                pytest.skip(f"the engine refuses weight loads while it generates: {refusal}")
+            prompts = self._prompts()
+            warm = await self._generate(pair.engine, "inflight-warm", prompts, short, seed=1700)
+            await self._train_and_sync(pair, warm, short)
+            hook = self.progress(pair.engine)
+            delay: float | None = None
+            seen: list[str] = []
+            for attempt in range(3):
+                advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(len(warm))]
+                batch = await rollout_batch(warm, [short] * len(warm), advantages)
+                await self._wait(
+                    pair.trainer.train_step(batch, policy_gradient_loss), "train_step()"
+                )
+                version: Version = pair.trainer.weight_version
+                if hook is None and delay is None:  # pace: a quarter of one whole request
+                    loop = asyncio.get_running_loop()
+                    t0 = loop.time()
+                    await self._generate(pair.engine, "inflight-pace", prompts[:1], params, seed=3)
+                    delay = (loop.time() - t0) / 4
+                requests = [
+                    GenerationRequest(
+                        f"inflight-{attempt}-{i}",
+                        prompt,
+                        dataclasses.replace(params, seed=2100 + 10 * attempt + i),
+                    )
+                    for i, prompt in enumerate(prompts)
+                ]
+                before = pair.engine.weight_version
+                tasks = [asyncio.ensure_future(pair.engine.generate(r)) for r in requests]
+                await asyncio.sleep(0)
+                if hook is not None:
+                    for request, task in zip(requests, tasks, strict=True):
+                        if not task.done():
+                            with contextlib.suppress(AsyncFlowError):
+                                await self._wait(
+                                    hook(request.request_id, self.max_tokens // 2),
+                                    "wait_for_tokens()",
+                                )
+                elif delay:
+                    await asyncio.sleep(delay)
+                await self._transfer(
+                    pair.sync, pair.trainer, version, self.bucket_bytes, init=False
+                )
+                results = []
+                for request, task in zip(requests, tasks, strict=True):
+                    result = await self._wait(task, f"generate({request.request_id!r})")
+                    check_generation_result(
+                        request,
+                        result,
+                        submitted_version=before,
+                        current_version=pair.engine.weight_version,
+                        vocab_size=self.vocab_size,
+                    )
+                    results.append(result)
+                start = [
+                    r.versions.index(version) if version in r.versions else len(r.tokens)
+                    for r in results
+                ]
+                mixed = sum(0 < k < len(r.tokens) for r, k in zip(results, start, strict=True))
+                if not mixed:
+                    seen.append(f"attempt {attempt}: no request had tokens of both versions")
+                    delay = None if delay is None else delay / 4
+                    continue
+                rows = await rollout_batch(results, [params] * len(results))
+                lp = await self._wait(pair.trainer.compute_logprobs(rows), "compute_logprobs()")
+                agreement = logprob_agreement(results, lp, start)
+                if not agreement.within(self.logprob_atol, self.logprob_max_atol):
+                    raise AssertionError(
+                        f"after a sync to version {version} while {mixed} requests were "
+                        f"generating, the tokens they sampled under version {version} disagree "
+                        f"with the trainer's log-probs: {agreement.describe()} (tolerance: mean "
+                        f"{self.logprob_atol}, max {self.logprob_max_atol}). Their context's "
+                        "keys and values must be those of the new weights (recompute the KV "
+                        "cache of running sequences at a load; the reference engine refills "
+                        "it), with the tokens sampled before the load kept in the context"
+                    )
+                return
+            pytest.skip(
+                "no request had tokens from both sides of the in-flight sync "
+                f"({'; '.join(seen)}): the engine finishes requests too fast to catch"
+            )
+
+        self._law("test_logprobs_agree_across_an_inflight_load", body)
 
     def test_logprobs_agree_on_a_resumed_request(self) -> None:
         """Generate a few tokens per prompt, train one step and sync, then resume each request

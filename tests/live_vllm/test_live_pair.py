@@ -66,6 +66,9 @@ class _InProcess(_OnServer):
     async def inference(self) -> Any:
         return self.host.proxy()
 
+    def progress(self, engine: Any) -> Any:
+        return engine.streamed_tokens  # the deltas streamed so far (the in-flight pair law)
+
 
 # --- the pair: log-prob agreement after a sync ----------------------------------------------
 class TestLivePairQwen2OverHTTP(_OnServer, EnginePairConformance):
