@@ -15,6 +15,7 @@ from asyncflow_core.data.store import InProcessDataStore
 class _InProcess(DataStoreConformance):
     supports_fake_clock = True
     supports_direct_read = True
+    supports_virtual_clock = True  # timeouts on the running loop's clock (store.loop_clock)
     num_storage_units: ClassVar[int] = 2
     copy_on_put: ClassVar[bool] = False  # the store's default
 

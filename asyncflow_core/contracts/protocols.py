@@ -383,11 +383,12 @@ class DataStore(Protocol):
         """Write cells and return the rows written.
 
         ``data`` maps field -> one value per row (a list, or a tensor whose dim 0 is the row).
-        ``rows=None`` creates new rows (waiting for capacity up to ``timeout``; then
-        ``StoreTimeoutError``); otherwise writes into existing rows. A cell already ready (or
-        being written) needs ``overwrite=True``; an overwrite replaces the value atomically, so a
-        concurrent reader sees the old or the new value, never a mix. ``tags`` (one per row)
-        are merged into the rows' tags. New rows after ``close`` raise ``PartitionClosedError``.
+        ``rows=None`` creates new rows (waiting for capacity up to ``timeout``, ``None`` =
+        without a limit; then ``StoreTimeoutError``); otherwise writes into existing rows. A
+        cell already ready (or being written) needs ``overwrite=True``; an overwrite replaces
+        the value atomically, so a concurrent reader sees the old or the new value, never a
+        mix. ``tags`` (one per row) are merged into the rows' tags. New rows after ``close``
+        raise ``PartitionClosedError``.
         """
         ...
 

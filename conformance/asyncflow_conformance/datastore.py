@@ -29,6 +29,12 @@ with the ability's name in the reason):
 ``supports_direct_read``
     The subclass overrides ``direct_read`` to read a stored cell without the API under test,
     an independent oracle for "ragged tensors are stored unpadded".
+``supports_virtual_clock``
+    The store measures the waits of ``get_meta`` and ``put`` on the running event loop's clock
+    (``loop.time()``, ``asyncio`` timers), so they run on a ``VirtualClockLoop``
+    (``asyncflow_core.flow.vclock``), where the protocol's 600 s default timeout passes at
+    once. A store that waits elsewhere (a remote controller's own clock) lacks it; the
+    default timeouts are then untested.
 
 One ability is read off the store itself: a ``get_meta`` that names an ``ack`` parameter
 (``asyncflow_core.data.store.folds_ack``; ``**kwargs`` alone does not count) folds an ack into a
@@ -42,8 +48,10 @@ fields are ready, as the protocol says.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
@@ -70,6 +78,8 @@ from asyncflow_core.contracts.errors import (
     UnknownTaskError,
 )
 from asyncflow_core.contracts.protocols import (
+    DEFAULT_GET_TIMEOUT_S,
+    DEFAULT_LEASE_S,
     Batch,
     BatchMeta,
     Candidates,
@@ -83,6 +93,7 @@ from asyncflow_core.contracts.protocols import (
 )
 from asyncflow_core.data.scheduling import GroupSampler, RankAwareSampler, SequentialSampler
 from asyncflow_core.data.store import folds_ack
+from asyncflow_core.flow.vclock import run_virtual
 
 __all__ = [
     "WAIT_S",
@@ -123,6 +134,22 @@ class FixedSampler:
         return self.selection
 
 
+class DropOldestSampler:
+    """Drops the oldest candidate and selects nothing (a staleness policy that finds every row
+    too old), recording each row it dropped."""
+
+    def __init__(self) -> None:
+        self.dropped: list[int] = []
+
+    def select(self, candidates: Candidates, request: SampleRequest) -> Selection:
+        if not len(candidates):
+            return Selection()
+        row = int(candidates.rows[0])
+        if row not in self.dropped:
+            self.dropped.append(row)
+        return Selection(dropped=(row,))
+
+
 class SpySampler:
     """The sequential sampler, recording the candidates and requests it was shown."""
 
@@ -148,6 +175,8 @@ class DataStoreConformance:
     """``store_factory(clock=FakeClock())`` makes the store use that clock for leases."""
     supports_direct_read: ClassVar[bool] = False
     """``direct_read`` is overridden (reads a stored cell bypassing ``get_data``)."""
+    supports_virtual_clock: ClassVar[bool] = False
+    """The waits of ``get_meta`` and ``put`` follow the running event loop's clock."""
     real_lease_s: ClassVar[float] = 0.05
     """Lease length for expiry tests when there is no fake clock (real seconds)."""
 
@@ -156,7 +185,11 @@ class DataStoreConformance:
         name = cls.backend_name or cls.__qualname__
         clock = "yes" if cls.supports_fake_clock else f"no (real {cls.real_lease_s} s leases)"
         direct = "yes" if cls.supports_direct_read else "no"
-        return f"{name} [{cls.__module__}]: fake clock {clock}, direct read {direct}"
+        virtual = "yes" if cls.supports_virtual_clock else "no"
+        return (
+            f"{name} [{cls.__module__}]: fake clock {clock}, direct read {direct}, "
+            f"virtual clock {virtual}"
+        )
 
     # -- hooks for the backend author --------------------------------------------------------
     @pytest.fixture
@@ -196,6 +229,14 @@ class DataStoreConformance:
             pytest.skip(
                 f"{type(self).__name__} lacks the ability supports_fake_clock (a store_factory "
                 "accepting clock=): exact lease deadlines cannot be tested on a real clock"
+            )
+
+    def need_virtual_clock(self) -> None:
+        if not self.supports_virtual_clock:
+            pytest.skip(
+                f"{type(self).__name__} lacks the ability supports_virtual_clock (waits of "
+                "get_meta and put on the event loop's clock): the 600 s default timeout "
+                "cannot be tested without waiting 600 s"
             )
 
     # ========================================================================================
@@ -592,6 +633,136 @@ class DataStoreConformance:
         await store.put("p", {"x": [1, 2, 3]})
         meta = await store.get_meta("p", "t", ["x"], 2, timeout=0)
         assert meta.rows == (0, 1) and not meta.end_of_stream
+
+    # -- the protocol's defaults: DEFAULT_LEASE_S, DEFAULT_GET_TIMEOUT_S, timeout=None ---------
+    @pytest.mark.parametrize("default", ["lease_s", "get_meta_timeout", "put_timeout"])
+    def test_defaults_are_the_protocols(
+        self, store: DataStore, clock: FakeClock | None, default: str
+    ) -> None:
+        """A ``get_meta`` without ``lease_s`` leases for ``DEFAULT_LEASE_S``; a ``get_meta`` or a
+        ``put`` of new rows without ``timeout`` waits ``DEFAULT_GET_TIMEOUT_S``, not less (never
+        a short trap) and not more; ``timeout=None`` waits without a limit. The timeouts run on
+        a ``VirtualClockLoop`` (``supports_virtual_clock``): 600 s of loop time pass at once."""
+        if default == "lease_s":
+            asyncio.run(self._default_lease(store, clock))
+        else:
+            self.need_virtual_clock()
+            run_virtual(self._default_timeout(store, default), deadlock_timeout=WAIT_S)
+
+    async def _default_lease(self, store: DataStore, clock: FakeClock | None) -> None:
+        await new_partition(store)
+        await store.put("p", {"x": [0, 1]})
+        if clock is None:  # the store's clock is its own: compare with an explicit lease
+            start = time.monotonic()
+            explicit = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S, lease_s=60.0)
+            default = await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S)
+            slack = time.monotonic() - start + 1.0
+            gap = default.deadline - explicit.deadline  # DEFAULT_LEASE_S - 60, plus the time
+            assert abs(gap - (DEFAULT_LEASE_S - 60.0)) <= slack, (
+                f"a lease taken without lease_s ends {gap:.1f} s after one of lease_s=60 taken "
+                f"just before: its length is not the protocol's DEFAULT_LEASE_S = "
+                f"{DEFAULT_LEASE_S} s"
+            )
+            await store.ack(explicit)
+            await store.ack(default)
+            return
+        meta = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert meta.deadline == pytest.approx(clock() + DEFAULT_LEASE_S), (
+            f"a lease taken without lease_s ends {meta.deadline - clock()} s from now; the "
+            f"protocol's default is DEFAULT_LEASE_S = {DEFAULT_LEASE_S} s"
+        )
+        clock.advance(DEFAULT_LEASE_S - 1.0)  # just before the default deadline: still held
+        try:
+            early = await store.get_meta("p", "t", ["x"], 2, timeout=0)
+        except StoreTimeoutError:
+            pass
+        else:
+            raise AssertionError(
+                f"rows {early.rows} of a lease taken without lease_s were handed out again "
+                f"{DEFAULT_LEASE_S - 1.0} s later, before DEFAULT_LEASE_S = {DEFAULT_LEASE_S} s"
+            )
+        clock.advance(2.0)  # just after: the rows go back
+        again = await store.get_meta("p", "t", ["x"], 2, timeout=WAIT_S)
+        assert again.rows == meta.rows, (
+            f"a lease taken without lease_s still held its rows past DEFAULT_LEASE_S = "
+            f"{DEFAULT_LEASE_S} s: got {again.rows}"
+        )
+        await store.ack(again)
+
+    async def _default_timeout(self, store: DataStore, default: str) -> None:
+        """One call of each kind with its ``timeout`` left out, then one with ``None``: the
+        first times out at loop time ``DEFAULT_GET_TIMEOUT_S``, the second is still waiting at
+        ten times that and takes what then arrives."""
+        loop = asyncio.get_running_loop()
+        limit = DEFAULT_GET_TIMEOUT_S
+        cells: dict[str, list[int]] = {}
+        if default == "get_meta_timeout":
+            await new_partition(store)
+            what = "get_meta of an empty partition"
+
+            def wait(forever: bool = False) -> Awaitable[Any]:
+                if forever:
+                    return store.get_meta("p", "t", ["x"], 1, timeout=None)
+                return store.get_meta("p", "t", ["x"], 1)
+
+            async def unblock() -> None:
+                await store.put("p", {"x": [7]})
+
+            wanted = (0,)  # the rows of the meta the waiter then gets
+        else:
+            await new_partition(store, fields=("x",), capacity=Capacity(max_rows=1))
+            await store.put("p", {"x": [0]})
+            cells = {"x": [0]}
+            what = "put of a new row into a full partition"
+
+            def wait(forever: bool = False) -> Awaitable[Any]:
+                if forever:
+                    return store.put("p", {"x": [1]}, timeout=None)
+                return store.put("p", {"x": [1]})
+
+            async def unblock() -> None:
+                await store.ack(await store.get_meta("p", "t", ["x"], 1, timeout=WAIT_S))
+
+            wanted = (1,)  # the rows the put then creates
+
+        before = await snapshot(store, "p", cells)
+        start = loop.time()
+        call = asyncio.ensure_future(wait())
+        await asyncio.wait({call}, timeout=10 * limit)
+        waited = loop.time() - start
+        if not call.done():
+            call.cancel()
+            raise AssertionError(
+                f"{what} without a timeout still waited after {waited:.0f} s of loop time; the "
+                f"protocol's default is DEFAULT_GET_TIMEOUT_S = {limit} s"
+            )
+        error = call.exception()
+        if error is None:
+            raise AssertionError(f"{what} returned {call.result()!r:.200} with nothing to give")
+        if not isinstance(error, StoreTimeoutError):
+            raise error
+        assert limit - 0.01 <= waited <= limit + 1.0, (
+            f"{what} without a timeout gave up after {waited:.3f} s of loop time; the "
+            f"protocol's default is DEFAULT_GET_TIMEOUT_S = {limit} s"
+        )
+        assert "'p'" in str(error), f"StoreTimeoutError message does not name 'p': {error}"
+        assert await snapshot(store, "p", cells) == before, f"a timed-out {what} changed the store"
+
+        start = loop.time()
+        call = asyncio.ensure_future(wait(forever=True))
+        await asyncio.wait({call}, timeout=10 * limit)
+        if call.done():
+            ended = call.exception() or call.result()
+            raise AssertionError(
+                f"{what} with timeout=None ended after {loop.time() - start:.3f} s of loop "
+                f"time ({ended!r:.200}); None waits without a limit"
+            )
+        await unblock()
+        got = await asyncio.wait_for(call, WAIT_S)
+        rows = got.rows if isinstance(got, BatchMeta) else got
+        assert rows == wanted, (
+            f"{what} with timeout=None, woken after {10 * limit} s, gave {got!r:.200}"
+        )
 
     # ========================================================================================
     # Consumption per task
@@ -1165,6 +1336,46 @@ class DataStoreConformance:
         )
 
     @async_test
+    async def test_get_data_of_reclaimed_rows_is_rejected(self, store: DataStore) -> None:
+        """Rows every task consumed (by an ack or a drop) are reclaimed: ``get_data`` of them,
+        through the acked lease's own meta or a meta naming them beside a live row, raises
+        ``UnknownRowError`` naming the row, in every layout, and changes nothing. A store that
+        frees reclaimed cells lazily must still refuse them, not hand out what is left."""
+        await new_partition(store)  # one task: its ack or drop reclaims
+        values = ragged([2, 3, 1, 4, 2, 5, 3, 1])
+        await store.put("p", {"x": values})
+        # rows 5, 6 and 7 go (ids that appear in no other number of a message); 0-4 stay
+        acked = await store.get_meta(
+            "p", "t", ["x"], 2, sampler=FixedSampler((6, 5)), timeout=WAIT_S
+        )
+        await store.get_data(acked)  # readable while leased
+        await store.ack(acked)
+        dropper = FixedSampler(selection=Selection(rows=(3,), dropped=(7,)))
+        live = await store.get_meta("p", "t", ["x"], 2, sampler=dropper, timeout=WAIT_S)
+        assert live.rows == (3,)
+        s = await store.stats("p")
+        assert (s.rows_live, s.reclaimed) == (5, 3)
+        metas = [
+            (acked, "6", "the meta of an acked lease"),
+            (BatchMeta("p", "t", (3, 7), ("x",)), "7", "a live row beside a dropped one"),
+            (BatchMeta("p", "t", (5,), ("x",)), "5", "an acked row"),
+        ]
+        for meta, mention, which in metas:
+            for layout in ("padded", "nested", "list"):
+                await expect_rejected(
+                    store,
+                    functools.partial(store.get_data, meta, layout=layout),
+                    UnknownRowError,
+                    mention,
+                    cells={"x": [0, 1, 2, 3, 4]},
+                    because=f"get_data ({layout}) of {which}, reclaimed (rows {meta.rows})",
+                )
+        batch = await store.get_data(live, layout="list")
+        assert batch.rows == (3,) and same(batch["x"][0], values[3])
+        await store.ack(live)
+        assert (await store.stats("p")).rows_live == 4
+
+    @async_test
     async def test_a_later_task_blocks_reclamation_and_sees_old_rows(
         self, store: DataStore
     ) -> None:
@@ -1363,6 +1574,56 @@ class DataStoreConformance:
         s = await store.stats("p")
         assert (s.rows_live, s.reclaimed, dict(s.dropped)) == (0, 3, {"a": 1, "b": 0})
 
+    @async_test
+    async def test_rows_dropped_by_a_timed_out_get_meta_stay_dropped(
+        self, store: DataStore
+    ) -> None:
+        """A sampler drops rows and selects none, so the call times out. The timeout is a
+        rejected call, yet the drops are not part of it (``DataStore.get_meta``,
+        ``StoreTimeoutError``): they stay counted, consumed and never delivered; everything
+        else is as before."""
+        await new_partition(store, tasks=("t", "u"))
+        await store.put("p", {"x": [0, 1, 2, 3]})
+        cells = {"x": [0, 1, 2, 3]}
+        before = await snapshot(store, "p", cells)
+        dropper = DropOldestSampler()
+        with pytest.raises(StoreTimeoutError) as info:
+            await store.get_meta("p", "t", ["x"], 2, sampler=dropper, timeout=0.05)
+        assert "'p'" in str(info.value), f"StoreTimeoutError does not name 'p': {info.value}"
+        dropped = sorted(dropper.dropped)
+        assert dropped, "get_meta timed out without asking the sampler once"
+        n = len(dropped)
+        stats, values = await snapshot(store, "p", cells)
+        assert (stats.dropped["t"], stats.consumed["t"]) == (n, n), (
+            f"the sampler dropped rows {dropped} during a get_meta that timed out, but stats "
+            f"count dropped={stats.dropped['t']}, consumed={stats.consumed['t']} for task 't': "
+            "the drops were undone with the timeout"
+        )
+        expected = dataclasses.replace(
+            before[0],
+            consumed={**before[0].consumed, "t": n},
+            dropped={**before[0].dropped, "t": n},
+        )
+        assert stats == expected, f"the timed-out get_meta changed more than its drops: {stats}"
+        assert values == before[1], "the timed-out get_meta changed stored values"
+        await store.close("p")
+        delivered: list[int] = []
+        for _ in range(6):  # at most 4 rows, then the end; a few more to report a broken store
+            meta = await store.get_meta("p", "t", ["x"], 4, timeout=WAIT_S)
+            if meta.end_of_stream:
+                break
+            delivered += meta.rows
+            await store.ack(meta)
+        else:
+            pytest.fail("task 't' got no end of stream after 6 batches")
+        again = sorted(set(delivered) & set(dropped))
+        assert not again, (
+            f"rows {again}, dropped during a get_meta that timed out, were delivered later"
+        )
+        assert delivered == [r for r in range(4) if r not in dropped]
+        everything = await store.get_meta("p", "u", ["x"], 4, timeout=WAIT_S)
+        assert everything.rows == (0, 1, 2, 3), "a drop for task 't' reached task 'u'"
+
     # ========================================================================================
     # Overwrite
     # ========================================================================================
@@ -1423,6 +1684,54 @@ class DataStoreConformance:
             assert lo == hi and length_of.get(lo) == length, (
                 f"a read saw a mix of versions: length {length}, values {lo}..{hi}"
             )
+
+    @async_test
+    async def test_concurrent_writes_of_one_cell_admit_one(self, store: DataStore) -> None:
+        """Two puts of one unwritten cell without ``overwrite``, started together: one returns
+        and the other raises ``CellAlreadyWrittenError``, whether it comes while the first is
+        being written (a store whose writes take time must mark the cell before it writes) or
+        after; the cell holds the winner's value whole and the loser changed nothing."""
+        n = 1 << 18  # big enough that a store's write of it takes time
+        await new_partition(store)
+        await new_partition(store, "q")  # the same puts one at a time: what "p" must become
+        for partition in ("p", "q"):
+            await store.put(partition, {"x": [0]})
+        values = [torch.full((n,), 1.0), torch.full((n,), 2.0)]  # same size, told apart
+        await store.put("q", {"y": values[:1]}, rows=[0])
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(
+                *(store.put("p", {"y": [v]}, rows=[0]) for v in values), return_exceptions=True
+            ),
+            WAIT_S,
+        )
+        won = [i for i, o in enumerate(outcomes) if not isinstance(o, BaseException)]
+        assert len(won) == 1, (
+            f"two puts of cell (row 0, field 'y') without overwrite=True, started together: "
+            f"{len(won)} of them returned ({outcomes}); the one that comes while the other is "
+            "being written, or after it, must raise CellAlreadyWrittenError"
+        )
+        (winner,) = won
+        error = outcomes[1 - winner]
+        if not isinstance(error, CellAlreadyWrittenError):
+            raise AssertionError(
+                f"the losing put of a cell written concurrently raised {error!r}, not "
+                "CellAlreadyWrittenError"
+            )
+        for mention in ("0", "'y'"):
+            assert mention in str(error), f"CellAlreadyWrittenError does not name {mention}"
+        assert outcomes[winner] == (0,)
+        batch = await store.get_data(BatchMeta("p", "t", (0,), ("y",)), layout="list")
+        assert same(batch["y"][0], values[winner]), (
+            "the cell does not hold the value of the put that returned, whole"
+        )
+        p, q = await store.stats("p"), await store.stats("q")
+        assert p == dataclasses.replace(q, name="p"), (
+            f"the rejected put changed the store: after both puts {p}\nafter one put {q}"
+        )
+        loser = values[1 - winner]
+        assert await store.put("p", {"y": [loser]}, rows=[0], overwrite=True) == (0,)
+        batch = await store.get_data(BatchMeta("p", "t", (0,), ("y",)), layout="list")
+        assert same(batch["y"][0], loser)
 
     # ========================================================================================
     # Rejected calls: the named error, a message naming the value, the store unchanged

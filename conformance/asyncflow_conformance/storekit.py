@@ -9,7 +9,6 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
-import pytest
 import torch
 
 from asyncflow_core.contracts.errors import AsyncFlowError
@@ -129,22 +128,32 @@ async def expect_rejected(
     *mentions: str,
     partition: str = "p",
     cells: Mapping[str, Sequence[int]] | None = None,
+    because: str = "",
 ) -> E:
     """Assert ``call()`` raises ``error`` whose message contains every ``mentions`` string, and
-    that ``partition``'s stats and ``cells`` values are the same before and after."""
+    that ``partition``'s stats and ``cells`` values are the same before and after. A call that
+    returns fails with an ``AssertionError`` naming what it returned, after ``because`` (why
+    the call must be rejected); an error of another type propagates as it is."""
     before = await snapshot(store, partition, cells or {})
-    with pytest.raises(error) as info:
-        await call()
-    message = str(info.value)
+    try:
+        result = await call()
+    except error as e:
+        caught = e
+    else:
+        why = f"{because}: " if because else ""
+        raise AssertionError(
+            f"{why}the call returned {result!r:.300} instead of raising {error.__name__}"
+        )
+    message = str(caught)
     for m in mentions:
-        assert m in message, f"{type(info.value).__name__} message does not name {m!r}: {message}"
+        assert m in message, f"{type(caught).__name__} message does not name {m!r}: {message}"
     after = await snapshot(store, partition, cells or {})
     assert after[0] == before[0], (
-        f"a rejected call ({type(info.value).__name__}) changed stats:\n"
+        f"a rejected call ({type(caught).__name__}) changed stats:\n"
         f"before {before[0]}\nafter  {after[0]}"
     )
-    assert after[1] == before[1], f"a rejected call ({type(info.value).__name__}) changed data"
-    return info.value
+    assert after[1] == before[1], f"a rejected call ({type(caught).__name__}) changed data"
+    return caught
 
 
 async def new_partition(

@@ -15,6 +15,7 @@ from my_store import make_store
 class TestTimedStore(DataStoreConformance):
     backend_name = "TimedStore(InProcessDataStore)"
     supports_fake_clock = True  # make_store(clock=...) reads lease deadlines from the clock
+    supports_virtual_clock = True  # its waits follow the event loop's clock
 
     @pytest.fixture
     def store_factory(self) -> Callable[..., object]:
