@@ -102,6 +102,8 @@ class BigramInferenceEngine:
         self._paused = False
         self._closed = False
         self._changed: asyncio.Condition | None = None  # created on the engine's loop
+        self._waiting: dict[str, list[tuple[int, asyncio.Future[int]]]] = {}
+        self._counts: dict[str, int] = {}  # request id in flight -> tokens it has
         self._worker = _Worker(name)
 
     @property
@@ -113,6 +115,7 @@ class BigramInferenceEngine:
         self._validate(request)
         rid = request.request_id
         self._live[rid] = False  # in flight from here on, before the first await
+        self._counts[rid] = len(request.resume_tokens)
         tokens = list(request.resume_tokens)  # a resumed prefix comes back unchanged
         lps = list(request.resume_logprobs)
         versions = list(request.resume_versions)
@@ -136,15 +139,42 @@ class BigramInferenceEngine:
                 tokens.append(token)
                 lps.append(lp)
                 versions.append(version)
+                self._reached(rid, len(tokens))
             return result("stop")
         finally:
             del self._live[rid]
+            self._reached(rid, len(tokens), ended=True)
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:  # unknown or finished ids: nothing to do, no tombstone
             if rid in self._live:
                 self._live[rid] = True
         await self._notify()
+
+    # -- SupportsProgress ----------------------------------------------------------------------
+    async def wait_for_tokens(self, request_id: str, count: int) -> int:
+        """Once request ``request_id`` has ``count`` tokens (resumed ones included) or has
+        ended: how many it has then. The laws that act on requests in flight (abort, pause, a
+        load) use it as evidence instead of guessing from the clock."""
+        if request_id not in self._live:
+            raise EngineError(f"{self.name}: request {request_id!r} is not in flight")
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(request_id, []).append((count, future))
+        self._reached(request_id, self._counts.get(request_id, 0))
+        return await future
+
+    def _reached(self, rid: str, have: int, *, ended: bool = False) -> None:
+        self._counts[rid] = have
+        keep = []
+        for count, future in self._waiting.pop(rid, []):
+            if (ended or have >= count) and not future.done():
+                future.set_result(have)
+            elif not future.done():
+                keep.append((count, future))
+        if keep and not ended:
+            self._waiting[rid] = keep
+        if ended:
+            del self._counts[rid]
 
     # -- SupportsPause -------------------------------------------------------------------------
     async def pause(self, mode: Literal["abort", "keep"] = "abort") -> None:
