@@ -111,7 +111,13 @@ from typing import Any, ClassVar, Literal, cast
 import pytest
 import torch
 
-from asyncflow_conformance.engines import ProgressHook, _close, _resolve, _Suite
+from asyncflow_conformance.engines import (
+    ProgressHook,
+    _close,
+    _resolve,
+    _Suite,
+    metrics_apart,
+)
 from asyncflow_conformance.pair import Agreement
 from asyncflow_conformance.workflow import (
     GenerateCall,
@@ -1089,21 +1095,15 @@ class AgentLoopConformance(_Suite):
                 await self._wait(trainer.load_checkpoint(path), "load_checkpoint()")
                 metrics[label] = await self._wait(trainer.train_step(rows, loss_fn), "train_step()")
 
-        def apart(a: TrainMetrics, b: TrainMetrics) -> float:
-            return max(
-                abs(x - y) / max(abs(x), abs(y), 1e-6)
-                for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm))
-            )
-
         a, b, c = metrics["as is"], metrics["tool moved"], metrics["own moved"]
-        assert apart(a, b) <= self.mask_rtol, (
+        assert metrics_apart(a, b) <= self.mask_rtol, (
             f"train_step on the trajectories reported loss {a.loss:.6g} and grad norm "
             f"{a.grad_norm:.6g}; with the behaviour/proximal/reference log-probs of the tokens "
             f"the policy did not generate moved: {b.loss:.6g}, {b.grad_norm:.6g}. Tool output "
             "reaches the loss through train_step: the trainer must hand the loss each "
             "micro-batch's loss_mask rows"
         )
-        assert apart(a, c) > 10 * self.mask_rtol, (
+        assert metrics_apart(a, c) > 10 * self.mask_rtol, (
             f"moving the behaviour log-probs of the generated tokens left train_step's loss "
             f"({a.loss:.6g} -> {c.loss:.6g}) and grad norm unchanged: the law cannot see the "
             "mask through train_step"

@@ -732,6 +732,15 @@ def _bite_top_p(q: Mapping[int, float], temperature: float) -> tuple[float, set[
     return (low + high) / 2, set(order[:2])
 
 
+def metrics_apart(a: TrainMetrics, b: TrainMetrics) -> float:
+    """The larger relative difference of two steps' loss and grad norm (the laws compare
+    steps by these: Adam's first step turns rounding noise in a gradient into a full step)."""
+    return max(
+        abs(x - y) / max(abs(x), abs(y), 1e-6)
+        for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm))
+    )
+
+
 def _masked_tails(batch: Batch, field: str, lengths: Sequence[int]) -> tuple[Batch | None, Batch]:
     """``(masked, cut)``: ``batch`` with a ``loss_mask`` that zeroes a tail of several rows'
     responses (uneven shares, so micro-batches weigh differently by all tokens than by trained
@@ -2452,15 +2461,8 @@ class TrainEngineConformance(_Suite):
                     await self._checkpoint(engine, "load", path)
                     runs[label] = await self._step(engine, rows)
 
-            def apart(a: TrainMetrics, b: TrainMetrics) -> float:
-                """The larger relative difference of the two steps' loss and grad norm."""
-                return max(
-                    abs(x - y) / max(abs(x), abs(y), 1e-6)
-                    for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm))
-                )
-
             m, c, u = runs["masked"], runs["cut"], runs["unmasked"]
-            assert apart(m, c) <= self.mask_rtol, (
+            assert metrics_apart(m, c) <= self.mask_rtol, (
                 f"a step on rows whose last response tokens have loss_mask 0 reported loss "
                 f"{m.loss:.6g} and grad norm {m.grad_norm:.6g}; the same rows with those tokens "
                 f"cut off: loss {c.loss:.6g}, grad norm {c.grad_norm:.6g} (without the mask: "
@@ -2468,7 +2470,7 @@ class TrainEngineConformance(_Suite):
                 "each micro-batch's own loss_mask rows and weigh micro-batches by their "
                 "loss_mask == 1 tokens (asyncflow_core.training.rl.response_mask)"
             )
-            assert apart(m, u) > 10 * self.mask_rtol, (
+            assert metrics_apart(m, u) > 10 * self.mask_rtol, (
                 f"the step with the loss_mask reported loss {m.loss:.6g} and grad norm "
                 f"{m.grad_norm:.6g}, the step without it {u.loss:.6g} and {u.grad_norm:.6g}: "
                 "the trainer (or the loss) ignores the loss_mask field"
