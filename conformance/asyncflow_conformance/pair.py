@@ -327,6 +327,22 @@ class EnginePairConformance(_Suite):
                 requests.append(request)
         version = engine.weight_version
         tasks = [asyncio.ensure_future(engine.generate(r)) for r in requests]
+        results = await self._collect(engine, requests, tasks, version)
+        for result in results:
+            assert result.finish_reason != "abort", (
+                f"request {result.request_id!r} came back 'abort' without an abort"
+            )
+        return results
+
+    async def _collect(
+        self,
+        engine: InferenceEngine,
+        requests: Sequence[GenerationRequest],
+        tasks: Sequence[asyncio.Future[GenerationResult]],
+        version: Version,
+    ) -> list[GenerationResult]:
+        """The submitted requests' results, each checked by the result law (``version``: the
+        engine's at submission)."""
         results = []
         for request, task in zip(requests, tasks, strict=True):
             result = await self._wait(task, f"generate({request.request_id!r})")
@@ -336,9 +352,6 @@ class EnginePairConformance(_Suite):
                 submitted_version=version,
                 current_version=engine.weight_version,
                 vocab_size=self.vocab_size,
-            )
-            assert result.finish_reason != "abort", (
-                f"request {request.request_id!r} came back 'abort' without an abort"
             )
             results.append(result)
         return results
@@ -520,17 +533,7 @@ class EnginePairConformance(_Suite):
                 await self._transfer(
                     pair.sync, pair.trainer, version, self.bucket_bytes, init=False
                 )
-                results = []
-                for request, task in zip(requests, tasks, strict=True):
-                    result = await self._wait(task, f"generate({request.request_id!r})")
-                    check_generation_result(
-                        request,
-                        result,
-                        submitted_version=before,
-                        current_version=pair.engine.weight_version,
-                        vocab_size=self.vocab_size,
-                    )
-                    results.append(result)
+                results = await self._collect(pair.engine, requests, tasks, before)
                 start = [
                     r.versions.index(version) if version in r.versions else len(r.tokens)
                     for r in results
