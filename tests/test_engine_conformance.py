@@ -114,13 +114,6 @@ class TestSimTrainEngine(TrainEngineConformance):
 class TestSimWeightTransport(WeightSyncConformance):
     virtual_clock = True
     bucket_bytes = 64 << 10
-    known_failures: ClassVar[dict[str, str]] = {
-        "test_a_duplicate_parameter_is_rejected": (
-            "SimWeightTransport.update checks a bucket's names against earlier buckets only, "
-            "so a bucket naming one parameter twice is taken (reference/asyncflow_reference/"
-            "sim.py: check the names against each other too, as transports._check_bucket does)"
-        ),
-    }
 
     def make_source(self) -> SimTrainEngine:
         return SimTrainEngine(COST, 8)
@@ -133,8 +126,6 @@ class TestSimWeightTransport(WeightSyncConformance):
 
 
 class TestInProcessWeightSyncOnSim(TestSimWeightTransport):
-    known_failures: ClassVar[dict[str, str]] = {}
-
     def make_sync(self, targets: Sequence[Any]) -> WeightSync:
         return InProcessWeightSync(targets)
 
