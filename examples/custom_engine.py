@@ -48,7 +48,12 @@ from asyncflow_core import (
 from asyncflow_core.contracts.protocols import FinishReason, LossFn
 from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, StepRecord
 from asyncflow_core.training.rl import response_mask
-from asyncflow_core.training.sampling import filter_logits, row_sampling, sampled_logprobs
+from asyncflow_core.training.sampling import (
+    OFF_SUPPORT_METRIC,
+    filter_logits,
+    row_sampling,
+    sampled_logprobs,
+)
 
 VOCAB = 16
 STOP = 0  # the task's end-of-sequence token
@@ -283,6 +288,7 @@ class BigramTrainEngine:
         micro_batch_size: int = 32, temperature: float = 1.0, name: str = "bigram-trainer",
     ) -> None:  # fmt: skip
         self.name, self.micro_batch_size, self.temperature = name, micro_batch_size, temperature
+        self._off_support = 0  # off-support tokens of the current step (worker thread)
         self.model = BigramLM(vocab_size, seed)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         self._version: Version = 0
@@ -331,11 +337,21 @@ class BigramTrainEngine:
         plen, rlen = batch.lengths["prompt"], batch.lengths["response"]
         if bool((plen < 1).any()):
             raise EngineError(f"{self.name}: every prompt needs at least one token")
+        for name, ids, n in (("prompt", prompt, plen), ("response", response, rlen)):
+            real = torch.arange(ids.shape[1]).unsqueeze(0) < n.unsqueeze(1)
+            bad = real & ((ids < 0) | (ids >= VOCAB))
+            if bool(bad.any()):
+                row, col = (int(x) for x in bad.nonzero()[0])
+                raise EngineError(
+                    f"{self.name}: {name}[{row}, {col}] = {int(ids[row, col])} is not a token "
+                    f"id of this model; use ints in [0, {VOCAB})"
+                )
         last = prompt.gather(1, (plen - 1).unsqueeze(1))
         prev = torch.cat([last, response[:, :-1]], dim=1)[:, : response.shape[1]]
         knobs = row_sampling(batch, len(batch), who=self.name, temperature=self.temperature)
-        picked, _ = sampled_logprobs(self.model(prev), response, *(k.unsqueeze(1) for k in knobs))
+        picked, off = sampled_logprobs(self.model(prev), response, *(k.unsqueeze(1) for k in knobs))
         inside = torch.arange(response.shape[1]).unsqueeze(0) < rlen.unsqueeze(1)
+        self._off_support += int((off & inside).sum())  # tokens outside the support (floored)
         return torch.where(inside, picked, torch.zeros_like(picked))
 
     def _logprobs_no_grad(self, batch: Batch) -> torch.Tensor:
@@ -348,6 +364,7 @@ class BigramTrainEngine:
         # token-weighted accumulation over the tokens that train (a loss_mask's 1s, else every
         # response token), so the step is the same however the rows split into micro-batches
         total = max(int(response_mask(whole, batch).sum()), 1)
+        self._off_support = 0  # counted over the step's micro-batches
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for start in range(0, b, self.micro_batch_size):
@@ -361,7 +378,8 @@ class BigramTrainEngine:
         self.optimizer.step()
         self._version += 1
         tokens = int(batch.lengths["prompt"].sum()) + int(rlen.sum())
-        return TrainMetrics(self._version, loss_sum, grad_norm, samples=b, tokens=tokens)
+        extra = {OFF_SUPPORT_METRIC: float(self._off_support)}
+        return TrainMetrics(self._version, loss_sum, grad_norm, b, tokens, extra)
 
     def _save(self, path: str) -> None:
         state = {n: t.detach().contiguous() for n, t in self.model.state_dict().items()}

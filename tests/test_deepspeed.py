@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -124,6 +125,11 @@ class _DeepSpeedSuite(TrainEngineConformance):
 
     def expected_parameters(self, engine: Any) -> Mapping[str, list[int]]:
         return {n: list(t.shape) for n, t in TransformerLM(CONFIG).state_dict().items()}
+
+    def make_other_engine(self) -> TrainEngine:
+        # a longer context: the position table's shape differs, every other tensor fits
+        other = dataclasses.replace(CONFIG, max_seq_len=2 * CONFIG.max_seq_len)
+        return DeepSpeedTrainEngine(other, zero_stage=self.zero_stage, dtype=self.dtype, threads=1)  # type: ignore[arg-type]
 
 
 class TestConformanceStage0(_DeepSpeedSuite):

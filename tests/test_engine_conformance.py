@@ -12,7 +12,8 @@ import re
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 from xml.etree import ElementTree
@@ -56,7 +57,12 @@ from asyncflow_core.contracts.protocols import (
 )
 from asyncflow_core.engines.process import ProcessInferenceEngine, ProcessTrainEngine
 from asyncflow_core.sync.transports import InProcessWeightSync, bucketize
-from asyncflow_core.training.sampling import filter_logits, row_sampling, sampled_logprobs
+from asyncflow_core.training.sampling import (
+    OFF_SUPPORT_METRIC,
+    filter_logits,
+    row_sampling,
+    sampled_logprobs,
+)
 
 # A two-layer Qwen2-shaped model: small exported tensors (the simulator exports meta tensors
 # of these shapes), responses of 64..1024 tokens so long requests are still running when a
@@ -178,7 +184,9 @@ class TinyInferenceEngine(RequestGate):
                 f"request {rid!r}: {k} resumed tokens need a log-prob and version each"
             )
         if k > request.params.max_tokens:
-            raise EngineError(f"request {rid!r} resumes {k} tokens > max_tokens")
+            raise EngineError(
+                f"request {rid!r} resumes {k} tokens > max_tokens={request.params.max_tokens}"
+            )
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self._validate(request)
@@ -193,6 +201,7 @@ class TinyInferenceEngine(RequestGate):
             )
 
         self._inflight.add(rid)
+        self._made(rid, len(tokens))  # a resumed request has its prefix from the start
         try:
             while len(tokens) < params.max_tokens:
                 await self._wait_runnable(rid)
@@ -235,17 +244,22 @@ class TinyInferenceEngine(RequestGate):
 
 
 class TinyTrainEngine:
-    """Trains the bigram policy with SGD on ``loss_fn`` over padded prompt/response batches;
-    checkpoints are ``torch.save`` files."""
+    """Trains the bigram policy with SGD on ``loss_fn`` over padded prompt/response batches,
+    one call at a time on a worker thread of its own (``close()`` ends it); checkpoints are
+    ``torch.save`` files."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], lr: float = 0.5) -> None:
         self.params = {n: t.detach().clone().requires_grad_(True) for n, t in weights.items()}
         self.lr = lr
         self._version: Version = 0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="tiny-trainer")
 
     @property
     def weight_version(self) -> Version:
         return self._version
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         for name in ("prompt", "response"):
@@ -254,19 +268,29 @@ class TinyTrainEngine:
                     f"the batch needs a padded {name!r} field; it has {list(batch.data)}"
                 )
         prompt, response = batch["prompt"], batch["response"]
+        for name, tokens in (("prompt", prompt), ("response", response)):
+            real = torch.arange(tokens.shape[1]) < batch.lengths[name].unsqueeze(1)
+            if bool((real & ((tokens < 0) | (tokens >= VOCAB))).any()):
+                raise EngineError(f"the batch's {name!r} holds token ids outside [0, {VOCAB})")
         last = prompt[torch.arange(len(batch)), batch.lengths["prompt"] - 1]
         prev = torch.cat([last.unsqueeze(1), response[:, :-1]], dim=1)
         knobs = row_sampling(batch, len(batch), who="tiny-trainer")
-        lp, _ = sampled_logprobs(
+        lp, off = sampled_logprobs(
             _logits(self.params, prev), response, *(k.unsqueeze(1) for k in knobs)
         )
+        real = torch.arange(response.shape[1]) < batch.lengths["response"].unsqueeze(1)
+        self._off_support = int((off & real).sum())
         return lp
 
-    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+    def _no_grad_logprobs(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():
             return self._logprobs(batch)
 
-    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+    async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        result: torch.Tensor = await self._run(self._no_grad_logprobs, batch)
+        return result
+
+    def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
         loss, _ = loss_fn(self._logprobs(batch), batch)
         for p in self.params.values():
             p.grad = None
@@ -279,25 +303,38 @@ class TinyTrainEngine:
                     p -= self.lr * p.grad
         self._version += 1
         tokens = int(batch.lengths["response"].sum())
-        return TrainMetrics(self._version, float(loss.detach()), norm, len(batch), tokens)
+        extra = {OFF_SUPPORT_METRIC: float(self._off_support)}
+        return TrainMetrics(self._version, float(loss.detach()), norm, len(batch), tokens, extra)
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
+        result: TrainMetrics = await self._run(self._train_step, batch, loss_fn)
+        return result
+
+    def _snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach().clone()) for n, p in self.params.items()]
 
     async def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        named = [(n, p.detach().clone()) for n, p in self.params.items()]
-        for bucket in bucketize(named, bucket_bytes):
+        for bucket in bucketize(await self._run(self._snapshot), bucket_bytes):
             yield bucket
 
     async def save_checkpoint(self, path: str) -> None:
-        state = {n: p.detach().clone() for n, p in self.params.items()}
+        state = dict(await self._run(self._snapshot))
         torch.save({"params": state, "version": self._version}, path)
 
     async def load_checkpoint(self, path: str) -> None:
         if not Path(path).is_file():
             raise EngineError(f"no checkpoint at {path}")
         state = torch.load(path, weights_only=True)
+        await self._run(self._load, state)
+
+    def _load(self, state: Mapping[str, Any]) -> None:
         with torch.no_grad():
             for name, tensor in state["params"].items():
                 self.params[name].copy_(tensor)
         self._version = int(state["version"])
+
+    async def close(self) -> None:
+        self._worker.shutdown(wait=False)
 
 
 class TestTinyInferenceEngine(InferenceEngineConformance):
@@ -414,6 +451,9 @@ class TestTorchTrainEngine(TrainEngineConformance):
     def make_engine(self) -> TorchTrainEngine:
         return TorchTrainEngine(TORCH_MODEL, micro_batch_size=2, seed=0)
 
+    def make_other_engine(self) -> TorchTrainEngine:
+        return TorchTrainEngine(dataclasses.replace(TORCH_MODEL, max_seq_len=64), seed=1)
+
 
 class TestProcessTrainEngine(TrainEngineConformance):
     """The reference trainer hosted in a child process (asyncflow_core.engines.process)."""
@@ -426,6 +466,9 @@ class TestProcessTrainEngine(TrainEngineConformance):
         return ProcessTrainEngine(
             functools.partial(TorchTrainEngine, TORCH_MODEL, micro_batch_size=2, seed=0, threads=1)
         )
+
+    def make_other_engine(self) -> TorchTrainEngine:
+        return TorchTrainEngine(dataclasses.replace(TORCH_MODEL, max_seq_len=64), seed=1)
 
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
@@ -730,11 +773,11 @@ def test_the_readme_engine_snippets_pass_from_outside(tmp_path: Path) -> None:
 
 
 LAW_COUNTS = {
-    # 16 laws, 2 pause modes, each bad request and bad load, the log-prob law under each
+    # 24 laws, 2 pause modes, each bad request and bad load, the log-prob law under each
     # sampling setting
-    "inference": 16 + 2 + len(BAD_REQUESTS) + len(BAD_LOADS) + len(LOGPROB_SETTINGS),
-    "train": 13 + 2 + 1,  # 13 laws, 2 bad bucket sizes, the default required field "response"
-    "weight sync": 3 + len(PHASE_MISUSES),
+    "inference": 24 + 2 + len(BAD_REQUESTS) + len(BAD_LOADS) + len(LOGPROB_SETTINGS),
+    "train": 24 + 2 + 1,  # 24 laws, 2 bad bucket sizes, the default required field "response"
+    "weight sync": 5 + len(PHASE_MISUSES),
 }
 
 

@@ -15,9 +15,11 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -25,19 +27,33 @@ from asyncflow_conformance import (
     EnginePairConformance,
     InferenceEngineConformance,
     TrainEngineConformance,
+    WeightSyncConformance,
 )
 from asyncflow_conformance.engines import BAD_LOADS, without_field
 from asyncflow_conformance.pair import PAIR_SETTINGS
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
-from asyncflow_reference.model import ModelConfig
+from asyncflow_reference.model import ModelConfig, TransformerLM
 from test_verify_sync import BreaksTheTie, LoadsAStaleCopy, LoadsOneShard, SkipsOneTensor
 from torch import Tensor
 
-from asyncflow_core.contracts.protocols import Batch, GenerationRequest, GenerationResult, LossFn
-from asyncflow_core.engines.lmtrain import TokenRows
+from asyncflow_core.contracts.errors import CheckpointError, EngineError, WeightSyncError
+from asyncflow_core.contracts.protocols import (
+    Batch,
+    GenerationRequest,
+    GenerationResult,
+    LossFn,
+    WeightBucket,
+)
+from asyncflow_core.engines.lmtrain import (
+    TokenRows,
+    read_checkpoint,
+    token_rows,
+    unique_named_tensors,
+)
+from asyncflow_core.sync.transports import InProcessWeightSync, bucketize
 from asyncflow_core.sync.verify import TensorFingerprint, fingerprints_of
 from asyncflow_core.training.rl import LOSS_MASK
-from asyncflow_core.training.sampling import SAMPLING_FIELDS, filter_logits
+from asyncflow_core.training.sampling import SAMPLING_FIELDS, filter_logits, sampled_logprobs
 
 MODEL = ModelConfig(vocab_size=24, d_model=32, n_layers=2, n_heads=2, max_seq_len=96, init_std=0.5)
 TIED = dataclasses.replace(MODEL, n_layers=1, tie_embeddings=True)
@@ -468,6 +484,339 @@ class TrainerCloseKeepsTheWorker(TorchTrainEngine):
         self._closed = True
 
 
+# 7. issue #42's promise table: laws for the gaps (conformance/PROMISES.md, "Gaps")
+class GreedySampledInAMixedBatch(TorchInferenceEngine):
+    """Decodes greedy rows greedily only when the whole batch is greedy; in a batch mixed with
+    sampled rows they are sampled at temperature 1 (the argmax overwrite forgotten)."""
+
+    def _sample(self, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        temp = self._temp[idx].clone()
+        greedy = temp == 0
+        if not bool(greedy.any()) or bool(greedy.all()):
+            return super()._sample(idx, logits)
+        self._temp[idx] = torch.where(greedy, torch.ones_like(temp), temp)
+        try:
+            return super()._sample(idx, logits)
+        finally:
+            self._temp[idx] = temp
+
+
+class UnseededGetSeedZero(TorchInferenceEngine):
+    """Passes ``seed or 0`` on: every unseeded request draws with seed 0."""
+
+    def _admit(self, admit: list[Any]) -> None:
+        for pending in admit:
+            params = pending.request.params
+            if params.seed is None:
+                params = dataclasses.replace(params, seed=0)
+                pending.request = dataclasses.replace(pending.request, params=params)
+        super()._admit(admit)
+
+
+class GeneratorResetEveryStep(TorchInferenceEngine):
+    """Builds the engine's generator afresh from its seed at every step: every step draws the
+    same numbers."""
+
+    def _sample(self, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
+        self._gen = torch.Generator().manual_seed(self.seed)
+        return super()._sample(idx, logits)
+
+
+class TensorLogprobs(TorchInferenceEngine):
+    """Hands back the new tokens' log-probs as 0-dim tensors (``tuple(lps[i][a:b])`` of the
+    tensor, ``.tolist()`` forgotten)."""
+
+    def _retire(self, slots: list[int], reasons: list[Any], out: Any) -> None:
+        first = len(out.results)
+        super()._retire(slots, reasons, out)
+        for j in range(first, len(out.results)):
+            pending, r = out.results[j]
+            k = len(pending.request.resume_logprobs)
+            new = tuple(torch.tensor(r.logprobs[k:]).unbind())
+            out.results[j] = (pending, dataclasses.replace(r, logprobs=r.logprobs[:k] + new))
+
+
+class NumpyVersions(TorchInferenceEngine):
+    """Hands back the versions as numpy ints (``tuple(np.asarray(...))``)."""
+
+    def _retire(self, slots: list[int], reasons: list[Any], out: Any) -> None:
+        first = len(out.results)
+        super()._retire(slots, reasons, out)
+        for j in range(first, len(out.results)):
+            pending, r = out.results[j]
+            out.results[j] = (
+                pending,
+                dataclasses.replace(r, versions=tuple(np.asarray(r.versions))),
+            )
+
+
+class VagueRejections(TorchInferenceEngine):
+    """Rejects a bad request with a message that names nothing ("invalid request")."""
+
+    def _check_request(self, request: GenerationRequest) -> None:
+        try:
+            super()._check_request(request)
+        except EngineError:
+            raise EngineError(f"{self.name}: invalid request") from None
+
+
+class SleepsThoughDeclaredUnavailable(TorchInferenceEngine):
+    """Declares ``SupportsSleep`` unavailable (a CPU has no device memory to free), but its
+    ``sleep()`` still returns silently instead of raising the reason."""
+
+    unavailable_abilities: ClassVar[dict[str, str]] = {
+        "SupportsSleep": "no device memory to free on a CPU"
+    }
+
+
+class RefusesTopPWithoutSaying(TorchInferenceEngine):
+    """Refuses top-p with a bare "unsupported sampling"."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if request.params.top_p < 1:
+            raise EngineError("unsupported sampling")
+        return await super().generate(request)
+
+
+class WakeUpRebuildsTheModel(TorchInferenceEngine):
+    """``wake_up()`` rebuilds the model from its config: the factory's weights come back under
+    the loaded version."""
+
+    def _alloc_cache(self) -> None:
+        super()._alloc_cache()
+        self.model = TransformerLM(self.config, seed=self.seed).eval().requires_grad_(False)
+
+
+class WaitReturnsOneEarly(TorchInferenceEngine):
+    """``wait_for_tokens(id, n)`` returns once the request has ``n - 1`` tokens (an
+    off-by-one in the count it watches for)."""
+
+    def watch_tokens(self, request_id: str, count: int) -> asyncio.Future[int]:
+        return super().watch_tokens(request_id, max(count - 1, 0))
+
+
+class WaitReportsThePrefixCount(TorchInferenceEngine):
+    """``wait_for_tokens(id, n)`` with ``n`` at most the resumed prefix answers the prefix's
+    length, even once the request has generated more (the count it had at submission)."""
+
+    def watch_tokens(self, request_id: str, count: int) -> asyncio.Future[int]:
+        pending = self._inflight.get(request_id)
+        have = 0 if pending is None else len(pending.request.resume_tokens)
+        if pending is not None and count <= have:
+            future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            future.set_result(have)
+            return future
+        return super().watch_tokens(request_id, count)
+
+
+class _RowCountRows(TokenRows):
+    __slots__ = ()
+
+    @property
+    def trained_tokens(self) -> int:
+        return len(self)
+
+    def part(self, start: int, stop: int) -> TokenRows:
+        rows = super().part(start, stop)
+        return _RowCountRows(**{f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)})
+
+
+class WeighsMicroBatchesByRows(TorchTrainEngine):
+    """Weighs each micro-batch's loss by its share of the rows (``(stop - start) / b``), not of
+    the trained tokens: the step and its reported loss depend on how rows fall into parts."""
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        rows = super()._prepare(batch)
+        return _RowCountRows(**{f.name: getattr(rows, f.name) for f in dataclasses.fields(rows)})
+
+
+class StepPerMicroBatch(TorchTrainEngine):
+    """Takes an optimizer step after every micro-batch (``step()`` inside the loop), still
+    adding 1 to the version per ``train_step``."""
+
+    def _optimizer_step(
+        self, rows: TokenRows, parts: list[Any], loss_fn: LossFn, means: Any
+    ) -> tuple[float, float, int]:
+        loss, norms, off = 0.0, [], 0
+        for part in parts:
+            part_loss, norm, part_off = super()._optimizer_step(rows, [part], loss_fn, means)
+            loss, off = loss + part_loss, off + part_off
+            norms.append(norm)
+        return loss, sum(norms) / len(norms), off
+
+
+class DefaultTemperatureIgnored(TorchTrainEngine):
+    """Built with temperature 0.7, but scores a batch without sampling fields at temperature
+    1 (the constructor's temperature never reaches ``token_rows``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, temperature=0.7, **kwargs)
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        return token_rows(
+            batch, who=self.name, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len
+        )
+
+
+class DropsOneRowMicroBatches(TorchTrainEngine):
+    """Skips micro-batches of fewer than two rows (as a rank with no rows skipping its
+    forward and backward)."""
+
+    def _optimizer_step(
+        self, rows: TokenRows, parts: list[Any], loss_fn: LossFn, means: Any
+    ) -> tuple[float, float, int]:
+        kept = [(start, stop, part) for start, stop, part in parts if stop - start >= 2]
+        return super()._optimizer_step(rows, kept, loss_fn, means)
+
+
+class UncheckedTokenIds(TorchTrainEngine):
+    """Checks no token id against the vocabulary: the embedding raises ``IndexError`` once it
+    reaches the bad row."""
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        return token_rows(batch, who=self.name, vocab_size=None, max_seq_len=self.max_seq_len)
+
+
+class LiveExport(TorchTrainEngine):
+    """Exports the live parameters (``bucketize`` without ``pack``): a step during the export
+    shows in the buckets not yet yielded."""
+
+    def _snapshot(self, bucket_bytes: int) -> list[WeightBucket]:
+        return bucketize(self._exported(), bucket_bytes)
+
+
+class LiveFlaggedSnapshot(TorchTrainEngine):
+    """Yields the live parameters in buckets flagged ``snapshot=True``."""
+
+    def _snapshot(self, bucket_bytes: int) -> list[WeightBucket]:
+        return [
+            WeightBucket(b.names, b.tensors, snapshot=True)
+            for b in bucketize(self._exported(), bucket_bytes)
+        ]
+
+
+class KeepsTheLastRows(TorchTrainEngine):
+    """Keeps the last batch's ``TokenRows`` (a debugging handle): its tensors are the batch's."""
+
+    def _prepare(self, batch: Batch) -> TokenRows:
+        self._last_rows = super()._prepare(batch)
+        return self._last_rows
+
+
+class HoldsTheStepButFlagsLiveBuckets(TorchTrainEngine):
+    """Holds a ``train_step`` until the export ends (no mix), but yields the live parameters
+    flagged ``snapshot=True``: the step then changes buckets a transport may still be
+    sending."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._exporting = asyncio.Lock()
+
+    async def _export(self, bucket_bytes: int) -> Any:
+        async with self._exporting:
+            for bucket in await self._run(LiveFlaggedSnapshot._snapshot, self, bucket_bytes):
+                yield bucket
+
+    async def train_step(self, batch: Batch, loss_fn: LossFn) -> Any:
+        async with self._exporting:
+            return await super().train_step(batch, loss_fn)
+
+
+class ComputesOnTheLoop(TorchTrainEngine):
+    """Computes every call inside its coroutine (``return fn(*args)`` where ``await
+    loop.run_in_executor(...)`` belongs): the event loop stalls meanwhile."""
+
+    async def _run(self, fn: Callable[..., Any], *args: object) -> Any:
+        return fn(*args)
+
+
+class TwoWorkerThreads(TorchTrainEngine):
+    """Runs its calls on a pool of two threads: a call overlaps or overtakes the one before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._executor.shutdown(wait=False)
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix=self.name)
+
+
+class FloorIsTheUnfilteredLogprob(TorchTrainEngine):
+    """Gives a token off its row's top-k/top-p support its unfiltered log-prob (temperature
+    only) instead of the documented floor ``log p - log(Z + p)``."""
+
+    def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
+        b, r = rows.response.shape
+        if r == 0 or b == 0:
+            return super()._response_logprobs(rows)
+        seq, source = rows.inputs()
+        hidden = self.model.hidden(seq)
+        picked = hidden.gather(1, source.unsqueeze(2).expand(b, r, hidden.shape[2]))
+        logits = self.model.head(picked)
+        knobs = (rows.temperature.unsqueeze(1), rows.top_k.unsqueeze(1), rows.top_p.unsqueeze(1))
+        lp, off = sampled_logprobs(logits, rows.response, *knobs)
+        plain = (knobs[0], torch.zeros_like(knobs[1]), torch.ones_like(knobs[2]))
+        unfiltered, _ = sampled_logprobs(logits, rows.response, *plain)
+        lp = torch.where(off, unfiltered, lp)
+        real = torch.arange(r).unsqueeze(0) < rows.rlen.unsqueeze(1)
+        return torch.where(real, lp, torch.zeros_like(lp)), int((off & real).sum())
+
+
+class UncountedOffSupport(TorchTrainEngine):
+    """Gives off-support tokens the floor but never counts them."""
+
+    def _response_logprobs(self, rows: TokenRows) -> tuple[Tensor, int]:
+        return super()._response_logprobs(rows)[0], 0
+
+
+class CopiesUntilAMisfit(TorchTrainEngine):
+    """Loads a checkpoint by copying its tensors in order, without checking first that they
+    fit: a misfit raises ``CheckpointError`` with the tensors before it already loaded."""
+
+    def _load(self, path: Any) -> None:
+        meta, weights, optimizer = read_checkpoint(
+            path, who=self.name, format=self.checkpoint_format, writer="save_checkpoint"
+        )
+        try:
+            with torch.no_grad():
+                for name, tensor in unique_named_tensors(self.model):
+                    tensor.copy_(weights[name])
+            self._optimizer.load_state_dict(optimizer)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(f"{self.name}: checkpoint {path} does not fit: {exc}") from exc
+        self._version = int(meta["version"])
+
+
+# weight syncs
+class ForgetsWhatWasSent(InProcessWeightSync):
+    """Checks each bucket on its own but never records what was sent: a parameter sent in an
+    earlier bucket of the sync is taken again."""
+
+    async def update(self, bucket: WeightBucket) -> None:
+        await super().update(bucket)
+        self._seen.clear()
+
+
+class ChecksOnlyEarlierBuckets(InProcessWeightSync):
+    """Rejects a name sent in an earlier bucket, not one a bucket names twice."""
+
+    async def update(self, bucket: WeightBucket) -> None:
+        self._phases.expect("update")
+        for name in bucket.names:
+            if name in self._seen:
+                raise WeightSyncError(f"parameter {name!r} was sent twice in one sync")
+        self._staged += [(n, t.detach().clone()) for n, t in bucket]
+        self._seen.update(bucket.names)
+
+
+class StagesLiveTensors(InProcessWeightSync):
+    """Stages each bucket's tensors without copying them: what the trainer writes after
+    ``update`` reaches the targets at ``finish``."""
+
+    async def update(self, bucket: WeightBucket) -> None:
+        await super().update(bucket)
+        n = len(bucket.names)
+        self._staged[-n:] = [(name, t.detach()) for name, t in bucket]
+
+
 VERIFY_LAW = "test_a_sync_is_verified_against_the_engines_own_weights"
 LABEL_LAW = "test_tokens_after_a_load_carry_its_version"
 PAUSED_LABEL_LAW = "test_a_load_while_paused_labels_the_resumed_tokens"
@@ -476,6 +825,27 @@ FILTER_LAW = "test_each_sampling_filter_removes_tokens"
 LOAD_LAW = "test_a_rejected_load_loads_nothing"
 STOP_LAW = "test_stop_token_ids_end_the_request"
 CLOSE_LAW = "test_close_releases_what_the_engine_started"
+GREEDY_LAW = "test_greedy_picks_the_most_probable_token"
+UNSEEDED_LAW = "test_unseeded_requests_draw_anew"
+PLAIN_LAW = "test_results_are_plain_python_values"
+NAMES_LAW = "test_a_rejection_names_the_bad_value"
+UNAVAILABLE_LAW = "test_an_unavailable_ability_raises_its_reason"
+REFUSAL_LAW = "test_a_refused_sampling_setting_says_why"
+SLEEP_LAW = "test_sleep_keeps_the_weights"
+WAIT_LAW = "test_wait_for_tokens_reports_the_count"
+SPLIT_LAW = "test_a_step_does_not_depend_on_how_rows_split_into_micro_batches"
+WHOLE_LOSS_LAW = "test_the_reported_loss_is_the_whole_batchs"
+DEFAULT_SAMPLING_LAW = "test_a_batch_without_sampling_fields_is_scored_at_the_default"
+ONE_ROW_LAW = "test_a_batch_of_one_row_trains"
+BAD_ROW_LAW = "test_a_bad_row_anywhere_rejects_the_whole_batch"
+MIXED_EXPORT_LAW = "test_an_export_never_mixes_two_versions"
+BATCH_REFERENCE_LAW = "test_train_step_keeps_no_reference_to_the_batch"
+EVENT_LOOP_LAW = "test_train_step_leaves_the_event_loop_free"
+ARRIVAL_ORDER_LAW = "test_concurrent_calls_run_in_arrival_order"
+DUPLICATE_LAW = "test_a_duplicate_parameter_is_rejected"
+LIVE_BUCKET_LAW = "test_a_live_bucket_may_change_after_update"
+OFF_SUPPORT_LAW = "test_off_support_tokens_get_the_floor_and_are_counted"
+MISFIT_LAW = "test_a_checkpoint_that_does_not_fit_changes_nothing"
 
 
 def _closing(self: Any, engine: Any) -> Any:
@@ -501,7 +871,9 @@ def inference_suite(engine_cls: type[TorchInferenceEngine]) -> InferenceEngineCo
     return Suite()
 
 
-def train_suite(trainer_cls: type[TorchTrainEngine], config: ModelConfig) -> TrainEngineConformance:
+def train_suite(
+    trainer_cls: type[TorchTrainEngine], config: ModelConfig, **knobs: Any
+) -> TrainEngineConformance:
     class Suite(TrainEngineConformance):
         vocab_size = config.vocab_size
         required_fields = ("prompt", "response", "advantage")
@@ -511,7 +883,32 @@ def train_suite(trainer_cls: type[TorchTrainEngine], config: ModelConfig) -> Tra
         def make_engine(self) -> TorchTrainEngine:
             return trainer_cls(config, micro_batch_size=2, seed=0)
 
+        def make_other_engine(self) -> TorchTrainEngine:
+            return TorchTrainEngine(dataclasses.replace(config, max_seq_len=48), seed=1)
+
         close_engine = _closing
+
+    for name, value in knobs.items():
+        setattr(Suite, name, value)
+    return Suite()
+
+
+def sync_suite(sync_cls: type[InProcessWeightSync]) -> WeightSyncConformance:
+    class Suite(WeightSyncConformance):
+        bucket_bytes = 16 << 10
+        real_timeout_s = 120.0
+
+        def make_source(self) -> TorchTrainEngine:
+            return TorchTrainEngine(MODEL, seed=1)
+
+        def make_targets(self) -> list[TorchInferenceEngine]:
+            return [TorchInferenceEngine(MODEL, max_batch=4, seed=0) for _ in range(2)]
+
+        def make_sync(self, targets: Any) -> InProcessWeightSync:
+            return sync_cls(targets)
+
+        def target_weights(self, engine: Any) -> dict[str, Tensor]:
+            return dict(engine.model.state_dict())
 
     return Suite()
 
@@ -755,6 +1152,180 @@ MUTANTS: tuple[Mutant, ...] = (
         lambda: train_suite(TrainerCloseKeepsTheWorker, MODEL),
         CLOSE_LAW,
         "threads the engine started were still alive",
+    ),
+    *(
+        Mutant(f"gap-{name}", lambda cls=cls: inference_suite(cls), law, message)
+        for name, cls, law, message in (
+            (
+                "greedy-sampled-in-a-mixed-batch",
+                GreedySampledInAMixedBatch,
+                GREEDY_LAW,
+                "greedy decoding takes the most probable token",
+            ),
+            (
+                "unseeded-get-seed-zero",
+                UnseededGetSeedZero,
+                UNSEEDED_LAW,
+                "unseeded requests must draw from the engine's generator",
+            ),
+            (
+                "generator-reset-every-step",
+                GeneratorResetEveryStep,
+                UNSEEDED_LAW,
+                "one after the other, all returned token",
+            ),
+            ("tensor-logprobs", TensorLogprobs, PLAIN_LAW, r"logprobs\[0\] is a torch\.Tensor"),
+            ("numpy-versions", NumpyVersions, PLAIN_LAW, r"versions\[0\] is a numpy\.int64"),
+            (
+                "vague-rejections",
+                VagueRejections,
+                NAMES_LAW,
+                r"\[negative-max-tokens\] max_tokens, its value -1 not in",
+            ),
+            (
+                "sleeps-though-declared-unavailable",
+                SleepsThoughDeclaredUnavailable,
+                UNAVAILABLE_LAW,
+                r"sleep\(\), though SupportsSleep is declared unavailable was accepted",
+            ),
+            (
+                "refuses-top-p-without-saying",
+                RefusesTopPWithoutSaying,
+                REFUSAL_LAW,
+                r"names none of \['temperature', 'top_k', 'top_p'\]: unsupported sampling",
+            ),
+            (
+                "wake-up-rebuilds-the-model",
+                WakeUpRebuildsTheModel,
+                SLEEP_LAW,
+                "holds other weights than before",
+            ),
+            (
+                "wait-returns-one-early",
+                WaitReturnsOneEarly,
+                WAIT_LAW,
+                r"returned 0, yet the request went on",
+            ),
+            (
+                "wait-reports-the-prefix-count",
+                WaitReportsThePrefixCount,
+                WAIT_LAW,
+                r"after an earlier wait reported",
+            ),
+        )
+    ),
+    *(
+        Mutant(f"gap-{name}", lambda cls=cls: train_suite(cls, MODEL), law, message)
+        for name, cls, law, message in (
+            (
+                "weighs-micro-batches-by-rows",
+                WeighsMicroBatchesByRows,
+                SPLIT_LAW,
+                "must not depend on how the rows fall into micro-batches",
+            ),
+            (
+                "step-per-micro-batch",
+                StepPerMicroBatch,
+                SPLIT_LAW,
+                "must not depend on how the rows fall into micro-batches",
+            ),
+            (
+                "reports-a-row-weighted-loss",
+                WeighsMicroBatchesByRows,
+                WHOLE_LOSS_LAW,
+                "Report the whole batch's loss",
+            ),
+            (
+                "drops-one-row-micro-batches",
+                DropsOneRowMicroBatches,
+                ONE_ROW_LAW,
+                r"a batch of 1 row\(s\) changed no exported weight",
+            ),
+            (
+                "unchecked-token-ids",
+                UncheckedTokenIds,
+                BAD_ROW_LAW,
+                "raised IndexError: .* must raise an asyncflow_core",
+            ),
+            ("live-export", LiveExport, MIXED_EXPORT_LAW, "the sync mixes two versions"),
+            (
+                "live-flagged-snapshot",
+                LiveFlaggedSnapshot,
+                MIXED_EXPORT_LAW,
+                "(the sync mixes two versions|snapshot=True)",
+            ),
+            (
+                "holds-the-step-but-flags-live-buckets",
+                HoldsTheStepButFlagsLiveBuckets,
+                MIXED_EXPORT_LAW,
+                r"buckets flagged snapshot=True changed after they were yielded",
+            ),
+            (
+                "computes-on-the-loop",
+                ComputesOnTheLoop,
+                EVENT_LOOP_LAW,
+                r"\['train_step\(\)', 'compute_logprobs\(\)', .*no other task ran",
+            ),
+            (
+                "two-worker-threads",
+                TwoWorkerThreads,
+                ARRIVAL_ORDER_LAW,
+                "Run calls one at a time in arrival order",
+            ),
+            (
+                "floor-is-the-unfiltered-logprob",
+                FloorIsTheUnfilteredLogprob,
+                OFF_SUPPORT_LAW,
+                r"the floor\s+log p - log\(Z \+ p\) off it",
+            ),
+            (
+                "uncounted-off-support",
+                UncountedOffSupport,
+                OFF_SUPPORT_LAW,
+                "reported logprobs_off_support=0",
+            ),
+            (
+                "copies-until-a-misfit",
+                CopiesUntilAMisfit,
+                MISFIT_LAW,
+                "rejected a checkpoint of another model, yet .* exported tensor",
+            ),
+            (
+                "keeps-the-last-rows",
+                KeepsTheLastRows,
+                BATCH_REFERENCE_LAW,
+                r"compute_logprobs\(\) returned but .* the batch's tensor\(s\)",
+            ),
+        )
+    ),
+    *(
+        Mutant(f"gap-{name}", lambda cls=cls: sync_suite(cls), law, message)
+        for name, cls, law, message in (
+            (
+                "sync-forgets-what-was-sent",
+                ForgetsWhatWasSent,
+                DUPLICATE_LAW,
+                "sent already was accepted",
+            ),
+            (
+                "sync-checks-only-earlier-buckets",
+                ChecksOnlyEarlierBuckets,
+                DUPLICATE_LAW,
+                "twice was accepted",
+            ),
+            (
+                "sync-stages-live-tensors",
+                StagesLiveTensors,
+                LIVE_BUCKET_LAW,
+                "the bucket's tensors changed after update",
+            ),
+        )
+    ),
+    Mutant(
+        "gap-default-temperature-ignored",
+        lambda: train_suite(DefaultTemperatureIgnored, MODEL, default_temperature=0.7),
+        DEFAULT_SAMPLING_LAW,
+        "is scored at the trainer's default temperature",
     ),
     Mutant(
         "loss-path-ignores-sampling",

@@ -32,7 +32,8 @@ the engine lacks (detected with the runtime protocols ``SupportsPause``, ``Suppo
 ``SupportsLoadWeights``), that the engine declares unavailable where it runs
 (``unavailable_abilities``: vLLM on a CPU cannot sleep) or that the class declares it lacks
 (``supports_seed_determinism``, ``supports_real_logprobs``, ``computes_loss``, a
-``target_weights`` hook, exported tensors that hold data) is skipped with the reason.
+``target_weights`` or ``make_other_engine`` hook, exported tensors that hold data) is skipped
+with the reason.
 
 Nothing may hang: each law runs its async body on a fresh event loop in a helper thread; every
 await on the engine is bounded by ``timeout_s`` seconds of the loop's clock (a hung call fails
@@ -47,12 +48,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import inspect
 import math
 import os
+import pickle
+import re
 import tempfile
 import threading
 import time
+import weakref
 import zlib
 from collections import Counter
 from collections.abc import (
@@ -95,7 +100,11 @@ from asyncflow_core.contracts.protocols import (
 from asyncflow_core.flow.vclock import SimulationDeadlockError
 from asyncflow_core.sync.verify import SupportsWeightFingerprints
 from asyncflow_core.training.rl import LOSS_MASK, policy_gradient_loss
-from asyncflow_core.training.sampling import sampling_columns
+from asyncflow_core.training.sampling import (
+    OFF_SUPPORT_METRIC,
+    SAMPLING_FIELDS,
+    sampling_columns,
+)
 
 __all__ = [
     "BAD_REQUESTS",
@@ -499,6 +508,48 @@ def check_generation_result(
     )
 
 
+def _not_plain(result: GenerationResult) -> list[str]:
+    """What in ``result`` is not a plain Python value of its declared type, or does not come
+    back equal from a pickle round trip (empty: all plain)."""
+    problems: list[str] = []
+    if type(result.request_id) is not str:
+        problems.append(f"request_id is a {_type_name(result.request_id)}, not str")
+    if type(result.finish_reason) is not str:
+        problems.append(f"finish_reason is a {_type_name(result.finish_reason)}, not str")
+    for name, kind in (("tokens", int), ("logprobs", float), ("versions", int)):
+        value = getattr(result, name)
+        if type(value) is not tuple:
+            problems.append(f"{name} is a {_type_name(value)}, not a tuple")
+            continue
+        odd = [(i, x) for i, x in enumerate(value) if type(x) is not kind]
+        if odd:
+            i, x = odd[0]
+            problems.append(
+                f"{name}[{i}] is a {_type_name(x)} ({x!r:.40}), not {kind.__name__} "
+                f"({len(odd)} of {len(value)} items)"
+            )
+    if problems:
+        return problems
+    fields = [f.name for f in dataclasses.fields(GenerationResult)]
+    try:
+        copy = pickle.loads(pickle.dumps(result))
+    except Exception as exc:
+        return [f"does not pickle: {type(exc).__name__}: {exc}"]
+    changed = [n for n in fields if getattr(copy, n) != getattr(result, n)]
+    if changed:
+        problems.append(f"fields {changed} changed through pickle")
+    return problems
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when the two tensors have the same dtype, shape and bytes (NaNs compare by bits)."""
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
@@ -732,6 +783,80 @@ def _bite_top_p(q: Mapping[int, float], temperature: float) -> tuple[float, set[
     return (low + high) / 2, set(order[:2])
 
 
+def _take_rows(batch: Batch, order: Sequence[int]) -> Batch:
+    """``batch``'s rows in ``order`` (repeats allowed), in every field, length and tag, as
+    copies (a list layout shares its row tensors); row ids numbered afresh."""
+    b = len(batch) or len(next(iter(batch.lengths.values()), ()))
+    index = torch.tensor(list(order), dtype=torch.long)
+    data: dict[str, Any] = {}
+    for name, value in batch.data.items():
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            rows = list(value.unbind())
+            data[name] = torch.nested.nested_tensor([rows[i] for i in order], layout=torch.jagged)
+        elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == b:
+            data[name] = value.index_select(0, index)
+        elif isinstance(value, list | tuple) and len(value) == b:
+            data[name] = [value[i] for i in order]
+        else:
+            data[name] = value
+    lengths = {name: value.index_select(0, index) for name, value in batch.lengths.items()}
+    tags = tuple(batch.tags[i] for i in order) if len(batch.tags) == b else batch.tags
+    return Batch(tuple(range(len(order))), data, lengths, tags)
+
+
+def _copied(batch: Batch) -> Batch:
+    """``batch`` with every tensor (of ``data``, lists included, and ``lengths``) cloned."""
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            return [copy(v) for v in value]
+        return value
+
+    data = {name: copy(value) for name, value in batch.data.items()}
+    lengths = {name: value.clone() for name, value in batch.lengths.items()}
+    return Batch(batch.rows, data, lengths, batch.tags)
+
+
+def _batch_tensors(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``batch``'s ``data`` (each row of a list layout) and ``lengths``."""
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, value in batch.data.items():
+        if isinstance(value, torch.Tensor):
+            found.append((f"data[{name!r}]", value))
+        elif isinstance(value, list | tuple):
+            found += [(f"data[{name!r}][{i}]", v) for i, v in enumerate(value)
+                      if isinstance(v, torch.Tensor)]  # fmt: skip
+    found += [(f"lengths[{name!r}]", value) for name, value in batch.lengths.items()]
+    return found
+
+
+_NOT_A_TOKEN = (1 << 31) - 1
+"""A token id outside any vocabulary."""
+
+
+def _with_bad_last_row(batch: Batch, field: str, lengths: Sequence[int]) -> Batch | None:
+    """``batch`` plus a copy of its longest row whose first ``field`` token is ``_NOT_A_TOKEN``;
+    None unless ``field`` is padded (``[B, R]``) or a list of rows."""
+    longest = max(range(len(lengths)), key=lambda i: lengths[i], default=None)
+    if longest is None or lengths[longest] < 1:
+        return None
+    out = _take_rows(batch, [*range(len(batch)), longest])
+    value = out.data.get(field)
+    if isinstance(value, torch.Tensor) and not value.is_nested and value.dim() == 2:
+        value = value.clone()
+        value[-1, 0] = _NOT_A_TOKEN
+    elif isinstance(value, list) and value and isinstance(value[-1], torch.Tensor):
+        last = value[-1].clone()
+        last[0] = _NOT_A_TOKEN
+        value = [*value[:-1], last]
+    else:
+        return None
+    out.data[field] = value
+    return out
+
+
 def metrics_apart(a: TrainMetrics, b: TrainMetrics) -> float:
     """The larger relative difference of two steps' loss and grad norm (the laws compare
     steps by these: Adam's first step turns rounding noise in a gradient into a full step)."""
@@ -739,6 +864,27 @@ def metrics_apart(a: TrainMetrics, b: TrainMetrics) -> float:
         abs(x - y) / max(abs(x), abs(y), 1e-6)
         for x, y in ((a.loss, b.loss), (a.grad_norm, b.grad_norm))
     )
+
+
+def _one_token_rows(batch: Batch, field: str, vocab: int) -> Batch | None:
+    """``vocab`` copies of ``batch``'s first row, row ``j``'s ``field`` the one token ``j``
+    (a ``loss_mask`` set to train it); None unless ``field`` is padded or a list of rows."""
+    out = _take_rows(batch, [0] * vocab)
+    value = out.data.get(field)
+    tokens = torch.arange(vocab, dtype=torch.int64)
+    if isinstance(value, torch.Tensor) and not value.is_nested and value.dim() == 2:
+        out.data[field] = tokens.to(value.dtype).unsqueeze(1)
+        out.lengths[field] = torch.ones(vocab, dtype=torch.int64)
+    elif isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+        out.data[field] = [tokens[j : j + 1].to(value[0].dtype) for j in range(vocab)]
+        if field in out.lengths:
+            out.lengths[field] = torch.ones(vocab, dtype=torch.int64)
+    else:
+        return None
+    if LOSS_MASK in out.data:
+        out.data[LOSS_MASK] = torch.ones(vocab, 1, dtype=torch.uint8)
+        out.lengths.pop(LOSS_MASK, None)
+    return out
 
 
 def _masked_tails(batch: Batch, field: str, lengths: Sequence[int]) -> tuple[Batch | None, Batch]:
@@ -1851,36 +1997,42 @@ class InferenceEngineConformance(_Suite):
 
         self._law("test_sleep_and_wake_up", body)
 
+    async def _bad_request(
+        self, engine: InferenceEngine, bad: BadRequest
+    ) -> tuple[GenerationRequest, _Gen | None]:
+        """The malformed request ``bad`` and, for a duplicate id, the original request (in
+        flight)."""
+        if bad == "negative-max-tokens":
+            return self._request("bad", 0, -1), None
+        if bad == "resume-without-logprobs":
+            request = self._request("bad", 0, self.max_tokens)
+            return dataclasses.replace(request, resume_tokens=(1, 2)), None
+        if bad == "resume-longer-than-max-tokens":
+            prefix = tuple(self.prompt_tokens(3))[:2] * 2
+            request = dataclasses.replace(
+                self._request("bad", 0, len(prefix) - 1),
+                resume_tokens=prefix,
+                resume_logprobs=(-1.0,) * len(prefix),
+                resume_versions=(engine.weight_version,) * len(prefix),
+            )
+            return request, None
+        request = self._request("twice", 0, self.long_max_tokens)
+        original = self._submit(engine, request)
+        await asyncio.sleep(0)  # its generate reached its first await: in flight
+        assert not original.task.done(), (
+            f"the request 'twice' (max_tokens={self.long_max_tokens}) finished within one "
+            f"event-loop step of its submission ({_outcome(original.task)}): generate() "
+            "must not compute a whole request while blocking the event loop"
+        )
+        return request, original
+
     @pytest.mark.parametrize("bad", BAD_REQUESTS)
     def test_bad_requests_are_rejected(self, bad: BadRequest) -> None:
         """A malformed request raises an ``AsyncFlowError`` subclass with a message, and the
         engine works normally afterwards (a duplicate id leaves the original request running)."""
 
         async def body(engine: InferenceEngine) -> None:
-            original: _Gen | None = None
-            if bad == "negative-max-tokens":
-                request = self._request("bad", 0, -1)
-            elif bad == "resume-without-logprobs":
-                request = dataclasses.replace(
-                    self._request("bad", 0, self.max_tokens), resume_tokens=(1, 2)
-                )
-            elif bad == "resume-longer-than-max-tokens":
-                prefix = tuple(self.prompt_tokens(3))[:2] * 2
-                request = dataclasses.replace(
-                    self._request("bad", 0, len(prefix) - 1),
-                    resume_tokens=prefix,
-                    resume_logprobs=(-1.0,) * len(prefix),
-                    resume_versions=(engine.weight_version,) * len(prefix),
-                )
-            else:
-                request = self._request("twice", 0, self.long_max_tokens)
-                original = self._submit(engine, request)
-                await asyncio.sleep(0)  # its generate reached its first await: in flight
-                assert not original.task.done(), (
-                    f"the request 'twice' (max_tokens={self.long_max_tokens}) finished within one "
-                    f"event-loop step of its submission ({_outcome(original.task)}): generate() "
-                    "must not compute a whole request while blocking the event loop"
-                )
+            request, original = await self._bad_request(engine, bad)
             await self._expect_error(engine.generate(request), f"generate() of a {bad} request")
             if original is not None:
                 result = await self._finish(engine, original)
@@ -1890,6 +2042,50 @@ class InferenceEngineConformance(_Suite):
             await self._still_works(engine, f"after-{bad}")
 
         self._law(f"test_bad_requests_are_rejected[{bad}]", body)
+
+    def test_a_rejection_names_the_bad_value(self) -> None:
+        """Each ``BAD_REQUESTS`` rejection names the bad value, so the caller can fix it: the
+        ``max_tokens`` of ``-1``; the missing log-probs (``resume_logprobs``, or "log-prob") and
+        the 2 resumed tokens; the resumed prefix's length (4) and the ``max_tokens`` (3) it
+        exceeds; the duplicate request id."""
+
+        def wanted(bad: BadRequest, request: GenerationRequest) -> dict[str, str]:
+            """What the message must contain, as (what, regex)."""
+            if bad == "negative-max-tokens":
+                return {"max_tokens": r"max_tokens", "its value -1": r"-1\b"}
+            if bad == "resume-without-logprobs":
+                return {"the log-probs": r"(?i)log-?probs?", "the 2 resumed tokens": r"\b2\b"}
+            if bad == "resume-longer-than-max-tokens":
+                k, cap = len(request.resume_tokens), request.params.max_tokens
+                return {
+                    f"the prefix length {k}": rf"\b{k}\b",
+                    f"max_tokens={cap}": rf"max_tokens\D{{0,12}}\b{cap}\b",
+                }
+            return {f"the id {request.request_id!r}": re.escape(request.request_id)}
+
+        async def body(engine: InferenceEngine) -> None:
+            missing: list[str] = []
+            for bad in BAD_REQUESTS:
+                request, original = await self._bad_request(engine, bad)
+                error = await self._expect_error(
+                    engine.generate(request), f"generate() of a {bad} request"
+                )
+                if original is not None:
+                    await self._wait(engine.abort(["twice"]), "abort(['twice'])")
+                    await self._finish(engine, original)
+                absent = [
+                    what
+                    for what, rx in wanted(bad, request).items()
+                    if not re.search(rx, str(error))
+                ]
+                if absent:
+                    missing.append(f"[{bad}] {', '.join(absent)} not in: {error}")
+            assert not missing, (
+                "a rejection must name the bad value and what to do (the caller reads the "
+                "message, not the code); these do not:\n  " + "\n  ".join(missing)
+            )
+
+        self._law("test_a_rejection_names_the_bad_value", body)
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "logprob_setting" in metafunc.fixturenames:
@@ -2111,6 +2307,456 @@ class InferenceEngineConformance(_Suite):
 
         self._law("test_each_sampling_filter_removes_tokens", body)
 
+    # -- greedy and unseeded sampling --------------------------------------------------------
+    def test_greedy_picks_the_most_probable_token(self) -> None:
+        """``temperature=0`` is greedy: the most probable token, whatever the seed and whatever
+        is batched beside it. One greedy one-token request alone, then four more (seeds 1-3
+        and none) submitted together with ``logprob_samples`` temperature-1 requests
+        (distinct seeds), interleaved so that any batch mixes both: every greedy request
+        returns one token ``g``; no token drawn at temperature 1 has a larger reported
+        log-prob than ``g`` (greedy reports the temperature-1, unfiltered log-prob: the
+        argmax has the largest), ``g``'s two reports agree when it was drawn, and a ``g``
+        never drawn must not be so probable that missing it is a 1e-6 chance; a greedy
+        ``max_tokens`` request gives the same tokens twice."""
+        if not self.supports_real_logprobs:
+            pytest.skip(
+                "the engine declares supports_real_logprobs = False: without the log-probs of "
+                "its distribution nothing says which token is the most probable"
+            )
+
+        async def body(engine: InferenceEngine) -> None:
+            prompt = tuple(self.prompt_tokens(0))
+            greedy = SamplingParams(max_tokens=1, temperature=0.0)
+            try:
+                alone = await self._generate(
+                    engine, GenerationRequest("greedy-alone", prompt, greedy)
+                )
+            except AsyncFlowError as exc:
+                pytest.skip(f"the engine refuses greedy requests (temperature=0): {exc}")
+            seeds = (None, 1, 2, 3)
+            n = self.logprob_samples
+            greedy_gens: list[_Gen] = []
+            sampled_gens: list[_Gen] = []
+            for i in range(max(n, len(seeds))):
+                if i < len(seeds):
+                    params = dataclasses.replace(greedy, seed=seeds[i])
+                    request = GenerationRequest(f"greedy-{i}", prompt, params)
+                    greedy_gens.append(self._submit(engine, request))
+                if i < n:
+                    params = SamplingParams(max_tokens=1, temperature=1.0, seed=7000 + i)
+                    request = GenerationRequest(f"beside-greedy-{i}", prompt, params)
+                    sampled_gens.append(self._submit(engine, request))
+            greedy_results = [alone] + [await self._finish(engine, g) for g in greedy_gens]
+            sampled = [await self._finish(engine, g) for g in sampled_gens]
+            for r in [*greedy_results, *sampled]:
+                assert len(r.tokens) == 1, f"{r.request_id!r}: {len(r.tokens)} tokens, not 1"
+            picked = Counter(r.tokens[0] for r in greedy_results)
+            assert len(picked) == 1, (
+                f"five greedy (temperature=0) one-token requests on one prompt returned the "
+                f"tokens {dict(picked)} (the first alone, the others with seeds 1-3 and none, "
+                f"batched with {n} temperature-1 requests): greedy decoding takes the most "
+                "probable token, whatever the seed and the batch. Is a greedy row sampled "
+                "when other rows of its batch are not greedy?"
+            )
+            g = greedy_results[0].tokens[0]
+            g_lps = [r.logprobs[0] for r in greedy_results]
+            spread = max(g_lps) - min(g_lps)
+            assert spread <= self.logprob_atol, (
+                f"the greedy token {g} was reported with log-probs from {min(g_lps):.4f} to "
+                f"{max(g_lps):.4f}; the same token in the same context has one log-prob"
+            )
+            lp_g = g_lps[0]
+            seen: dict[int, list[float]] = {}
+            for r in sampled:
+                seen.setdefault(r.tokens[0], []).append(r.logprobs[0])
+            drawn = {t: sum(lps) / len(lps) for t, lps in seen.items()}
+            if g in drawn:
+                assert abs(drawn[g] - lp_g) <= self.logprob_atol, (
+                    f"the greedy token {g} was reported with log-prob {lp_g:.4f} by greedy "
+                    f"requests and {drawn[g]:.4f} at temperature 1 without filters; greedy "
+                    "reports the temperature-1, unfiltered log-prob (docs/logprobs.md)"
+                )
+                lp_g = drawn[g]
+            above = {t: round(lp, 4) for t, lp in drawn.items() if lp > lp_g + self.logprob_atol}
+            assert not above, (
+                f"greedy decoding picked token {g} (log-prob {lp_g:.4f} at temperature 1), but "
+                f"temperature-1 draws on the same prompt reported more probable tokens {above}: "
+                "temperature=0 must pick the most probable token (the argmax of the logits)"
+            )
+            if g not in drawn and drawn:
+                p = max(math.exp(lp_g), max(math.exp(lp) for lp in drawn.values()))
+                chance = (1 - min(p, 1.0)) ** n
+                assert chance >= 1e-6, (
+                    f"greedy decoding picked token {g}, which none of {n} temperature-1 draws "
+                    f"on the same prompt gave, though the most probable token has probability "
+                    f">= {p:.3f} (missing it {n} times: a {chance:.1e} chance); they drew "
+                    f"{dict(Counter(r.tokens[0] for r in sampled))}. temperature=0 must pick "
+                    "the most probable token"
+                )
+            longer = GenerationRequest(
+                "greedy-long", prompt, SamplingParams(max_tokens=self.max_tokens, temperature=0.0)
+            )
+            first = await self._generate(engine, longer)
+            second = await self._generate(engine, longer)
+            assert tuple(first.tokens) == tuple(second.tokens), (
+                f"a greedy request gave {list(first.tokens)} then {list(second.tokens)}; greedy "
+                "decoding is deterministic"
+            )
+
+        self._law("test_greedy_picks_the_most_probable_token", body)
+
+    def test_unseeded_requests_draw_anew(self) -> None:
+        """``seed=None`` draws from the engine's generator: 20 unseeded one-token requests on
+        one prompt, one after the other, then 20 submitted together (temperature 2, which
+        flattens the distribution: any temperature draws from the generator). A group whose
+        draws all gave one token fails when its reported probability ``p`` makes that a
+        ``p ** 19 < 1e-6`` chance (a fixed seed for unseeded requests, a generator reset at
+        every step). Skipped, saying so, when every group gave one token of a probability
+        that makes this likely (a peaked model), or when the engine reports no real
+        log-probs."""
+
+        async def body(engine: InferenceEngine) -> None:
+            prompt = tuple(self.prompt_tokens(0))
+            n = 20
+            params = SamplingParams(max_tokens=1, temperature=2.0)
+            try:
+                alone = [
+                    await self._generate(engine, GenerationRequest("unseeded-0", prompt, params))
+                ]
+            except AsyncFlowError as exc:
+                pytest.skip(f"the engine refuses temperature 2: {exc}")
+            alone += [
+                await self._generate(engine, GenerationRequest(f"unseeded-{i}", prompt, params))
+                for i in range(1, n)
+            ]
+            gens = [
+                self._submit(engine, GenerationRequest(f"unseeded-together-{i}", prompt, params))
+                for i in range(n)
+            ]
+            together = [await self._finish(engine, g) for g in gens]
+            unclear: list[str] = []
+            for label, results in (("one after the other", alone), ("together", together)):
+                tokens = Counter(r.tokens[0] for r in results if len(r.tokens) == 1)
+                assert sum(tokens.values()) == n, "a one-token request returned another count"
+                if len(tokens) > 1:
+                    return  # the generator drew anew
+                token = next(iter(tokens))
+                if not self.supports_real_logprobs:
+                    unclear.append(f"{label}: token {token} every time")
+                    continue
+                lps = [r.logprobs[0] for r in results]
+                p = math.exp(sum(lps) / n)
+                chance = p ** (n - 1)
+                assert chance >= 1e-6, (
+                    f"{n} unseeded (seed=None) one-token requests at temperature 2, submitted "
+                    f"{label}, all returned token {token}, whose reported probability is "
+                    f"{p:.3f} (a {chance:.1e} chance): unseeded requests must draw from the "
+                    "engine's generator, anew each time (no fixed seed for a missing one, no "
+                    "generator reset per step or per request)"
+                )
+                unclear.append(f"{label}: token {token} every time, probability {p:.3f}")
+            pytest.skip(
+                f"every unseeded draw gave one token ({'; '.join(unclear)}): the model is too "
+                "peaked on this prompt (or its log-probs are not real) to tell whether the "
+                "engine draws anew"
+            )
+
+        self._law("test_unseeded_requests_draw_anew", body)
+
+    # -- what a result is made of ------------------------------------------------------------
+    def test_results_are_plain_python_values(self) -> None:
+        """A result is a frozen dataclass of plain values, so it pickles and crosses a process
+        boundary unchanged: for a finished, an aborted and a resumed request, ``tokens``,
+        ``logprobs`` and ``versions`` are tuples of exactly ``int``, ``float`` and ``int``
+        (no bool, numpy scalar or 0-dim tensor), ``request_id`` and ``finish_reason`` are
+        ``str``, and ``pickle.loads(pickle.dumps(result))`` has the same fields."""
+
+        def check(results: Sequence[tuple[str, GenerationResult]]) -> None:
+            problems = [
+                f"{label} {r.request_id!r}: {problem}"
+                for label, r in results
+                for problem in _not_plain(r)
+            ]
+            assert not problems, (
+                "a GenerationResult holds plain Python values (tokens int, log-probs float, "
+                "versions int, in tuples) so that it pickles and crosses a process unchanged; "
+                "convert with .tolist() / int() / float():\n  " + "\n  ".join(problems)
+            )
+
+        async def body(engine: InferenceEngine) -> None:
+            finished = await self._still_works(engine, "plain")
+            request, aborted = await self._aborted_prefix(engine, "plain")
+            check([("finished", finished), ("aborted", aborted)])
+            resumed = await self._generate(
+                engine,
+                dataclasses.replace(
+                    request,
+                    resume_tokens=tuple(aborted.tokens),
+                    resume_logprobs=tuple(aborted.logprobs),
+                    resume_versions=tuple(aborted.versions),
+                ),
+            )
+            check([("resumed", resumed)])
+
+        self._law("test_results_are_plain_python_values", body)
+
+    # -- wait_for_tokens ---------------------------------------------------------------------
+    def test_wait_for_tokens_reports_the_count(self) -> None:
+        """``SupportsProgress.wait_for_tokens(id, count)`` returns once the request has at
+        least ``count`` tokens (or has ended: then its final count), with its count then, and
+        raises an ``AsyncFlowError`` for an id not in flight (never submitted, or finished).
+        On a long request: the waits for 1 and 3 report at least that many, a wait for 0
+        then reports at least the count already reported, a wait for 10**6 returns the final
+        count when the request ends (here by an ``abort``, whose result holds every token
+        reported). A resumed request has its prefix from the start: a wait for its length
+        returns at once, even while the engine is paused (``SupportsPause``)."""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsProgress, "SupportsProgress")
+            wait = engine.wait_for_tokens
+            await self._expect_error(wait("never-submitted", 1), "wait_for_tokens of an unknown id")
+            await self._still_works(engine, "waited-done")
+            await self._expect_error(
+                wait("waited-done", 1), "wait_for_tokens of a request whose generate() returned"
+            )
+            gen = self._submit(engine, self._long("waited", 2, 21))
+            rid = gen.request.request_id
+            await asyncio.sleep(0)  # generate reached its first await: in flight
+            reported = 0
+            for count in (1, 3, 0):
+                have = int(await self._wait(wait(rid, count), f"wait_for_tokens({rid!r}, {count})"))
+                if have < count:  # it ended first: the count is its final one
+                    result = await self._finish(engine, gen)
+                    assert have == len(result.tokens), (
+                        f"wait_for_tokens({rid!r}, {count}) returned {have}, yet the request "
+                        f"went on to {len(result.tokens)} tokens ({result.finish_reason!r}): "
+                        "it returns once the request has count tokens, with its count then"
+                    )
+                    pytest.skip(f"the long request ended with {have} tokens; raise long_max_tokens")
+                assert have >= reported, (
+                    f"wait_for_tokens({rid!r}, {count}) returned {have}, after an earlier wait "
+                    f"reported {reported}: it returns the request's count then, which never "
+                    "goes down"
+                )
+                reported = have
+            final = asyncio.ensure_future(wait(rid, 10**6))
+            await asyncio.sleep(0)  # the wait is registered
+            await self._wait(engine.abort([rid]), f"abort([{rid!r}])")
+            result = await self._finish(engine, gen)
+            assert len(result.tokens) >= reported, (
+                f"wait_for_tokens({rid!r}, ...) reported {reported} tokens, but the request "
+                f"came back from abort() with {len(result.tokens)}: the count must be of tokens "
+                "the request has (abort returns every one of them)"
+            )
+            try:
+                last = int(await self._wait(final, f"wait_for_tokens({rid!r}, 10**6)"))
+            except AsyncFlowError:
+                last = None  # the request had ended before the wait reached the engine
+            if last is not None:
+                assert last == len(result.tokens), (
+                    f"wait_for_tokens({rid!r}, 10**6) returned {last} when the request ended "
+                    f"with {len(result.tokens)} tokens: a wait returns the final count once "
+                    "the request has ended"
+                )
+            k = len(result.tokens)
+            resumed = dataclasses.replace(
+                gen.request,
+                request_id="waited-resumed",
+                resume_tokens=tuple(result.tokens),
+                resume_logprobs=tuple(result.logprobs),
+                resume_versions=tuple(result.versions),
+            )
+            pause = isinstance(engine, SupportsPause) and not unavailable_ability(
+                engine, "SupportsPause"
+            )
+            if pause:
+                await self._wait(engine.pause("keep"), "pause('keep')")
+            try:
+                again = self._submit(engine, resumed)
+                await asyncio.sleep(0)
+                have = int(
+                    await self._wait(
+                        wait("waited-resumed", k),
+                        f"wait_for_tokens('waited-resumed', {k}) of a request resumed with {k} "
+                        f"tokens{', submitted while paused' if pause else ''}",
+                    )
+                )
+            finally:
+                if pause:
+                    await self._wait(engine.resume(), "resume()")
+            assert have >= k, (
+                f"wait_for_tokens('waited-resumed', {k}) returned {have} for a request resumed "
+                f"with {k} tokens; resumed tokens count"
+            )
+            await self._wait(engine.abort(["waited-resumed"]), "abort(['waited-resumed'])")
+            await self._finish(engine, again)
+
+        self._law("test_wait_for_tokens_reports_the_count", body)
+
+    # -- what an engine cannot do, or refuses ------------------------------------------------
+    def test_an_unavailable_ability_raises_its_reason(self) -> None:
+        """An ability the engine declares unavailable (``unavailable_abilities``: name ->
+        reason) although it has the methods raises, when called, an ``AsyncFlowError`` whose
+        message carries the declared reason (``SupportsSleep``: ``sleep()``;
+        ``SupportsPause``: ``pause("keep")``; ``SupportsLoadWeights``: ``load_weights``;
+        ``SupportsProgress``: ``wait_for_tokens`` on a running request); the version is
+        unchanged and the engine then serves a request. Skipped when it declares none of
+        them."""
+
+        async def body(engine: Any) -> None:
+            declared = getattr(engine, "unavailable_abilities", None)
+            declared = dict(declared) if isinstance(declared, Mapping) else {}
+            abilities: dict[str, type] = {
+                "SupportsSleep": SupportsSleep,
+                "SupportsPause": SupportsPause,
+                "SupportsLoadWeights": SupportsLoadWeights,
+                "SupportsProgress": SupportsProgress,
+            }
+            checked = {
+                name: reason
+                for name, reason in declared.items()
+                if name in abilities
+                and isinstance(engine, abilities[name])
+                and unavailable_ability(engine, name)
+            }
+            if not checked:
+                pytest.skip(
+                    f"{type(engine).__name__} declares no unavailable ability this law can call "
+                    f"(unavailable_abilities: {sorted(declared) or 'none'})"
+                )
+            version = engine.weight_version
+            for name, reason in checked.items():
+                running: _Gen | None = None
+                if name == "SupportsSleep":
+                    call, what = engine.sleep(), "sleep()"
+                elif name == "SupportsPause":
+                    call, what = engine.pause("keep"), "pause('keep')"
+                elif name == "SupportsLoadWeights":
+                    weights = self.weights_for_load(engine)
+                    call, what = engine.load_weights(weights, version + 1), "load_weights(...)"
+                else:
+                    running = self._submit(engine, self._long("unavailable", 3, 5))
+                    await asyncio.sleep(0)
+                    call = engine.wait_for_tokens("unavailable", 1)
+                    what = "wait_for_tokens('unavailable', 1)"
+                error = await self._expect_error(
+                    call, f"{what}, though {name} is declared unavailable"
+                )
+                assert reason in str(error), (
+                    f"{type(engine).__name__} declares {name} unavailable ({reason!r}), and "
+                    f"{what} raised {type(error).__name__}: {error}; the error must carry the "
+                    "declared reason, so the caller learns why"
+                )
+                assert engine.weight_version == version, (
+                    f"the refused {what} changed weight_version from {version} to "
+                    f"{engine.weight_version}"
+                )
+                if running is not None:
+                    await self._wait(engine.abort(["unavailable"]), "abort(['unavailable'])")
+                    await self._finish(engine, running)
+            await self._still_works(engine, "after-unavailable")
+
+        self._law("test_an_unavailable_ability_raises_its_reason", body)
+
+    def test_a_refused_sampling_setting_says_why(self) -> None:
+        """A sampling setting the engine cannot honour (each of ``logprob_settings``, one
+        request) is refused with an ``AsyncFlowError`` whose message names a knob of the
+        setting it refuses (``temperature``, ``top_k`` or ``top_p``) and the engine (its
+        class name or ``name``); the engine then serves a request. Skipped when it refuses
+        none of them."""
+
+        async def body(engine: InferenceEngine) -> None:
+            prompt = tuple(self.prompt_tokens(0))
+            default = SamplingParams()
+            engine_names = {type(engine).__name__}
+            for attr in ("name", "who"):
+                value = getattr(engine, attr, None)
+                if isinstance(value, str) and value:
+                    engine_names.add(value)
+            refused: list[str] = []
+            unclear: list[str] = []
+            for name, setting in self.logprob_settings:
+                params = dataclasses.replace(setting, max_tokens=1, seed=11)
+                request = GenerationRequest(f"refusal-{name}", prompt, params)
+                try:
+                    await self._generate(engine, request)
+                    continue
+                except AsyncFlowError as exc:
+                    message = str(exc)
+                knobs = [
+                    k
+                    for k in ("temperature", "top_k", "top_p")
+                    if getattr(setting, k) != getattr(default, k)
+                ]
+                refused.append(name)
+                if not any(k in message for k in knobs):
+                    unclear.append(f"[{name}] names none of {knobs}: {message}")
+                if not any(n.lower() in message.lower() for n in engine_names):
+                    unclear.append(
+                        f"[{name}] names the engine as none of {sorted(engine_names)}: {message}"
+                    )
+            if not refused:
+                pytest.skip("the engine serves every sampling setting of logprob_settings")
+            assert not unclear, (
+                "a refused sampling setting must say which knob the engine cannot honour and "
+                "which engine refuses (docs/writing-an-adapter.md, inference law 3):\n  "
+                + "\n  ".join(unclear)
+            )
+            await self._still_works(engine, "after-refusals")
+
+        self._law("test_a_refused_sampling_setting_says_why", body)
+
+    def test_sleep_keeps_the_weights(self) -> None:
+        """``sleep(1)`` then ``wake_up()`` keeps the weights, not only the version: after a
+        load of changed weights (the ``weights_for_load`` tensors times 1.5, where the engine
+        takes tensors), the engine's weight fingerprints (``SupportsWeightFingerprints``), or
+        else a greedy probe's tokens and log-probs, are the same after the wake-up as before
+        the sleep. (Level 2 may discard the weights by design: not checked.)"""
+
+        async def body(engine: Any) -> None:
+            self._require(engine, SupportsSleep, "SupportsSleep")
+            if (
+                not isinstance(engine, SupportsWeightFingerprints)
+                and not self.supports_real_logprobs
+            ):
+                pytest.skip(
+                    "the engine reports no weight fingerprints and no real log-probs "
+                    "(supports_real_logprobs = False): nothing shows which weights it holds"
+                )
+            loaded = ""
+            if (
+                isinstance(engine, SupportsLoadWeights)
+                and unavailable_ability(engine, "SupportsLoadWeights") is None
+                and tensor_load_refusal(engine) is None
+            ):
+                changed = [
+                    (n, t.detach() * 1.5)
+                    for n, t in self.weights_for_load(engine)
+                    if t.is_floating_point() and not t.is_meta
+                ]
+                if changed:
+                    version = engine.weight_version + 1
+                    await self._wait(
+                        engine.load_weights(changed, version), f"load_weights(..., {version})"
+                    )
+                    loaded = f" (after a load of changed weights as version {version})"
+            version = engine.weight_version
+            before = await self._held_weights(engine)
+            await self._wait(engine.sleep(1), "sleep(1)")
+            await self._wait(engine.wake_up(), "wake_up()")
+            assert engine.weight_version == version, (
+                f"sleep(1)/wake_up() changed weight_version from {version} to "
+                f"{engine.weight_version}"
+            )
+            moved = self._same_holding(before, await self._held_weights(engine))
+            assert moved is None, (
+                f"after sleep(1) and wake_up() the engine holds other weights than before{loaded}"
+                f": {moved}. A level-1 sleep keeps the weights (offloads them, at most): "
+                "wake_up() must not rebuild the model or reload its original weights"
+            )
+
+        self._law("test_sleep_keeps_the_weights", body)
+
     def test_close_releases_what_the_engine_started(self) -> None:
         """After ``close_engine`` (its ``close()``) every asyncio task, thread and child
         process that the engine started (since just before ``make_engine()``, through one
@@ -2188,11 +2834,24 @@ class TrainEngineConformance(_Suite):
     logprob_atol: ClassVar[float] = 1e-4
     """How far two ``compute_logprobs`` of the same batch (no step between) may differ."""
     checkpoint_rtol: ClassVar[float] = 1e-3
+    """How far (relative to the step's own size) a step after ``load_checkpoint`` may differ
+    from the step that followed ``save_checkpoint``."""
     mask_rtol: ClassVar[float] = 1e-3
     """How far (relatively) the loss and grad norm of a step with masked tail tokens may differ
     from those of the step with the tokens cut off."""
-    """How far (relative to the step's own size) a step after ``load_checkpoint`` may differ
-    from the step that followed ``save_checkpoint``."""
+    metrics_rtol: ClassVar[float] = 1e-3
+    """How far (relatively) two reports of one step's loss (and grad norm) may differ when only
+    rounding separates them: the rows split into micro-batches otherwise, or the loss
+    recomputed from ``compute_logprobs``."""
+    micro_batch_rows: ClassVar[int | None] = None
+    """The engine's micro-batch size in rows, if known: the micro-batch laws then use
+    ``3 * micro_batch_rows`` rows (else 12), so that the batch is split."""
+    default_temperature: ClassVar[float] = 1.0
+    """The temperature the trainer scores a batch without sampling fields at (its
+    constructor's)."""
+    world_size: ClassVar[int] = 1
+    """Data-parallel ranks the trainer splits a batch over (one-row law: ``world_size + 1``
+    rows leave a rank with one row or none)."""
 
     # -- hooks -------------------------------------------------------------------------------
     def make_engine(self) -> TrainEngine | Awaitable[TrainEngine]:
@@ -2220,6 +2879,12 @@ class TrainEngineConformance(_Suite):
         """The loss of the laws (default ``asyncflow_core.training.rl.policy_gradient_loss``)."""
         return policy_gradient_loss
 
+    def make_other_engine(self) -> TrainEngine | Awaitable[TrainEngine] | None:
+        """A fresh trainer of another model (another size, the same kind), whose checkpoints
+        ``make_engine``'s cannot load (default None: the law on a checkpoint that does not
+        fit is skipped)."""
+        return None
+
     def expected_parameters(self, engine: Any) -> Mapping[str, Sequence[int]] | None:
         """The full (unsharded) shape of every parameter, if known independently of
         ``export_weights``: the export law then checks names and shapes against it."""
@@ -2240,9 +2905,12 @@ class TrainEngineConformance(_Suite):
     def _law(self, name: str, body: Callable[[Any], Coroutine[Any, Any, None]]) -> None:
         self._engine_law(name, body, TrainEngine, "the TrainEngine protocol")
 
-    async def _step(self, engine: TrainEngine, batch: Batch) -> TrainMetrics:
+    async def _step(
+        self, engine: TrainEngine, batch: Batch, loss_fn: LossFn | None = None
+    ) -> TrainMetrics:
         before = engine.weight_version
-        metrics = await self._wait(engine.train_step(batch, self.make_loss_fn()), "train_step()")
+        loss = self.make_loss_fn() if loss_fn is None else loss_fn
+        metrics = await self._wait(engine.train_step(batch, loss), "train_step()")
         assert isinstance(metrics, TrainMetrics), (
             f"train_step returned {type(metrics).__name__}, not TrainMetrics"
         )
@@ -2748,6 +3416,526 @@ class TrainEngineConformance(_Suite):
 
         self._law(f"test_a_batch_missing_a_field_is_rejected[{field}]", body)
 
+    # -- how one step covers its batch -------------------------------------------------------
+    def _spread_batches(self) -> tuple[Batch, Batch]:
+        """``make_batch``'s rows tiled to ``max(12, 3 * micro_batch_rows)`` rows, twice: ordered
+        by response length (consecutive micro-batches then hold very different numbers of
+        tokens) and with long and short rows alternating (micro-batches of similar counts)."""
+        base = self.make_batch()
+        n = max(12, 3 * (self.micro_batch_rows or 0))
+        tiled = _take_rows(base, [i % len(base) for i in range(n)])
+        lengths = self.response_lengths(tiled)
+        if len(set(lengths)) < 2:
+            pytest.skip(
+                "every row of make_batch has the same response length: no split of its rows "
+                "gives micro-batches of different token counts"
+            )
+        ascending = sorted(range(n), key=lambda i: lengths[i])
+        mixed = [ascending[i // 2] if i % 2 == 0 else ascending[n - 1 - i // 2] for i in range(n)]
+        return _take_rows(tiled, ascending), _take_rows(tiled, mixed)
+
+    def test_a_step_does_not_depend_on_how_rows_split_into_micro_batches(self) -> None:
+        """``train_step`` is one optimizer step over the whole batch: micro-batches weighted by
+        their share of the trained response tokens, gradients accumulated, one step. From one
+        saved checkpoint, a step on 12 rows (``3 * micro_batch_rows`` if set) ordered by
+        response length (micro-batches of very different token counts) reports the loss and
+        gradient norm of the step on the same rows with long and short ones alternating
+        (relative ``metrics_rtol``). Skipped when the loss saw every row at once (no split).
+        Catches micro-batches weighted by rows, or an optimizer step per micro-batch.
+        (Metrics, not weights, are compared: Adam's first step turns rounding noise into full
+        steps.)"""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine does not train")
+
+        async def body(engine: TrainEngine) -> None:
+            ascending, mixed = self._spread_batches()
+            n = len(ascending)
+            runs: dict[str, TrainMetrics] = {}
+            parts: list[int] = []
+            with tempfile.TemporaryDirectory(prefix="asyncflow-split-") as tmp:
+                path = str(Path(tmp) / "checkpoint")
+                await self._checkpoint(engine, "save", path)
+                for label, rows in (("ordered by length", ascending), ("alternating", mixed)):
+                    await self._checkpoint(engine, "load", path)
+                    recording = RecordingLoss(self.make_loss_fn())
+                    runs[label] = await self._step(engine, rows, recording)
+                    calls = recording.calls or recording.reported(runs[label])
+                    parts += [shape[0] for shape, _ in calls if shape]
+            if not parts or min(parts) >= n:
+                pytest.skip(
+                    f"the loss saw all {n} rows at once: the engine did not split them into "
+                    "micro-batches, so there is no split to vary (set micro_batch_rows to its "
+                    "micro-batch size)"
+                )
+            a, b = runs["ordered by length"], runs["alternating"]
+            gap = metrics_apart(a, b)
+            assert gap <= self.metrics_rtol, (
+                f"one step over the same {n} rows from one checkpoint reported loss {a.loss:.6g} "
+                f"and grad norm {a.grad_norm:.6g} with the rows ordered by response length "
+                f"(micro-batches of very different token counts), but loss {b.loss:.6g} and "
+                f"grad norm {b.grad_norm:.6g} with long and short rows alternating (relative "
+                f"difference {gap:.3g} > metrics_rtol={self.metrics_rtol}). A step must not "
+                "depend on how the rows fall into micro-batches: weigh each micro-batch's loss "
+                "by its share of the batch's trained response tokens, accumulate the gradients, "
+                "take one optimizer step"
+            )
+
+        self._law("test_a_step_does_not_depend_on_how_rows_split_into_micro_batches", body)
+
+    def test_the_reported_loss_is_the_whole_batchs(self) -> None:
+        """``TrainMetrics`` covers the whole batch: on a fresh engine, the loss function applied
+        to ``compute_logprobs`` of the whole batch (12 rows ordered by response length, split
+        into micro-batches of different token counts) equals the ``loss`` the step on it then
+        reports (relative ``metrics_rtol``; the suite's loss is a token mean, as the default
+        ``policy_gradient_loss``), and ``samples`` counts every row. Catches a loss averaged
+        over micro-batches by rows, or one rank's share reported for the whole step."""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine does not train")
+
+        async def body(engine: TrainEngine) -> None:
+            batch, _ = self._spread_batches()
+            logprobs = await self._wait(engine.compute_logprobs(batch), "compute_logprobs()")
+            loss, _ = self.make_loss_fn()(logprobs.detach().float().cpu(), batch)
+            expected = float(loss)
+            metrics = await self._step(engine, batch)
+            assert metrics.samples == len(batch), (
+                f"TrainMetrics.samples={metrics.samples} for a batch of {len(batch)} rows; "
+                "the metrics cover the whole batch"
+            )
+            gap = abs(metrics.loss - expected) / max(abs(metrics.loss), abs(expected), 1e-6)
+            assert gap <= self.metrics_rtol, (
+                f"train_step reported loss {metrics.loss:.6g} for {len(batch)} rows, but the "
+                f"loss of the whole batch (its compute_logprobs before the step, through the "
+                f"same loss function) is {expected:.6g} (relative difference {gap:.3g} > "
+                f"metrics_rtol={self.metrics_rtol}). Report the whole batch's loss: weigh each "
+                "micro-batch's loss by its share of the trained response tokens (not by rows), "
+                "and sum over the ranks of a data-parallel group"
+            )
+
+        self._law("test_the_reported_loss_is_the_whole_batchs", body)
+
+    def test_a_batch_without_sampling_fields_is_scored_at_the_default(self) -> None:
+        """A batch without the ``temperature``/``top_k``/``top_p`` fields is scored at the
+        trainer's default temperature (``default_temperature``: what the suite built it with)
+        and no filters: its ``compute_logprobs`` equals that of the same batch with the fields
+        ``temperature=default_temperature, top_k=0, top_p=1`` on every row (``logprob_atol``)."""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine has no model to score with")
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            for name in SAMPLING_FIELDS:
+                batch = without_field(batch, name)
+            lengths = self.response_lengths(batch)
+            bare = await self._wait(engine.compute_logprobs(batch), "compute_logprobs()")
+            t = self.default_temperature
+            explicit = await self._wait(
+                engine.compute_logprobs(_with_sampling(batch, SamplingParams(temperature=t))),
+                f"compute_logprobs() with temperature={t}, top_k=0, top_p=1 on every row",
+            )
+            gap = max(
+                (_max_abs(bare[i, :k], explicit[i, :k]) for i, k in enumerate(lengths)),
+                default=0.0,
+            )
+            assert gap <= self.logprob_atol, (
+                f"compute_logprobs of a batch without sampling fields differs by up to "
+                f"{gap:.3g} from the same batch with temperature={t}, top_k=0, top_p=1 on every "
+                f"row (logprob_atol={self.logprob_atol}): a batch without the fields is scored "
+                "at the trainer's default temperature (its constructor's; the suite's "
+                "default_temperature) and no filters"
+            )
+
+        self._law("test_a_batch_without_sampling_fields_is_scored_at_the_default", body)
+
+    def test_a_batch_of_one_row_trains(self) -> None:
+        """A batch of one row, and one of ``world_size + 1`` rows (a data-parallel rank then
+        gets none, or one), each train: the step returns within ``timeout_s``, adds 1 to the
+        version and (``computes_loss``) changes some exported weight. Catches a rank without
+        rows that skips its forward and backward (the others hang in the collective), or a
+        trainer that drops micro-batches of one row."""
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            lengths = self.response_lengths(batch)
+            order = sorted(range(len(batch)), key=lambda i: -lengths[i])
+            sizes = sorted({1, self.world_size + 1})
+            for size in sizes:
+                rows = _take_rows(batch, [order[i % len(order)] for i in range(size)])
+                before = await self._weights(engine) if self.computes_loss else {}
+                await self._step(engine, rows)
+                if not before or any(t.is_meta for t in before.values()):
+                    continue
+                after = await self._weights(engine)
+                assert any(not same_bytes(before[n], after[n]) for n in before), (
+                    f"a train_step on a batch of {size} row(s) changed no exported weight: the "
+                    "rows did not train. A micro-batch (or a rank's share) of one row, or of "
+                    "none, still runs its forward and backward (a rank without rows runs a "
+                    "zero-weight dummy micro-batch)"
+                )
+
+        self._law("test_a_batch_of_one_row_trains", body)
+
+    def test_a_bad_row_anywhere_rejects_the_whole_batch(self) -> None:
+        """``make_batch()`` plus a last row whose response holds a token id outside any
+        vocabulary (in the last micro-batch, after valid ones): ``train_step`` and
+        ``compute_logprobs`` raise an ``AsyncFlowError`` (not an ``IndexError`` from the
+        embedding, and never a hang), the version and every exported tensor are unchanged,
+        and the valid batch then trains. Catches a trainer that checks rows only as it reaches
+        them, or not at all."""
+        if not self.computes_loss:
+            pytest.skip(
+                "computes_loss = False: the engine has no model to check a token id against"
+            )
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            bad = _with_bad_last_row(batch, self.response_field, self.response_lengths(batch))
+            if bad is None:
+                pytest.skip(
+                    f"make_batch's {self.response_field!r} field is neither padded nor a list "
+                    "of rows: the law cannot plant a bad token"
+                )
+            version = engine.weight_version
+            before = await self._weights(engine)
+            what = (
+                f"a batch whose last row (row {len(bad) - 1}) holds token id {_NOT_A_TOKEN} in "
+                f"its {self.response_field!r}"
+            )
+            await self._expect_error(
+                engine.train_step(bad, self.make_loss_fn()), f"train_step() of {what}"
+            )
+            await self._expect_error(engine.compute_logprobs(bad), f"compute_logprobs() of {what}")
+            assert engine.weight_version == version, (
+                f"a rejected train_step changed weight_version from {version} to "
+                f"{engine.weight_version}"
+            )
+            after = await self._weights(engine)
+            changed = [
+                n for n, t in before.items() if not t.is_meta and not same_bytes(t, after[n])
+            ]
+            assert not changed, (
+                f"train_step rejected {what}, yet {len(changed)} exported tensor(s) changed, "
+                f"e.g. {changed[:3]}: validate the whole batch before any micro-batch trains"
+            )
+            await self._step(engine, batch)
+
+        self._law("test_a_bad_row_anywhere_rejects_the_whole_batch", body)
+
+    # -- what an export holds ----------------------------------------------------------------
+    def test_an_export_never_mixes_two_versions(self) -> None:
+        """An export is a snapshot taken between two steps: after a step, an unbounded export
+        gives the weights ``w``; then ``export_weights(1)`` (a bucket per tensor) yields its
+        first bucket, a ``train_step`` starts (the law waits for it a while: an engine may
+        hold it until the export ends), and the export is drained. Every tensor, as received,
+        is byte-equal to ``w`` (a sync never mixes two versions), and every bucket flagged
+        ``snapshot=True`` still holds, once the step has run, what it held when received
+        (nobody changes a snapshot afterwards)."""
+
+        async def body(engine: TrainEngine) -> None:
+            loop = asyncio.get_running_loop()
+            batch = self.make_batch()
+            began = loop.time()
+            await self._step(engine, batch)
+            step_s = loop.time() - began
+            exported = await self._weights(engine)
+            self._require_data(exported, "the export's tensors")
+            received: list[tuple[WeightBucket, dict[str, torch.Tensor]]] = []
+            iterator = engine.export_weights(1).__aiter__()
+            step: asyncio.Future[TrainMetrics] | None = None
+            ran_between = False
+            try:
+                while True:
+                    try:
+                        bucket = await self._wait(
+                            iterator.__anext__(), "export_weights(1): next bucket"
+                        )
+                    except StopAsyncIteration:
+                        break
+                    received.append((bucket, {n: t.detach().clone() for n, t in bucket}))
+                    if step is None:  # after the first bucket: a step while the export is open
+                        step = asyncio.ensure_future(engine.train_step(batch, self.make_loss_fn()))
+                        # an engine may hold the step until the export ends: the law then
+                        # waits this long and goes on (no evidence, no failure)
+                        await asyncio.wait([step], timeout=10 * step_s + 0.1)
+                        ran_between = step.done()
+            finally:
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+                if step is not None:
+                    await self._wait(step, "train_step() started while an export was open")
+            assert step is not None, "export_weights(1) yielded no bucket"
+            total = sum(len(copy) for _, copy in received)
+            mixed = [
+                n for _, copy in received for n, t in copy.items() if not same_bytes(t, exported[n])
+            ]
+            assert not mixed, (
+                f"an export begun before a train_step yielded {len(mixed)} of {total} tensors "
+                f"(e.g. {mixed[:3]}) with other values than the weights before the step"
+                f"{' (the step had returned before they were drained)' if ran_between else ''}: "
+                "the sync mixes two versions. Snapshot every tensor between two steps when "
+                "the export begins (copy them on the worker thread, e.g. bucketize(..., "
+                "pack=True)), or hold the step until the export ends"
+            )
+            moved = [
+                n
+                for bucket, copy in received
+                if bucket.snapshot
+                for n, t in bucket
+                if not same_bytes(t, copy[n])
+            ]
+            assert not moved, (
+                f"buckets flagged snapshot=True changed after they were yielded ({moved[:3]}): "
+                "snapshot=True promises a copy made for this sync that nobody changes "
+                "afterwards (a transport may still be sending it); set it only on such copies"
+            )
+
+        self._law("test_an_export_never_mixes_two_versions", body)
+
+    def test_train_step_keeps_no_reference_to_the_batch(self) -> None:
+        """``compute_logprobs`` and ``train_step`` keep no reference to the batch once they
+        return (the job reuses its memory for the next step's batch): every tensor of the
+        batch's ``data`` and ``lengths`` (copies only the law holds) is freed once the law
+        drops the batch after each call (a kept view keeps its base alive too), waiting up to
+        ``release_timeout_s`` for it (a worker thread drops its call's arguments just after
+        the result is handed over)."""
+
+        async def body(engine: TrainEngine) -> None:
+            for call in ("compute_logprobs", "train_step"):
+                batch = _copied(self.make_batch())
+                refs = {name: weakref.ref(t) for name, t in _batch_tensors(batch)}
+                if call == "compute_logprobs":
+                    out = await self._wait(engine.compute_logprobs(batch), "compute_logprobs()")
+                    del out
+                else:
+                    await self._step(engine, batch)
+                del batch
+                deadline = time.monotonic() + self.release_timeout_s
+                while True:  # a worker thread may drop its call's arguments just after
+                    gc.collect()
+                    alive = sorted(name for name, ref in refs.items() if ref() is not None)
+                    if not alive or time.monotonic() >= deadline:
+                        break
+                    await asyncio.sleep(0.01)
+                assert not alive, (
+                    f"{call}() returned but {self.release_timeout_s:.0f} s later the batch's "
+                    f"tensor(s) {alive} are still referenced (the law dropped its own, and "
+                    "collected garbage): the engine keeps the batch, or a view of it "
+                    "(e.g. the last TokenRows, a cache keyed by batch). The job overwrites that "
+                    "memory with the next batch; keep nothing of it once the call returns"
+                )
+
+        self._law("test_train_step_keeps_no_reference_to_the_batch", body)
+
+    # -- how calls run -----------------------------------------------------------------------
+    def test_train_step_leaves_the_event_loop_free(self) -> None:
+        """A trainer computes off the event loop (a worker thread, a process) and waits with
+        asyncio primitives: while a ``train_step``, a ``compute_logprobs`` and (for tensors
+        that hold data) the first bucket of an export are computed, another task gets to run
+        before the call returns. Catches a trainer that computes inside its coroutine (a
+        ``return fn(*args)`` where ``await loop.run_in_executor(...)`` belongs), which stalls
+        every rollout, store and timer of the job meanwhile."""
+
+        async def body(engine: TrainEngine) -> None:
+            async def first_bucket() -> WeightBucket:
+                iterator = engine.export_weights(HUGE_BUCKET).__aiter__()
+                try:
+                    return await iterator.__anext__()
+                finally:
+                    aclose = getattr(iterator, "aclose", None)
+                    if aclose is not None:
+                        with contextlib.suppress(Exception):
+                            await aclose()
+
+            batch = self.make_batch()
+            exported = await self._weights(engine)
+            calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+                ("train_step()", lambda: engine.train_step(batch, self.make_loss_fn())),
+                ("compute_logprobs()", lambda: engine.compute_logprobs(batch)),
+            ]
+            if not any(t.is_meta for t in exported.values()):
+                calls.append(("export_weights(): its first bucket", first_bucket))
+            blocked: list[str] = []
+            for what, call in calls:
+                task = asyncio.ensure_future(call())
+                seen: list[bool] = []
+
+                async def marker(task: asyncio.Future[Any] = task, seen: list[bool] = seen) -> None:
+                    seen.append(task.done())
+
+                mark = asyncio.ensure_future(marker())
+                await self._wait(task, what)
+                await mark
+                if seen[0]:
+                    blocked.append(what)
+            assert not blocked, (
+                f"{blocked}: no other task ran until the call had returned, so it computed on "
+                "the event loop and stalled everything else the job runs. Compute on a worker "
+                "thread (await loop.run_in_executor(executor, fn, ...)) or in another process, "
+                "and wait with asyncio primitives"
+            )
+
+        self._law("test_train_step_leaves_the_event_loop_free", body)
+
+    def test_concurrent_calls_run_in_arrival_order(self) -> None:
+        """Calls run one at a time, in the order they were made: ``compute_logprobs``,
+        ``train_step``, ``compute_logprobs`` started together (no await between) give, first,
+        the log-probs of the weights before the step and, last, those after it (each equal,
+        within ``logprob_atol``, to a ``compute_logprobs`` made alone before and after).
+        Catches a worker pool of more than one thread, or calls reordered on their way to
+        the workers (collectives of a data-parallel group interleave then)."""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine's log-probs do not follow its weights")
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            lengths = self.response_lengths(batch)
+
+            def rows(lp: torch.Tensor) -> torch.Tensor:
+                return torch.cat([lp[i, :n].detach().double().cpu() for i, n in enumerate(lengths)])
+
+            before = rows(await self._wait(engine.compute_logprobs(batch), "compute_logprobs()"))
+            first = asyncio.ensure_future(engine.compute_logprobs(batch))
+            step = asyncio.ensure_future(engine.train_step(batch, self.make_loss_fn()))
+            last = asyncio.ensure_future(engine.compute_logprobs(batch))
+            early = rows(await self._wait(first, "compute_logprobs() made before a train_step"))
+            await self._wait(step, "train_step() made between two compute_logprobs()")
+            late = rows(await self._wait(last, "compute_logprobs() made after a train_step"))
+            after = rows(await self._wait(engine.compute_logprobs(batch), "compute_logprobs()"))
+            moved = float((after - before).abs().max()) if before.numel() else 0.0
+            if moved <= 10 * self.logprob_atol:
+                pytest.skip(
+                    f"the step moved the log-probs by {moved:.3g} only: make_batch must give a "
+                    "gradient that moves them"
+                )
+            for label, got, want in (
+                ("the first compute_logprobs (made before the train_step)", early, before),
+                ("the last compute_logprobs (made after the train_step)", late, after),
+            ):
+                gap = float((got - want).abs().max()) if got.numel() else 0.0
+                assert gap <= self.logprob_atol, (
+                    f"compute_logprobs, train_step, compute_logprobs were started in that order "
+                    f"without an await between: {label} differs by {gap:.3g} from the log-probs "
+                    f"of the weights it should have seen (the step moved them by {moved:.3g}). "
+                    "Run calls one at a time in arrival order (a single worker thread): calls "
+                    "that overlap or overtake each other see half-updated weights, and the "
+                    "collectives of a data-parallel group interleave"
+                )
+
+        self._law("test_concurrent_calls_run_in_arrival_order", body)
+
+    def test_off_support_tokens_get_the_floor_and_are_counted(self) -> None:
+        """A response token off its row's top-k/top-p support gets the documented floor, and
+        ``train_step`` counts it: ``vocab_size`` rows on ``make_batch``'s first prompt, row
+        ``j``'s response the one token ``j``. At temperature 1, ``compute_logprobs`` gives the
+        whole next-token distribution ``p`` (skipped unless it sums to 1: ``vocab_size`` is
+        then the model's); with ``top_k=2`` the two most probable tokens get ``log(p / Z)``
+        (``Z`` their mass) and every other token ``log p - log(Z + p)`` (``logprob_atol``),
+        and a ``train_step`` on those rows reports ``extra["logprobs_off_support"] ==
+        vocab_size - 2`` (docs/logprobs.md)."""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine has no model to score with")
+
+        async def body(engine: TrainEngine) -> None:
+            v = self.vocab_size
+            rows = _one_token_rows(self.make_batch(), self.response_field, v)
+            if rows is None:
+                pytest.skip(
+                    f"make_batch's {self.response_field!r} field is neither padded nor a list "
+                    "of rows: the law cannot build one-token responses"
+                )
+
+            async def scored(params: SamplingParams) -> torch.Tensor:
+                lp = await self._wait(
+                    engine.compute_logprobs(_with_sampling(rows, params)), "compute_logprobs()"
+                )
+                return lp[:, 0].detach().double().cpu()
+
+            full = await scored(SamplingParams(temperature=1.0))
+            p = full.exp()
+            mass = float(p.sum())
+            if abs(mass - 1.0) > 1e-3:
+                pytest.skip(
+                    f"the {v} tokens below vocab_size have probability {mass:.4f} in all, not 1: "
+                    "vocab_size is not the model's vocabulary, so the law cannot see the whole "
+                    "distribution"
+                )
+            top = torch.argsort(p, descending=True)
+            if float(p[top[1]] - p[top[2]]) < 1e-3 * float(p[top[1]]):
+                pytest.skip("the second and third most probable tokens nearly tie")
+            kept = top[:2]
+            z = float(p[kept].sum())
+            want = torch.log(p) - torch.log(z + p)
+            want[kept] = torch.log(p[kept] / z)
+            got = await scored(SamplingParams(temperature=1.0, top_k=2))
+            gap = (got - want).abs()
+            worst = int(gap.argmax())
+            assert float(gap[worst]) <= max(self.logprob_atol, 1e-5), (
+                f"with top_k=2, compute_logprobs gave token {worst} (probability "
+                f"{float(p[worst]):.4f} at temperature 1; the top two {kept.tolist()} hold "
+                f"{z:.4f}) the log-prob {float(got[worst]):.5f}; it should be "
+                f"{float(want[worst]):.5f}: log(p / Z) on the support and the floor "
+                "log p - log(Z + p) off it (docs/logprobs.md; asyncflow_core.training.sampling."
+                "sampled_logprobs)"
+            )
+            metrics = await self._step(engine, _with_sampling(rows, SamplingParams(top_k=2)))
+            counted = metrics.extra.get(OFF_SUPPORT_METRIC)
+            assert counted is not None and round(counted) == v - 2, (
+                f"a train_step on {v} one-token rows with top_k=2, {v - 2} of them off the "
+                f"support, reported {OFF_SUPPORT_METRIC}={counted}; trainers count such tokens "
+                f"in TrainMetrics.extra[{OFF_SUPPORT_METRIC!r}] (a count far from 0 says the "
+                "engine and the trainer filter differently)"
+            )
+
+        self._law("test_off_support_tokens_get_the_floor_and_are_counted", body)
+
+    def test_a_checkpoint_that_does_not_fit_changes_nothing(self) -> None:
+        """``load_checkpoint`` of a checkpoint this engine cannot take (saved by
+        ``make_other_engine()``, a trainer of another model) raises an ``AsyncFlowError``
+        (``CheckpointError``) and changes nothing: the version and every exported tensor are
+        as before, and the next step works. Catches a load that copies tensors until the
+        first that does not fit. Skipped without the ``make_other_engine`` hook."""
+
+        async def body(engine: TrainEngine) -> None:
+            other = await self._wait(_resolve(self.make_other_engine()), "make_other_engine()")
+            if other is None:
+                pytest.skip(
+                    "make_other_engine() gives no trainer of another model, whose checkpoint "
+                    "this engine could be asked to load"
+                )
+            batch = self.make_batch()
+            try:
+                with tempfile.TemporaryDirectory(prefix="asyncflow-misfit-") as tmp:
+                    path = str(Path(tmp) / "checkpoint")
+                    await self._checkpoint(other, "save", path)
+                    await self._step(engine, batch)
+                    version = engine.weight_version
+                    before = await self._weights(engine)
+                    await self._expect_error(
+                        engine.load_checkpoint(path),
+                        "load_checkpoint() of a checkpoint of another model",
+                    )
+            finally:
+                with contextlib.suppress(Exception):
+                    await self._wait(self.close_engine(other), "close_engine(other)")
+            assert engine.weight_version == version, (
+                f"a rejected load_checkpoint changed weight_version from {version} to "
+                f"{engine.weight_version}"
+            )
+            after = await self._weights(engine)
+            changed = [
+                n for n, t in before.items() if not t.is_meta and not same_bytes(t, after[n])
+            ]
+            assert not changed, (
+                f"load_checkpoint rejected a checkpoint of another model, yet {len(changed)} "
+                f"exported tensor(s) changed (e.g. {changed[:3]}): check every name, shape and "
+                "dtype (and the optimizer state) before loading anything"
+            )
+            await self._step(engine, batch)
+
+        self._law("test_a_checkpoint_that_does_not_fit_changes_nothing", body)
+
 
 # --------------------------------------------------------------------------------------------
 # WeightSync
@@ -3006,6 +4194,105 @@ class WeightSyncConformance(_Suite):
                         )
 
         self._law("test_bucket_round_trip_is_byte_equal", body)
+
+    def test_a_duplicate_parameter_is_rejected(self) -> None:
+        """A parameter sent twice in one sync raises ``WeightSyncError`` with a message and
+        changes nothing: every exported parameter but the last (``p``) goes in a first
+        ``update``; a bucket naming ``p`` twice, and one of ``p`` with a parameter already
+        sent, are each rejected; ``p`` alone is then accepted (the rejected buckets staged
+        nothing), and rejected when sent again; after ``finish(v)`` every target reports
+        ``v``."""
+
+        async def body(s: _SyncSetup) -> None:
+            named = [(n, t) for b in await self._buckets(s.source) for n, t in b]
+            assert named, "the source exported nothing"
+            (held, tensor), rest = named[-1], named[:-1]
+            version = self._base(s.targets) + 1
+            await self._wait(s.sync.init(), "init()")
+            await self._wait(s.sync.start(), "start()")
+            if rest:
+                first = WeightBucket(tuple(n for n, _ in rest), tuple(t for _, t in rest))
+                await self._wait(s.sync.update(first), "update(every parameter but one)")
+
+            async def rejected(what: str, bucket: WeightBucket) -> None:
+                try:
+                    await self._wait(s.sync.update(bucket), f"update({what})")
+                except WeightSyncError as exc:
+                    assert str(exc).strip(), f"update({what}): WeightSyncError without a message"
+                    return
+                except AssertionError:
+                    raise
+                except Exception as exc:
+                    raise AssertionError(
+                        f"update({what}) raised {type(exc).__name__}: {exc}, not WeightSyncError"
+                    ) from exc
+                raise AssertionError(
+                    f"update of a bucket of {what} was accepted: a parameter sent twice in one "
+                    "sync raises WeightSyncError (which copy would the targets load?)"
+                )
+
+            await rejected(f"{held!r} twice", WeightBucket((held, held), (tensor, tensor)))
+            if rest:
+                (sent, other) = rest[0]
+                await rejected(
+                    f"{held!r} and {sent!r}, sent already",
+                    WeightBucket((held, sent), (tensor, other)),
+                )
+            try:
+                await self._wait(s.sync.update(WeightBucket((held,), (tensor,))), "update")
+            except WeightSyncError as exc:
+                raise AssertionError(
+                    f"update of {held!r} alone, after buckets holding it were rejected, raised "
+                    f"{exc}: a rejected update must stage nothing (nor mark its names sent)"
+                ) from exc
+            await rejected(f"{held!r} again", WeightBucket((held,), (tensor,)))
+            await self._wait(s.sync.finish(version), f"finish({version})")
+            await self._check_versions(s.targets, version, "after the duplicates were rejected")
+
+        self._law("test_a_duplicate_parameter_is_rejected", body)
+
+    def test_a_live_bucket_may_change_after_update(self) -> None:
+        """A bucket with ``snapshot=False`` may hold the trainer's live tensors: once
+        ``update`` returns the transport is done reading them, so the trainer may change them.
+        Each bucket is sent as fresh copies that the law overwrites as soon as ``update``
+        returns; after ``finish`` every target holds, byte for byte, the values as they were
+        at ``update``. Needs ``target_weights``."""
+
+        async def body(s: _SyncSetup) -> None:
+            if self.target_weights(s.targets[0]) is None:
+                pytest.skip("target_weights() is not provided: the targets' weights are opaque")
+            buckets = await self._buckets(s.source)
+            meta = [n for b in buckets for n, t in b if t.is_meta]
+            if meta:
+                pytest.skip(f"the source exports meta tensors (no data, e.g. {meta[0]!r})")
+            assert buckets, "the source exported nothing"
+            version = self._base(s.targets) + 1
+            sent: dict[str, torch.Tensor] = {}
+            await self._wait(s.sync.init(), "init()")
+            await self._wait(s.sync.start(), "start()")
+            for i, bucket in enumerate(buckets):
+                live = tuple(t.detach().clone() for t in bucket.tensors)
+                sent.update((n, t.clone()) for n, t in zip(bucket.names, live, strict=True))
+                await self._wait(
+                    s.sync.update(WeightBucket(bucket.names, live, snapshot=False)),
+                    f"update(bucket {i})",
+                )
+                for t in live:  # the trainer steps on: its live tensors change in place
+                    t.copy_(_flip(t))
+            await self._wait(s.sync.finish(version), f"finish({version})")
+            for i, target in enumerate(s.targets):
+                held = self.target_weights(target)
+                assert held is not None, f"target_weights(target {i}) returned None"
+                changed = [n for n, t in sent.items() if not same_bytes(t, held[n])]
+                assert not changed, (
+                    f"target {i} holds {len(changed)} tensor(s) (e.g. {changed[:3]}) other than "
+                    "they were when update() returned: the bucket's tensors changed after "
+                    "update, and the transport read them later. A bucket with snapshot=False "
+                    "may be the trainer's live parameters: copy (or finish sending) its "
+                    "tensors before update() returns"
+                )
+
+        self._law("test_a_live_bucket_may_change_after_update", body)
 
 
 def _flip(t: torch.Tensor) -> torch.Tensor:

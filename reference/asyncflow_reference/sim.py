@@ -1159,12 +1159,14 @@ class SimWeightTransport:
             raise WeightSyncError(
                 f"SimWeightTransport: update() takes a WeightBucket, got {bucket!r:.80}"
             )
+        seen = set(self._seen)  # checked whole before anything is kept
         for name in bucket.names:
-            if name in self._seen:
+            if name in seen:
                 raise WeightSyncError(
                     f"SimWeightTransport: parameter {name!r} was sent twice in one sync; "
                     "send each once"
                 )
+            seen.add(name)
         seconds = self.cost.transfer_s(bucket.nbytes, self.bandwidth)
         await asyncio.sleep(seconds)
         self._seen.update(bucket.names)
