@@ -72,12 +72,14 @@ RAY_TESTS := tests/test_ray_cluster.py tests/test_ray_engines.py tests/test_ray_
 BENCH_TESTS := tests/test_benchmarks_smoke.py tests/test_bench_vs_trl.py tests/test_staleness_guard.py tests/test_staleness_quality_bench.py
 # The engine suites beside two busy loops (issue #42: no law races the clock).
 BUSY_TESTS := tests/test_busy_engine_suites.py
+# The fixed mutation sample: two mutants, each run in a copy of the repo by tools/mutation.py.
+MUTATION_TESTS := tests/test_mutation_sample.py
 # The side tests run in a pytest of their own, beside the main one: the Ray tests need a fresh
 # interpreter (Ray forks its cluster's processes from the test process, and one grown by the
 # ~1,600 tests before could not fork (ENOMEM) in CI), and both sets mostly wait on processes
 # of their own. On the 2-core dev box (fresh clone, 2026-11-27) the pair took 30 min, where
 # one after the other took 42.
-SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS) $(BUSY_TESTS)
+SIDE_TESTS := $(RAY_TESTS) $(BENCH_TESTS) $(BUSY_TESTS) $(MUTATION_TESTS)
 SIDE_LOG := .pytest-side.log
 # The live vLLM tier (tests/live_vllm): a real vLLM (the CPU build) in .venv-vllm, after both
 # halves (it takes both cores: a server, an in-process engine and the trainer). Debug logs of
@@ -92,8 +94,8 @@ LIVE_VLLM_PYTEST := ASYNCFLOW_LIVE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cachepro
 # after SIDE_LIMIT seconds (--session-timeout), and a test process that has not exited 5 min
 # after its summary prints its threads' stacks and fails (tests/conftest.py).
 SIDE_LIMIT ?= 2700
-MAIN_PYTEST := $(PY) -m pytest -q --durations=10 $(addprefix --ignore=,$(SIDE_TESTS) $(LIVE_VLLM_TESTS))
-SIDE_PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10 --session-timeout=$(SIDE_LIMIT) $(SIDE_TESTS)
+MAIN_PYTEST := $(PY) -m pytest -q --durations=30 $(addprefix --ignore=,$(SIDE_TESTS) $(LIVE_VLLM_TESTS))
+SIDE_PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=30 --session-timeout=$(SIDE_LIMIT) $(SIDE_TESTS)
 
 # `make pytest-main` and `make pytest-side` run one half alone, in the foreground.
 pytest-main: $(STAMP)

@@ -175,6 +175,27 @@ class TestConformanceTwoRanksStage3(_DeepSpeedSuite):
         return launch(CONFIG, 2, zero_stage=self.zero_stage, micro_batch_size=2, lr=1e-2)
 
 
+# Each law here starts two rank processes (~8 s idle). The laws below hold code every rank runs
+# alike on its own shard (argument checks, per-row scoring, the checkpoint's version, the
+# driver's pickling and threads, which TestProcessTrainEngine holds); they run on the one-process
+# ZeRO-3 classes above. What two ranks add (shards and their reassembly, collectives, metrics
+# summed over ranks, ranks agreeing before a collective: the bad-row, one-row, off-support,
+# call-order and checkpoint laws) stays here.
+for _law in (
+    "test_bad_bucket_bytes_raise",
+    "test_loading_a_missing_checkpoint_raises",
+    "test_a_batch_missing_a_field_is_rejected",
+    "test_a_batch_without_sampling_fields_is_scored_at_the_default",
+    "test_compute_logprobs_applies_the_sampling_fields",
+    "test_export_is_stable_without_a_step",
+    "test_checkpoint_restores_the_version",
+    "test_train_step_leaves_the_event_loop_free",
+    "test_train_step_keeps_no_reference_to_the_batch",
+):
+    assert callable(getattr(TestConformanceTwoRanksStage3, _law)), _law  # a renamed law fails
+    setattr(TestConformanceTwoRanksStage3, _law, None)
+
+
 # --------------------------------------------------------------------------------------------
 # With the reference inference engine: the pair's log-probs agree
 # --------------------------------------------------------------------------------------------
