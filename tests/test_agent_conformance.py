@@ -8,13 +8,17 @@ Backends:
 * ``TestEndpointLoop``: ``EndpointLoop`` around an agent program written against the real
   ``openai.AsyncOpenAI`` client, talking to a ``ChatEndpoint`` over loopback HTTP.
 
+``TestMinimalChatFormat`` holds the loops' chat format (``MinimalChatFormat``) to
+``ChatFormatConformance``.
+
 Both run laws 1 ``[model]``, 2 and 4 on the REAL reference engine and trainer: a tiny random
 model (``turn_ending_model``: random weights, plus a bias towards the stop token so that turns
 end by themselves and the endpoint's agent holds multi-turn conversations). A random model
-does not write tool calls, so the laws about tool turns (1 ``[tools]``, 3, 5 and the job law)
-run on ``scripted_engine``, a scripted policy: it calls ``lookup`` for the person asked about
-(spelling the name letter by letter, as BPE models often do, so that a re-tokenisation shows),
-writes a call that does not parse when told to, and answers with the tool's digits. The tools
+does not write tool calls, so the laws about tool turns (1 ``[tools]``, 3, 5, the job law and
+the staleness law) run on ``scripted_engine``, a scripted policy: it calls ``lookup`` for the
+person asked about (spelling the name letter by letter, as BPE models often do, so that a
+re-tokenisation shows), writes a call that does not parse, calls a tool the loop lacks or passes
+arguments its schema refuses when told to, and answers with the tool's digits. The tools
 fail on purpose: ``FailingBook`` raises, or hangs until the loop's tool timeout
 (``TOOL_TIMEOUT_S``, the mechanism under test, not a sleep). Nothing else waits on the clock.
 
@@ -35,7 +39,7 @@ from typing import Any
 
 import pytest
 import torch
-from asyncflow_conformance import AgentLoopConformance
+from asyncflow_conformance import AgentLoopConformance, ChatFormatConformance
 from asyncflow_conformance.agent import ScriptedPolicy, ToolFailure
 from asyncflow_reference.agentic import PhoneBook, PieceTokenizer, chat_format
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
@@ -118,15 +122,23 @@ def reward(sample: Mapping[str, Any], final: Any, trajectory: Trajectory) -> flo
 CALL_HEAD = TOK.encode('<tool_call>{"name": "lookup", "arguments": {"person": "')
 CALL_TAIL = TOK.encode('"}}</tool_call>')
 MALFORMED = TOK.encode("<tool_call>{not json</tool_call>")
+UNKNOWN_TOOL = TOK.encode('<tool_call>{"name": "dial", "arguments": {"person": "Ann"}}</tool_call>')
+BAD_ARGUMENTS = TOK.encode('<tool_call>{"name": "lookup", "arguments": {"who": 7}}</tool_call>')
 
 
 def scripted_turn(context: str, failure: ToolFailure | None) -> list[int]:
     """The scripted policy's next turn after ``context`` (decoded): first a ``lookup`` call
     for the person asked about, the name spelt letter by letter (or a block that does not
-    parse, for ``malformed``); after that, the digits of the last tool answer, else 000."""
+    parse, for ``malformed``; a call of ``dial``, which the loop does not have, for
+    ``unknown_tool``; ``lookup`` with an argument its schema refuses, for ``bad_arguments``);
+    after that, the digits of the last tool answer, else 000."""
     if context.count("<|im_start|>assistant\n") <= 1:
         if failure == "malformed":
             return [*MALFORMED, STOP]
+        if failure == "unknown_tool":
+            return [*UNKNOWN_TOOL, STOP]
+        if failure == "bad_arguments":
+            return [*BAD_ARGUMENTS, STOP]
         person = re.findall(r"number of (\w+)\?", context)[-1]
         return [*CALL_HEAD, *(TOK.token_to_id(c) for c in person), *CALL_TAIL, STOP]
     answers = re.findall(r"<tool_response>(.*?)</tool_response>", context)
@@ -195,12 +207,22 @@ class TestToolAgentLoop(ToolLoopBackend):
     pass
 
 
+class TestMinimalChatFormat(ChatFormatConformance):
+    """``MinimalChatFormat`` over the reference tokenizer (the chat format of both loops)."""
+
+    def make_chat(self) -> Any:
+        return chat_format()
+
+
 # --------------------------------------------------------------------------------------------
 # Backend 2: EndpointLoop around an openai-client agent program
 # --------------------------------------------------------------------------------------------
 async def lookup(sample: Mapping[str, Any], arguments: str, failure: ToolFailure | None) -> str:
-    """The agent program's own ``lookup`` tool, failing as told."""
+    """The agent program's own ``lookup`` tool, failing as told (and on arguments other than
+    ``{"person": str}``)."""
     person = json.loads(arguments).get("person")
+    if not isinstance(person, str):
+        raise ValueError(f"lookup takes {{'person': str}}, got {arguments}")
     if failure == "raises":
         raise RuntimeError("the phone book is down")
     if failure == "times_out":
@@ -232,6 +254,8 @@ def openai_agent(failure: ToolFailure | None, *, catch: bool = True) -> Callable
                 if message.tool_calls:
                     for call in message.tool_calls:
                         try:
+                            if call.function.name != "lookup":
+                                raise LookupError(f"no tool named {call.function.name!r}")
                             content = await lookup(sample, call.function.arguments, failure)
                         except Exception as exc:
                             if not catch:
@@ -265,6 +289,13 @@ class EndpointBackend(ToolLoopBackend):
     """``EndpointLoop`` around ``openai_agent`` over a ``ChatEndpoint`` on loopback."""
 
     catch_tool_errors = True
+    # The agent program, not EndpointLoop, runs the tools: an unknown tool or bad arguments
+    # reach the endpoint only as a call it passes on (law 5 checks that); the job law under
+    # them would test this file's agent code, so it runs on ToolAgentLoop's runner only.
+    job_failures = ("raises", "times_out", "malformed")
+    # With eta = 0 the job cannot step while its straggler waits, so that case makes none and
+    # checks nothing ToolAgentLoop's does not; eta = 1 gives this loop's three-turn straggler.
+    job_staleness = (1,)
 
     async def make_loop(self, tool_failure: ToolFailure | None) -> Any:
         endpoint = ChatEndpoint(CHAT)
@@ -571,6 +602,6 @@ def test_every_law_has_a_mutant_on_both_loops() -> None:
 def test_the_backends_describe_themselves() -> None:
     line = TestToolAgentLoop.describe_backend()
     assert "make_tool_policy" in line and "SupportsPause and SupportsProgress" in line
-    assert "['raises', 'times_out', 'malformed']" in line
+    assert "['raises', 'times_out', 'malformed', 'unknown_tool', 'bad_arguments']" in line
     assert TestEndpointLoop.report_lines()[0] == TestEndpointLoop.describe_backend()
     assert isinstance(ToolLoopBackend().make_loop(None), AgentLoop)

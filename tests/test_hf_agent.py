@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from asyncflow_conformance.agent import (  # noqa: E402
     AgentLoopConformance,
+    ChatFormatConformance,
     ScriptedPolicy,
     ToolFailure,
 )
@@ -76,11 +77,16 @@ class FailingBook(PhoneBook):
 
 def hf_scripted_turn(context: str, failure: ToolFailure | None) -> list[int]:
     """The tool policy's turn in the HF tokenizer's tokens: the first turn calls ``lookup``
-    for the person asked about (or writes a block that does not parse, for ``malformed``),
-    later turns copy the last tool answer."""
+    for the person asked about (or writes a block that does not parse, for ``malformed``; calls
+    ``dial``, which the loop does not have, for ``unknown_tool``; passes an argument the schema
+    refuses, for ``bad_arguments``), later turns copy the last tool answer."""
     if "<tool_response>" not in context and context.count("<|im_start|>assistant") <= 1:
         if failure == "malformed":
             text = "<tool_call>{not json</tool_call>"
+        elif failure == "unknown_tool":
+            text = '<tool_call>{"name": "dial", "arguments": {"person": "Ann"}}</tool_call>'
+        elif failure == "bad_arguments":
+            text = '<tool_call>{"name": "lookup", "arguments": {"who": 7}}</tool_call>'
         else:
             person = re.findall(r"number of (\w+)\?", context)[-1]
             text = '<tool_call>{"name": "lookup", "arguments": {"person": "%s"}}</tool_call>'
@@ -103,6 +109,11 @@ def hf_scripted_engine(failure: ToolFailure | None) -> ScriptedPolicy:
 
 class TestHFToolAgentLoop(AgentLoopConformance):
     stop_token_ids = CHAT.stop_token_ids
+    # The unknown-tool and bad-arguments cases differ from the reference loop's only in the
+    # chat format, which law 5 covers; the job law under them (the same ToolRunner) and the
+    # staleness law at eta = 0 (no straggler possible) run on the reference backend only.
+    job_failures = ("raises", "times_out", "malformed")
+    job_staleness = (1,)
     max_tokens = 96  # a call is ~60 tokens of this small BPE
     limits = TrajectoryLimits(max_turns=4, max_total_tokens=640)
     timeout_s = 60.0
@@ -130,3 +141,10 @@ class TestHFToolAgentLoop(AgentLoopConformance):
         close = getattr(engine, "close", None)
         if close is not None:
             await close()
+
+
+class TestHFChatFormat(ChatFormatConformance):
+    """``HFChatFormat`` over the offline tokenizer's own (Qwen2.5-style) chat template."""
+
+    def make_chat(self) -> HFChatFormat:
+        return HFChatFormat(TOKENIZER)

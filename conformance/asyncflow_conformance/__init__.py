@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from asyncflow_conformance.agent import AgentLoopConformance
+    from asyncflow_conformance.agent import AgentLoopConformance, ChatFormatConformance
     from asyncflow_conformance.datastore import DataStoreConformance, FakeClock, StoreFactory
     from asyncflow_conformance.engines import (
         InferenceEngineConformance,
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "AgentLoopConformance": "asyncflow_conformance.agent",
+    "ChatFormatConformance": "asyncflow_conformance.agent",
     "DataStoreConformance": "asyncflow_conformance.datastore",
     "FakeClock": "asyncflow_conformance.datastore",
     "StoreFactory": "asyncflow_conformance.datastore",
@@ -44,6 +45,7 @@ _EXPORTS = {
 
 __all__ = [
     "AgentLoopConformance",
+    "ChatFormatConformance",
     "DataStoreConformance",
     "DataStoreStateMachine",
     "EnginePairConformance",

@@ -11,7 +11,7 @@ Usage::
     class TestMyLoop(AgentLoopConformance):
         stop_token_ids = my_chat.stop_token_ids
 
-        def make_loop(self, tool_failure):  # None, "raises", "times_out" or "malformed"
+        def make_loop(self, tool_failure):  # None or one of TOOL_FAILURES
             return ToolAgentLoop(my_chat, ToolRunner([], timeout_s=0.5),
                                  tools=lambda s: my_tools(s, failing=tool_failure))
 
@@ -69,15 +69,40 @@ the trajectories against. The laws:
    missing).
 5. **A failing tool cannot lose or duplicate a trajectory**
    (``test_a_failing_tool_cannot_lose_or_duplicate_a_trajectory[raises|times_out|
-   malformed]``): ``failure_samples`` samples run concurrently with the loop's tools failing
-   that way; every sample returns its own trajectory (law 1's evidence: no turn of another
-   sample's), the failure shows in it (``tool_errors``) and the model read it (a masked-out
-   turn follows the failing call). And through ``RLJob`` (``test_a_job_trains_each_
+   malformed|unknown_tool|bad_arguments]``): ``failure_samples`` samples run concurrently with
+   the loop's tools failing that way (the last three: the tool policy writes a call that does
+   not parse, names a tool the loop does not have, or passes arguments its schema refuses);
+   every sample returns its own trajectory (law 1's evidence: no turn of another sample's),
+   the failure shows in it (``tool_errors``) and the model read it (a masked-out turn follows
+   the failing call). And through ``RLJob`` (``test_a_job_trains_each_
    trajectory_exactly_once[...]``): for ``job_steps`` steps every trained row is a trajectory
    the loop returned for its own sample, matched one to one (none trained twice), each
    trained sample exactly ``job_n`` times.
+6. **A job never trains a trajectory staler than η**
+   (``test_a_job_never_trains_a_trajectory_staler_than_eta[0|1]``, ``job_staleness``): an
+   ``RLJob`` with staleness η, ``weight_sync="staged"``, partial rollout and
+   ``staleness_steps`` steps, the tools working; with η >= 1 the first trajectory is made a
+   straggler (each of its turns is answered only once the trainer has stepped past the version
+   the turn started at and the engine holds those weights), so it ages past η while the other
+   groups go on, the way a long-tailed trajectory does. Every trained row that is a
+   trajectory the loop returned is at most η versions older than the trainer before the step,
+   counted by its oldest generated token (the law's own count, from the trajectory, not the
+   row's tags), and holds no token newer than the trainer; no turn started while its
+   trajectory was already staler than η (a lower bound of the trainer's version at the start:
+   the last step that had returned); and the job regenerated no more trajectories than the
+   loop ended ``"stale"`` (a sample runs again only when it became too stale to be trained,
+   never once it finished).
 
-A random model rarely writes a tool call, so laws 3 and 5 (and law 1's ``[tools]`` case) run
+``ChatFormatConformance`` holds a ``ChatFormat`` (``asyncflow_core.flow.chat``; hook
+``make_chat()``) to its continuation law (``test_followup_continues_the_template``): for a
+conversation user -> assistant (text) -> user -> assistant (a tool call) -> tool -> user,
+``prompt(first messages, tools)`` + each assistant turn's tokens (as the template renders it,
+up to and with its first stop token: what an engine generating it ends with) +
+``followup(the messages up to the next assistant turn)`` ... equals ``prompt(all messages,
+tools)`` token for token, so a loop that appends generated and followup tokens trains on
+exactly what the template renders.
+
+A random model rarely writes a tool call, so laws 3, 5 and 6 (and law 1's ``[tools]`` case) run
 on ``make_tool_policy`` when given: an engine whose turns call the tools, e.g. a scripted one;
 laws 1 ``[model]``, 2 and 4 need the real model (its log-probs, pause and weight loads). A
 failure kind the backend cannot produce is listed in ``unsupported_failures`` (skipped with
@@ -149,7 +174,8 @@ from asyncflow_core.flow.agent import (
     Trajectory,
     TrajectoryLimits,
 )
-from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob
+from asyncflow_core.flow.chat import ChatFormat
+from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, RLResult
 from asyncflow_core.sync.transports import InProcessWeightSync
 from asyncflow_core.training.rl import (
     BEHAVIOUR_LOGPROBS,
@@ -166,6 +192,7 @@ __all__ = [
     "TOOL_FAILURES",
     "AgentLoopConformance",
     "AgentRecorder",
+    "ChatFormatConformance",
     "LoopRaised",
     "RecordingAgentEngine",
     "ScriptedPolicy",
@@ -178,10 +205,13 @@ __all__ = [
     "trajectory_batch",
 ]
 
-ToolFailure = Literal["raises", "times_out", "malformed"]
-TOOL_FAILURES: tuple[ToolFailure, ...] = ("raises", "times_out", "malformed")
+ToolFailure = Literal["raises", "times_out", "malformed", "unknown_tool", "bad_arguments"]
+TOOL_FAILURES: tuple[ToolFailure, ...] = (
+    "raises", "times_out", "malformed", "unknown_tool", "bad_arguments"
+)  # fmt: skip
 """How the failure law makes the loop's tools fail: a tool that raises, a tool that hangs past
-the loop's timeout, a tool call the model wrote that does not parse."""
+the loop's timeout, a tool call the model wrote that does not parse, a call of a tool the loop
+does not have, a call whose arguments violate the tool's schema."""
 
 Policy = Literal["model", "tools"]
 POLICIES: tuple[Policy, ...] = ("model", "tools")
@@ -242,6 +272,11 @@ class AgentRecorder(Recorder):
     and wakes ``wait_for`` on every start and end."""
 
     started: list[GenerationRequest] = field(default_factory=list)
+    on_start: Callable[[GenerationRequest], None] | None = None
+    """Called (synchronously) as each ``generate`` starts, e.g. to note what else was true then."""
+    hold: Callable[[GenerationRequest], Awaitable[None]] | None = None
+    """Awaited after the engine answered a ``generate``, before the answer is returned (a law
+    making a straggler)."""
     _changed: asyncio.Event | None = None
 
     def notify(self) -> None:
@@ -271,9 +306,14 @@ class RecordingAgentEngine(RecordingInferenceEngine):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         recorder = cast(AgentRecorder, self._recorder)
         recorder.started.append(request)
+        if recorder.on_start is not None:
+            recorder.on_start(request)
         recorder.notify()
         try:
-            return await super().generate(request)
+            result = await super().generate(request)
+            if recorder.hold is not None:
+                await recorder.hold(request)
+            return result
         finally:
             recorder.notify()
 
@@ -644,15 +684,24 @@ class _LoggedLoop:
 
 
 class _BatchSpy(RecordingTrainEngine):
-    """A ``RecordingTrainEngine`` keeping every batch ``train_step`` receives."""
+    """A ``RecordingTrainEngine`` keeping every batch ``train_step`` receives, the trainer's
+    version before each step (``befores``) and the version of the last step that returned
+    (``completed``: a lower bound of the trainer's version from then on)."""
 
     def __init__(self, inner: TrainEngine, recorder: Recorder) -> None:
         super().__init__(inner, recorder, "trainer")
         self.batches: list[Batch] = []
+        self.befores: list[Version] = []
+        self.completed: Version = inner.weight_version
 
     async def train_step(self, batch: Batch, loss_fn: LossFn) -> Any:
         self.batches.append(batch)
-        return await super().train_step(batch, loss_fn)
+        self.befores.append(self.weight_version)
+        metrics = await super().train_step(batch, loss_fn)
+        self.completed = max(self.completed, self.weight_version)
+        if isinstance(self._recorder, AgentRecorder):
+            self._recorder.notify()
+        return metrics
 
 
 class AgentLoopConformance(_Suite):
@@ -707,13 +756,20 @@ class AgentLoopConformance(_Suite):
     job_n: ClassVar[int] = 2
     job_timeout_s: ClassVar[float] = 120.0
     """Seconds (loop clock) the job law's ``RLJob.run`` may take."""
+    job_staleness: ClassVar[tuple[int, ...]] = (0, 1)
+    """The staleness bounds η the staleness law (law 6) runs an ``RLJob`` under, one test
+    each; () skips it."""
+    staleness_steps: ClassVar[int] = 4
+    """Steps of the staleness law's ``RLJob`` (enough for its straggler to age past η)."""
 
     # -- hooks for the backend author --------------------------------------------------------
     def make_loop(self, tool_failure: ToolFailure | None) -> AgentLoop | Awaitable[AgentLoop]:
         """A fresh agent loop (sync or async factory; called on the law's event loop) whose
         tools fail as ``tool_failure`` says on every call: ``"raises"`` (the tool raises),
-        ``"times_out"`` (it hangs past the loop's tool timeout), ``"malformed"`` (the tools
-        work: the tool policy writes a call that does not parse), None (the tools work)."""
+        ``"times_out"`` (it hangs past the loop's tool timeout), ``"malformed"``,
+        ``"unknown_tool"``, ``"bad_arguments"`` (the tools work: the tool policy writes a call
+        that does not parse, calls a tool the loop does not have, or passes arguments that
+        violate the tool's schema), None (the tools work)."""
         raise NotImplementedError(
             f"{type(self).__name__} must implement make_loop(self, tool_failure) -> AgentLoop"
         )
@@ -736,8 +792,10 @@ class AgentLoopConformance(_Suite):
     ) -> InferenceEngine | Awaitable[InferenceEngine] | None:
         """An engine whose turns call the loop's tools (a scripted policy: a random model does
         not write tool calls), writing a call that does not parse when ``tool_failure`` is
-        ``"malformed"``; it serves laws 1 ``[tools]``, 3 and 5. None (default): the model's
-        engine serves them (a model that calls tools by itself)."""
+        ``"malformed"``, one naming a tool the loop does not have for ``"unknown_tool"``, one
+        whose arguments violate the tool's schema (a required argument missing, an unknown one,
+        a wrong type) for ``"bad_arguments"``; it serves laws 1 ``[tools]``, 3, 5 and 6. None
+        (default): the model's engine serves them (a model that calls tools by itself)."""
         return None
 
     def make_sync(self, targets: Sequence[Any]) -> WeightSync | Awaitable[WeightSync]:
@@ -776,7 +834,7 @@ class AgentLoopConformance(_Suite):
     def describe_backend(cls) -> str:
         """One line: what the class declares and the abilities its laws need."""
         own = cls.make_tool_policy is not AgentLoopConformance.make_tool_policy
-        policy = "make_tool_policy (laws 1[tools], 3, 5)" if own else "the model's engine"
+        policy = "make_tool_policy (laws 1[tools], 3, 5, 6)" if own else "the model's engine"
         kinds = [k for k in cls.tool_failures if k not in cls.unsupported_failures]
         skipped = "; ".join(f"{k}: {why}" for k, why in cls.unsupported_failures.items())
         loss = getattr(cls.make_loss, "__qualname__", "make_loss")
@@ -785,7 +843,8 @@ class AgentLoopConformance(_Suite):
         return (
             f"{cls.__qualname__} [{cls.__module__}]: tool turns from {policy}; tool failures "
             f"{kinds}{f' (skipped: {skipped})' if skipped else ''}; job law under "
-            f"{list(cls.job_failures)}; loss {loss}; sampling temperature={cls.temperature} "
+            f"{list(cls.job_failures)}; staleness law at eta {list(cls.job_staleness)}; loss "
+            f"{loss}; sampling temperature={cls.temperature} "
             f"top_k={cls.top_k} top_p={cls.top_p} max_tokens={cls.max_tokens}; the "
             "interruption law needs SupportsPause and SupportsProgress on the model's engine"
         )
@@ -806,6 +865,8 @@ class AgentLoopConformance(_Suite):
             metafunc.parametrize("tool_failure", list(self.tool_failures))
         if "job_failure" in metafunc.fixturenames:
             metafunc.parametrize("job_failure", list(self.job_failures))
+        if "job_eta" in metafunc.fixturenames:
+            metafunc.parametrize("job_eta", list(self.job_staleness))
 
     def job_sampling(self) -> SamplingParams:
         """The sampling of every turn (the job's ``RLConfig.sampling``; rows carry it)."""
@@ -966,6 +1027,47 @@ class AgentLoopConformance(_Suite):
                 "make_transport, which builds the transport synchronously"
             )
         return made
+
+    async def _run_job(
+        self, law: _Law, spy: _BatchSpy, setting: str, hint: str, **config: Any
+    ) -> tuple[RLJob, RLResult, _LoggedLoop]:
+        """An ``RLJob`` (the job sizes, ``config`` on top) on the law's recording proxy and
+        ``spy`` (around the law's trainer), fed ``sample(1000)``, ``sample(1001)``, ...; run
+        within ``job_timeout_s``. A job that fails is an ``AssertionError`` naming
+        ``setting``, the loop's own error (if it raised) and ``hint``."""
+        fed: list[Mapping[str, Any]] = []
+
+        def samples() -> Iterator[Mapping[str, Any]]:
+            for i in itertools.count(1000):
+                sample = self.sample(i)
+                fed.append(sample)
+                yield sample
+
+        logged = _LoggedLoop(law.loop, fed)
+        sizes: dict[str, Any] = {
+            "steps": self.job_steps, "prompts_per_step": self.job_prompts_per_step,
+            "n": self.job_n, "sampling": self.job_sampling(),
+            "trajectory_limits": self.limits, "verify_sync": self.job_verify_sync,
+        }  # fmt: skip
+        settings = RLConfig(**{**sizes, **config})
+        engines = RLEngines([law.proxy], spy, make_transport=self._job_transport)
+        job = RLJob(settings, engines, samples(), agent=logged, reward_fn=_length_reward)
+        try:
+            result: RLResult = await bounded_job(job.run(), self.job_timeout_s)
+        except AssertionError:
+            raise
+        except Exception as exc:
+            raised = next((r for r in logged.runs if r.error is not None), None)
+            detail = (
+                f"; the loop raised {type(raised.error).__name__}: {raised.error} on sample "
+                f"{raised.index}"
+                if raised is not None
+                else ""
+            )
+            raise AssertionError(
+                f"RLJob failed {setting}: {type(exc).__name__}: {exc}{detail}. {hint}"
+            ) from exc
+        return job, result, logged
 
     # -- law 1 -------------------------------------------------------------------------------
     def test_the_mask_covers_exactly_the_generated_tokens(self, agent_policy: Policy) -> None:
@@ -1407,40 +1509,12 @@ class AgentLoopConformance(_Suite):
         name = f"test_a_job_trains_each_trajectory_exactly_once[{job_failure}]"
 
         async def body(law: _Law) -> None:
-            fed: list[Mapping[str, Any]] = []
-
-            def samples() -> Iterator[Mapping[str, Any]]:
-                for i in itertools.count(1000):
-                    sample = self.sample(i)
-                    fed.append(sample)
-                    yield sample
-
-            logged = _LoggedLoop(law.loop, fed)
             spy = _BatchSpy(law.trainer, law.recorder)
-            config = RLConfig(
-                steps=self.job_steps, prompts_per_step=self.job_prompts_per_step,
-                n=self.job_n, sampling=self.job_sampling(), trajectory_limits=self.limits,
-                verify_sync=self.job_verify_sync,
+            _, _, logged = await self._run_job(
+                law, spy, f"with its tools failing ({job_failure})",
+                "A failing tool must become a tool message, never an exception that loses the "
+                "trajectory and stops the job",
             )  # fmt: skip
-            engines = RLEngines([law.proxy], spy, make_transport=self._job_transport)
-            job = RLJob(config, engines, samples(), agent=logged, reward_fn=_length_reward)
-            try:
-                await bounded_job(job.run(), self.job_timeout_s)
-            except AssertionError:
-                raise
-            except Exception as exc:
-                raised = next((r for r in logged.runs if r.error is not None), None)
-                detail = (
-                    f"; the loop raised {type(raised.error).__name__}: {raised.error} on sample "
-                    f"{raised.index}"
-                    if raised is not None
-                    else ""
-                )
-                raise AssertionError(
-                    f"RLJob failed with its tools failing ({job_failure}): "
-                    f"{type(exc).__name__}: {exc}{detail}. A failing tool must become a tool "
-                    "message, never an exception that loses the trajectory and stops the job"
-                ) from exc
             served = law.served()
             returned = [r for r in logged.runs if r.trajectory is not None]
             for r in returned:
@@ -1512,6 +1586,113 @@ class AgentLoopConformance(_Suite):
 
         self._law(name, body, policy="tools", failure=job_failure, trainer=True)
 
+    # -- law 6 -------------------------------------------------------------------------------
+    def test_a_job_never_trains_a_trajectory_staler_than_eta(self, job_eta: int) -> None:
+        """Law 6 (module docstring): an ``RLJob`` with staleness ``job_eta``, staged weight
+        syncs and partial rollout, the tools working; trained rows, turn starts and
+        regenerations are held against the trajectories the loop returned."""
+        name = f"test_a_job_never_trains_a_trajectory_staler_than_eta[{job_eta}]"
+        eta = job_eta
+
+        async def body(law: _Law) -> None:
+            spy = _BatchSpy(law.trainer, law.recorder)
+            starts: dict[str, Version] = {}
+            straggler: list[object] = []
+            steps = self.staleness_steps
+
+            def on_start(request: GenerationRequest) -> None:
+                # a lower bound of the trainer's version when the client decided to start
+                # this turn (synchronously before): the last step that returned
+                starts.setdefault(request.request_id, spy.completed)
+                if eta >= 1 and not straggler:
+                    straggler.append(request.group)
+
+            async def hold(request: GenerationRequest) -> None:
+                """The first trajectory is a straggler: each of its turns is answered only
+                once the trainer has stepped past the version it started at and the engine
+                has loaded those weights (or the job's last step began), so it ages a version
+                per turn while the other groups go on (needs η >= 1: with η = 0 the job
+                cannot step without it)."""
+                if not straggler or request.group != straggler[0]:
+                    return
+                target = starts[request.request_id] + 1
+
+                def aged() -> bool:
+                    synced = law.engine.weight_version >= target
+                    return len(spy.befores) >= steps or (spy.completed >= target and synced)
+
+                await self._wait(
+                    law.recorder.wait_for(aged),
+                    f"the straggler's turn {request.request_id!r}: the trainer's step to "
+                    f"version {target} and its sync",
+                )
+
+            law.recorder.on_start = on_start
+            law.recorder.hold = hold
+            job, result, logged = await self._run_job(
+                law, spy, f"with staleness {eta} (staged syncs, partial rollout)",
+                "The job must finish with every trajectory trained, regenerated or dropped",
+                staleness=eta, weight_sync="staged", partial_rollout=True, steps=steps,
+            )  # fmt: skip
+            returned = [r for r in logged.runs if r.trajectory is not None]
+            for r in returned:
+                assert r.trajectory is not None
+                _check_turn_starts(r.trajectory, r.trajectory_id, starts, eta)
+            trained_ages: list[int] = []
+            for step, (before, batch) in enumerate(zip(spy.befores, spy.batches, strict=True), 1):
+                for i in range(len(batch.rows)):
+                    key = (
+                        tuple(_row_values(batch, "prompt", i)),
+                        tuple(_row_values(batch, "response", i)),
+                    )
+                    ages = [
+                        (before - min(seen), max(seen), r)
+                        for r in returned
+                        if r.trajectory is not None
+                        and _row_key(r.trajectory) == key
+                        and (seen := _generated_versions(r.trajectory))
+                    ]
+                    if not ages:
+                        continue  # not a trajectory the loop returned: the job law's to catch
+                    age, newest, run = min(ages, key=lambda x: x[0])
+                    assert run.trajectory is not None
+                    assert newest <= before, (
+                        f"RLJob step {step} trained the trajectory of sample {run.index} (client "
+                        f"{run.trajectory_id!r}) holding tokens of version {newest}, newer than "
+                        f"the trainer's {before}: versions are the trainer's, synced; a token "
+                        "cannot come from weights the trainer has not made"
+                    )
+                    assert age <= eta, (
+                        f"RLJob step {step} trained the trajectory of sample {run.index} (client "
+                        f"{run.trajectory_id!r}, ended {run.trajectory.ended!r}) whose oldest "
+                        f"generated token is version {before - age}, while the "
+                        f"trainer was at version {before}: {age} versions stale, more than "
+                        f"staleness η = {eta}. A trajectory counts by its oldest generated "
+                        "token: one staler than η is regenerated (ended 'stale') or dropped by "
+                        "the update (counted), never trained"
+                    )
+                    trained_ages.append(age)
+            stale = [
+                r for r in logged.runs if r.trajectory is not None and r.trajectory.ended == "stale"
+            ]
+            assert job.restarts <= len(stale), (
+                f"RLJob regenerated {job.restarts} trajectories, but the loop ended only "
+                f"{len(stale)} of its {len(logged.runs)} runs 'stale' (ended: "
+                f"{dict(Counter(str(r.trajectory.ended) for r in returned if r.trajectory))}): a "
+                "sample is run again only when its trajectory became too stale to be trained "
+                "(TrajectoryLimitReached('stale')), never when it finished"
+            )
+            dropped = result.dropped
+            self._note(
+                name,
+                f"{len(logged.runs)} runs ({len(stale)} ended 'stale', {job.restarts} "
+                f"regenerated), {len(trained_ages)} rows trained at staleness "
+                f"{dict(sorted(Counter(trained_ages).items()))}, {dropped} dropped as stale; "
+                f"{len(starts)} turn starts held against the trainer's version",
+            )
+
+        self._law(name, body, policy="tools", trainer=True)
+
 
 async def bounded_job(awaitable: Awaitable[Any], timeout_s: float) -> Any:
     """``awaitable`` within ``timeout_s`` seconds, else an ``AssertionError`` (a hung job)."""
@@ -1554,6 +1735,36 @@ def _ends_with_context(t: Trajectory) -> bool:
     return bool(t.turns) and t.turns[-1].role != "assistant" and bool(t.assistant_turns())
 
 
+def _generated_versions(trajectory: Trajectory, end: int | None = None) -> list[Version]:
+    """The versions of the generated tokens (``loss_mask`` 1) before position ``end`` (the law's
+    own count: not ``Trajectory.min_version``, which is under test)."""
+    stop = len(trajectory.tokens) if end is None else end
+    pairs = zip(trajectory.versions[:stop], trajectory.loss_mask[:stop], strict=True)
+    return [v for v, m in pairs if m]
+
+
+def _check_turn_starts(
+    trajectory: Trajectory, trajectory_id: str, starts: Mapping[str, Version], eta: int
+) -> None:
+    """No assistant turn of ``trajectory`` started while the trajectory was already more than
+    ``eta`` versions behind the trainer, counted by its oldest generated token before that turn
+    (``starts``: request id -> a lower bound of the trainer's version when it started)."""
+    for turn in trajectory.assistant_turns()[1:]:
+        at = starts.get(cast(str, turn.request_id))
+        seen = _generated_versions(trajectory, turn.start)
+        if at is None or not seen:
+            continue
+        oldest, newest = min(seen), max(seen)
+        assert at - oldest <= eta, (
+            f"client {trajectory_id!r}: turn {turn.request_id!r} started while the trainer was "
+            f"at version {at} or later and the trajectory's oldest generated token at version "
+            f"{oldest} (its newest at {newest}): {at - oldest} versions stale, more than η = "
+            f"{eta}. A trajectory counts by its oldest generated token: no turn starts on one "
+            "that can no longer be trained (the client ends it 'stale' and the job regenerates "
+            "it)"
+        )
+
+
 def _role_at(t: Trajectory, position: int) -> str:
     return next((x.role for x in t.turns if x.start <= position < x.end), "unknown")
 
@@ -1568,3 +1779,128 @@ def _summary(runs: Sequence[tuple[str, Trajectory]]) -> str:
         f"{len(trajectories)} trajectories, {turns} assistant turns, {between} tokens between "
         f"turns, {errors} tool errors (stats), ended {dict(ended)}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Chat formats
+# --------------------------------------------------------------------------------------------
+LOOKUP_TOOL: Mapping[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look up a person's phone number.",
+        "parameters": {
+            "type": "object",
+            "properties": {"person": {"type": "string"}},
+            "required": ["person"],
+        },
+    },
+}
+"""The tool schema ``ChatFormatConformance`` renders by default."""
+
+CONVERSATION: tuple[Mapping[str, Any], ...] = (
+    {"role": "user", "content": "What is the number of Ann?"},
+    {"role": "assistant", "content": "Let me look it up."},
+    {"role": "user", "content": "Go on."},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "lookup", "arguments": '{"person": "Ann"}'}}
+        ],
+    },
+    {"role": "tool", "name": "lookup", "content": "042"},
+    {"role": "user", "content": "And Ben?"},
+)
+"""The continuation law's default conversation: user -> assistant (text) -> user -> assistant
+(a tool call) -> tool -> user."""
+
+
+class ChatFormatConformance(_Suite):
+    """The chat-format law (module docstring); subclass it (as ``Test...``) and implement
+    ``make_chat``; optionally ``tools`` and ``conversation``."""
+
+    def make_chat(self) -> Any:
+        """A ``ChatFormat`` (``asyncflow_core.flow.chat``) to test."""
+        raise NotImplementedError(f"{type(self).__name__} must implement make_chat(self)")
+
+    def tools(self) -> Sequence[Mapping[str, Any]] | None:
+        """The tool schemas rendered into every prompt (default: ``LOOKUP_TOOL``)."""
+        return [LOOKUP_TOOL]
+
+    def conversation(self) -> Sequence[Mapping[str, Any]]:
+        """The conversation held to the law: it starts with a non-assistant message and holds
+        at least one assistant turn followed by other messages (default: ``CONVERSATION``)."""
+        return CONVERSATION
+
+    @classmethod
+    def describe_backend(cls) -> str:
+        return f"{cls.__qualname__} [{cls.__module__}]: make_chat() of a ChatFormat"
+
+    def test_followup_continues_the_template(self) -> None:
+        """The chat-format law (module docstring)."""
+        name = "test_followup_continues_the_template"
+
+        async def body() -> None:
+            chat = self.make_chat()
+            if not isinstance(chat, ChatFormat):
+                raise AssertionError(
+                    f"make_chat() returned {type(chat).__name__}, not a ChatFormat "
+                    "(stop_token_ids, prompt, followup, parse, decode)"
+                )
+            messages, tools = list(self.conversation()), self.tools()
+            stops = set(chat.stop_token_ids)
+            assert stops, f"{type(chat).__name__}.stop_token_ids is empty: no turn could end"
+            cut = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            assert cut and cut[0] > 0 and cut[-1] < len(messages) - 1, (
+                "conversation() must start with a non-assistant message and follow each "
+                "assistant turn with other messages"
+            )
+            stream = list(chat.prompt(messages[: cut[0]], tools))
+            for k, i in enumerate(cut):
+                end = cut[k + 1] if k + 1 < len(cut) else len(messages)
+                whole = list(chat.prompt(messages[:end], tools))
+                where = (
+                    f"{type(chat).__name__}, after assistant turn {k} (message {i}: "
+                    f"{'a tool call' if messages[i].get('tool_calls') else 'text'})"
+                )
+                j = _first_difference(stream, whole)
+                assert j == len(stream), (
+                    f"{where}: prompt(the first {i} messages) + the turns and followups so far "
+                    f"is not a prefix of prompt(the first {end} messages): they differ at token "
+                    f"{j} of {len(stream)} ({chat.decode(stream[j : j + 8])!r} vs "
+                    f"{chat.decode(whole[j : j + 8])!r}); a prompt must render earlier "
+                    "messages the same whatever follows them"
+                )
+                stop = next((p for p in range(j, len(whole)) if whole[p] in stops), None)
+                assert stop is not None, (
+                    f"{where}: the template renders the assistant turn without any of "
+                    f"stop_token_ids {sorted(stops)}: an engine could not end that turn where "
+                    "the template does; list the template's end-of-turn token in stop_token_ids"
+                )
+                turn = whole[j : stop + 1]
+                follow = list(chat.followup(messages[i + 1 : end]))
+                stream += turn + follow
+                if stream != whole:
+                    d = _first_difference(stream, whole)
+                    raise AssertionError(
+                        f"{where}: prompt + turn ({len(turn)} tokens, ending with the stop "
+                        f"token) + followup(messages {i + 1}..{end - 1}) gives {len(stream)} "
+                        f"tokens, prompt(the first {end} messages) {len(whole)}; first "
+                        f"different at token {d}: followup gives "
+                        f"{chat.decode(stream[d : d + 12])!r}, the template "
+                        f"{chat.decode(whole[d : d + 12])!r}. followup(messages) must be exactly "
+                        "what the template renders after a finished assistant turn (its stop "
+                        "token) up to the next opened assistant turn, or the trajectory trains on "
+                        "a conversation the template never renders"
+                    )
+            self._note(name, f"{len(cut)} assistant turns continued, {len(stream)} tokens")
+
+        self._run(name, body)
+
+    def _note(self, law: str, text: str) -> None:
+        REPORT.setdefault(type(self).__qualname__, []).append(f"{law}: {text}")
+
+    @classmethod
+    def report_lines(cls) -> list[str]:
+        return [cls.describe_backend(), *REPORT.get(cls.__qualname__, [])]
