@@ -245,6 +245,49 @@ def test_a_load_reaches_new_requests_with_the_same_prompt() -> None:
     run(main())
 
 
+def test_an_inflight_load_recomputes_the_running_requests_context() -> None:
+    """A load while requests run (frozen by ``pause("keep")``): one decoding, one still
+    prefilling a long prompt in chunks. Every token after the load has the new weights'
+    log-prob given prompt + all earlier tokens (transformers' forward as the oracle), so no
+    key or value of the old weights stayed in the context; the earlier tokens keep version 0
+    and the old weights' log-probs."""
+    short, long = [5, 9, 2], [i % 60 + 1 for i in range(300)]  # ~40 chunks of 8 tokens
+    params = SamplingParams(max_tokens=12, seed=7)
+
+    async def main() -> tuple[Any, Any]:
+        e = engine(max_batch_tokens=8, threads=1)
+        try:
+            decoding = asyncio.ensure_future(
+                e.generate(GenerationRequest("d", tuple(short), params))
+            )
+            prefilling = asyncio.ensure_future(
+                e.generate(GenerationRequest("p", tuple(long), params))
+            )
+            await asyncio.sleep(0)  # one turn of the loop: both requests are in flight
+            await e.wait_for_tokens("d", 3)
+            await e.pause("keep")
+            assert await e.wait_for_tokens("p", 0) == 0  # its prompt is not through yet
+            assert 3 <= await e.wait_for_tokens("d", 0) < params.max_tokens
+            new = tiny_model("tiny-qwen2", seed=1)
+            await e.load_weights([(n, t.clone()) for n, t in unique_named_tensors(new)], 1)
+            await e.resume()
+            return await decoding, await prefilling
+        finally:
+            await e.close()
+
+    old, new = tiny_model("tiny-qwen2"), tiny_model("tiny-qwen2", seed=1)
+    for prompt, result in zip((short, long), run(main()), strict=True):
+        k = result.versions.index(1)
+        assert set(result.versions[:k]) <= {0} and set(result.versions[k:]) == {1}
+        assert len(result.tokens) == params.max_tokens
+        before = _reference_logprobs(old, prompt, result.tokens[:k], params) if k else None
+        after = _reference_logprobs(new, [*prompt, *result.tokens[:k]], result.tokens[k:], params)
+        got = torch.tensor(result.logprobs)
+        if before is not None:
+            assert torch.allclose(got[:k], before, atol=1e-4), (result.request_id, got[:k] - before)
+        assert torch.allclose(got[k:], after, atol=1e-4), (result.request_id, got[k:] - after)
+
+
 def test_bad_weights_load_nothing() -> None:
     async def main() -> None:
         e = engine("tiny-qwen2")

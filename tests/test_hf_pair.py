@@ -5,7 +5,7 @@ every log-prob after a sync (the pair suite), weights must travel between them b
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -41,15 +41,6 @@ class TestHFPairQwen2(EnginePairConformance):
     vocab_size = VOCAB
     model_name = "tiny-qwen2"
     real_timeout_s = 120.0
-    known_failures: ClassVar[dict[str, str]] = {
-        "test_logprobs_agree_across_an_inflight_load": (
-            "HFInferenceEngine keeps the KV cache of running requests at a load, computed "
-            "under the old weights (its docstring: 'an in-flight swap, as vLLM's'), so the "
-            "tokens it samples after an in-flight load disagree with the trainer's log-probs "
-            "(issue #42: recompute the cache at a load, or declare "
-            "inflight_weight_load_refusal)"
-        ),
-    }
 
     def make_inference(self) -> HFInferenceEngine:
         return HFInferenceEngine(tiny_model(self.model_name, 0), eos_token_ids=(), threads=1)

@@ -27,13 +27,24 @@ itself is never patched):
   the request's stop ids (the tokenizer's EOS plus ``stop_token_ids``), else ``length``.
 * **Abort.** ``cancel_request`` drops a request without an output (``scheduler.py``): the
   adapter returns the tokens its sampler recorded.
-* **Prefix sharing is off** (``allow_block_sharing=False``): shared prefix blocks outlive
-  their requests (``cache.py``), so after a weight load new requests would reuse KV computed
-  under the old weights.
-
-Weights load between two steps (under the manager's ``pause()``); requests in flight keep
-their KV cache, computed under the weights of the time (an in-flight swap, as vLLM's), and
-their tokens after the load report the new version.
+* **Prefix sharing and CPU offloading are off** (``allow_block_sharing=False``,
+  ``cpu_offload_space=0``): shared prefix blocks outlive their requests (``cache.py``), and an
+  offloaded request's KV comes back from the CPU pool as it was, so after a weight load
+  requests would reuse KV computed under the old weights.
+* **Recompute at a load.** The manager keeps a running request's KV cache across a weight
+  update. ``load_weights`` copies the weights between two steps (under the manager's
+  ``pause()``) and, in the same pause, frees the KV cache of every request the manager is
+  running (prefilling or decoding) and queues it again, first in line, with prompt + tokens
+  generated so far as its prompt: transformers' own soft reset
+  (``RequestState.create_equivalent_initial_request``, what ``offloading_manager.py`` does to
+  a request it evicts). The next steps prefill that context under the new weights, and the
+  next token is sampled from it, so every token labelled with the new version has the log-prob
+  of the new weights given the whole context. Tokens generated before the load keep their
+  version. The cost is one prefill of each running request's context per load. This reaches
+  the scheduler's state (``active_requests``, ``waiting_requests_order``; transformers has no
+  public call for it): pinned by the ``[hf]`` extra, and checked by the pair suite's in-flight
+  law and ``tests/test_hf_inference.py``; replace it once the manager invalidates running
+  requests' KV at a weight update itself.
 """
 
 from __future__ import annotations
@@ -128,6 +139,9 @@ class HFInferenceEngine:
       with a seed draws from its own generator, so it is reproducible whatever runs beside it
       (a resumed request re-seeds: deterministic, but not the uninterrupted run's tokens).
     * ``threads``: torch intra-op threads of the manager's generation thread (None: torch's).
+
+    A ``load_weights`` while requests generate recomputes their context's keys and values
+    under the new weights before their next token (see the module docstring).
 
     Abilities: ``abort``, ``pause``/``resume`` (``keep`` freezes running requests at a step
     boundary, under the manager's ``pause()``; ``abort`` aborts them; new requests wait
@@ -227,6 +241,7 @@ class HFInferenceEngine:
             max_batch_tokens=int(max_batch_tokens),
             max_requests_per_batch=int(max_batch),
             allow_block_sharing=False,
+            cpu_offload_space=0.0,  # a request offloaded to the CPU would come back with old KV
             use_async_batching=False,  # the sampler pairs rows with requests within one step
             use_cuda_graph=False,
             return_logprobs=False,
@@ -236,6 +251,9 @@ class HFInferenceEngine:
         self._manager = self.model.init_continuous_batching(
             generation_config=gen_config, continuous_batching_config=cb_config
         )
+        self._request_status = importlib.import_module(
+            "transformers.generation.continuous_batching.requests"
+        ).RequestStatus
         sampler = _make_sampler(cbl, self)
         processors = cbl.ContinuousBatchingLogitsProcessorList(
             transformers.LogitsProcessorList([sampler])
@@ -385,7 +403,9 @@ class HFInferenceEngine:
         self, weights: Sequence[tuple[str, torch.Tensor]], version: Version
     ) -> None:
         """Copy named full tensors (HF ``state_dict`` names, any subset, any floating dtype)
-        into the model between two steps and set the version. Unknown names, an alias of a
+        into the model between two steps and set the version; requests running then have
+        their context's KV cache recomputed under the new weights before their next token
+        (their earlier tokens keep their version). Unknown names, an alias of a
         tied tensor (``lm_head.weight`` of a tied model: load the embedding), duplicates,
         wrong shapes or a non-int version raise ``EngineError`` and load nothing."""
         loop = self._bind()
@@ -653,8 +673,32 @@ class HFInferenceEngine:
         if self._manager.is_running():
             with self._manager.pause():
                 copy()
+                self._refill_running()
         else:
             copy()
+
+    def _refill_running(self) -> None:
+        """Under the manager's pause, right after a load: drop the KV cache of every request
+        the manager runs (computed under the weights before the load) and queue each again,
+        ahead of the requests not yet started, as prompt + tokens generated so far, so the next
+        steps prefill that context under the new weights before its next token is sampled.
+        The manager's own soft reset (``offloading_manager.py::offload_requests``); the
+        request keeps its id, the sampler's records and its remaining token budget."""
+        processor = getattr(self._manager, "batch_processor", None)
+        if processor is None:  # the loop has not started: nothing runs
+            return
+        scheduler = processor.scheduler
+        running = list(scheduler.active_requests.values())
+        for state in reversed(running):  # appendleft: they keep their order, ahead of the rest
+            again = state.create_equivalent_initial_request()
+            state._status = self._request_status.FINISHED  # the old state is dropped
+            scheduler.active_requests.pop(state.request_id)
+            scheduler.cache.free_blocks(state.request_id, no_cache=True)  # never reused
+            scheduler.waiting_requests[again.request_id] = again
+            scheduler.waiting_requests_order.appendleft(again.request_id)
+        # set when the cache ran full (offloading); nothing holds blocks now, and a set flag
+        # with no request running would leave the queued requests waiting forever
+        scheduler.block_new_requests = False
 
     def _stop(self) -> None:
         if self._manager.is_running():
