@@ -46,6 +46,7 @@ from asyncflow_core import (
     bucketize,
 )
 from asyncflow_core.contracts.protocols import FinishReason, LossFn
+from asyncflow_core.engines.lmtrain import check_loss
 from asyncflow_core.flow.rlflow import RLConfig, RLEngines, RLJob, StepRecord
 from asyncflow_core.training.rl import response_mask
 from asyncflow_core.training.sampling import (
@@ -335,6 +336,17 @@ class BigramTrainEngine:
                 )
         prompt, response = batch["prompt"], batch["response"]
         plen, rlen = batch.lengths["prompt"], batch.lengths["response"]
+        rows = len(batch.rows) or (int(prompt.shape[0]) if prompt.dim() else -1)
+        fields = (("prompt", prompt), ("response", response), ("prompt lengths", plen),
+                  ("response lengths", rlen))  # fmt: skip
+        shapes = [(n, t.dim(), int(t.shape[0]) if t.dim() else -1) for n, t in fields]
+        if any(
+            dims != (2 if "lengths" not in n else 1) or size != rows for n, dims, size in shapes
+        ):
+            raise EngineError(
+                f"{self.name}: the batch has {rows} rows; prompt and response must be [rows, "
+                f"width] with [rows] lengths, got {[(n, s) for n, _, s in shapes]}"
+            )
         if bool((plen < 1).any()):
             raise EngineError(f"{self.name}: every prompt needs at least one token")
         for name, ids, n in (("prompt", prompt, plen), ("response", response, rlen)):
@@ -370,7 +382,7 @@ class BigramTrainEngine:
         for start in range(0, b, self.micro_batch_size):
             part = batch.slice(start, min(start + self.micro_batch_size, b))
             logprobs = self._logprobs(part)
-            loss, _ = loss_fn(logprobs, part)
+            loss, _ = check_loss(self.name, loss_fn(logprobs, part))
             weight = int(response_mask(logprobs, part).sum()) / total
             (loss * weight).backward()  # type: ignore[no-untyped-call]
             loss_sum += weight * float(loss.detach())

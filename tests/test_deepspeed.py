@@ -176,10 +176,11 @@ class TestConformanceTwoRanksStage3(_DeepSpeedSuite):
 
 
 # Each law here starts two rank processes (~8 s idle). The laws below hold code every rank runs
-# alike on its own shard (argument checks, per-row scoring, the checkpoint's version, the
-# driver's pickling and threads, which TestProcessTrainEngine holds); they run on the one-process
-# ZeRO-3 classes above. What two ranks add (shards and their reassembly, collectives, metrics
-# summed over ranks, ranks agreeing before a collective: the bad-row, one-row, off-support,
+# alike on its own shard (argument checks, per-row scoring, the loss's result, field layouts,
+# the checkpoint's version, the driver's pickling and threads, which TestProcessTrainEngine
+# holds); they run on the one-process ZeRO-3 classes above. What two ranks add (shards and
+# their reassembly, collectives, metrics summed over ranks, ranks agreeing before a collective:
+# the bad-row, malformed-batch, one-row, off-support,
 # call-order and checkpoint laws) stays here.
 for _law in (
     "test_bad_bucket_bytes_raise",
@@ -191,6 +192,8 @@ for _law in (
     "test_checkpoint_restores_the_version",
     "test_train_step_leaves_the_event_loop_free",
     "test_train_step_keeps_no_reference_to_the_batch",
+    "test_a_malformed_loss_result_is_rejected",
+    "test_every_batch_layout_is_read_alike",
 ):
     assert callable(getattr(TestConformanceTwoRanksStage3, _law)), _law  # a renamed law fails
     setattr(TestConformanceTwoRanksStage3, _law, None)

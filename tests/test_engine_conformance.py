@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -42,7 +43,7 @@ from asyncflow_reference.sim import (
 )
 from fake_engine_gate import RequestGate
 
-from asyncflow_core.contracts.errors import EngineError
+from asyncflow_core.contracts.errors import EngineError, EngineLostError
 from asyncflow_core.contracts.protocols import (
     Batch,
     FinishReason,
@@ -55,6 +56,7 @@ from asyncflow_core.contracts.protocols import (
     WeightBucket,
     WeightSync,
 )
+from asyncflow_core.engines.lmtrain import check_loss
 from asyncflow_core.engines.process import ProcessInferenceEngine, ProcessTrainEngine
 from asyncflow_core.sync.transports import InProcessWeightSync, bucketize
 from asyncflow_core.training.sampling import (
@@ -268,6 +270,16 @@ class TinyTrainEngine:
                     f"the batch needs a padded {name!r} field; it has {list(batch.data)}"
                 )
         prompt, response = batch["prompt"], batch["response"]
+        if (
+            not isinstance(prompt, torch.Tensor)
+            or not isinstance(response, torch.Tensor)
+            or not prompt.dim() == response.dim() == 2
+            or prompt.shape[0] != response.shape[0]
+        ):
+            raise EngineError(
+                "the batch's prompt and response must be padded [rows, width] tensors, one of "
+                "each per row"
+            )
         for name, tokens in (("prompt", prompt), ("response", response)):
             real = torch.arange(tokens.shape[1]) < batch.lengths[name].unsqueeze(1)
             if bool((real & ((tokens < 0) | (tokens >= VOCAB))).any()):
@@ -291,7 +303,7 @@ class TinyTrainEngine:
         return result
 
     def _train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        loss, _ = loss_fn(self._logprobs(batch), batch)
+        loss, _ = check_loss("tiny-trainer", loss_fn(self._logprobs(batch), batch))
         for p in self.params.values():
             p.grad = None
         torch.autograd.backward(loss)
@@ -473,6 +485,15 @@ class TestProcessTrainEngine(TrainEngineConformance):
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
 
+    def lose(self, engine: Any) -> None:
+        kill_child(engine)
+
+
+def kill_child(engine: Any) -> None:
+    """The ``lose`` hook of the process-hosted engines: SIGKILL the child, as the kernel's OOM
+    killer would."""
+    os.kill(engine.pid, signal.SIGKILL)
+
 
 class TestProcessInferenceEngine(InferenceEngineConformance):
     """The reference rollout engine hosted in a child process (asyncflow_core.engines.process):
@@ -492,6 +513,85 @@ class TestProcessInferenceEngine(InferenceEngineConformance):
 
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
+
+    def lose(self, engine: Any) -> None:
+        kill_child(engine)
+
+
+class RestartableProcessEngine:
+    """A ``SupportsRestart`` rollout engine without Ray, as a Ray actor created with
+    ``max_restarts`` behaves: a ``ProcessInferenceEngine`` whose child, once lost, makes the
+    engine ``lost`` until ``restart()`` starts a fresh child (the factory's weights, version
+    0). A failure of a call made before the restart does not mark the new child lost."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+        self.engine = ProcessInferenceEngine(factory, threads=1)
+        self.epoch = 0
+        self._lost = False
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    @property
+    def weight_version(self) -> Version:
+        return self.engine.weight_version
+
+    @property
+    def pid(self) -> int | None:
+        return self.engine.pid
+
+    async def restart(self) -> None:
+        if not self._lost:
+            return
+        await self.engine.close()
+        self.engine = await asyncio.to_thread(ProcessInferenceEngine, self.factory, threads=1)
+        self.epoch += 1
+        self._lost = False
+
+    async def _do(self, method: str, *args: Any) -> Any:
+        if self._lost:
+            raise EngineLostError(f"{self.engine.name} is lost ({method} was not sent)")
+        epoch = self.epoch
+        try:
+            return await getattr(self.engine, method)(*args)
+        except EngineLostError:
+            if epoch == self.epoch:
+                self._lost = True
+            raise
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        result: GenerationResult = await self._do("generate", request)
+        return result
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._do("abort", request_ids)
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self._do("pause", mode)
+
+    async def resume(self) -> None:
+        await self._do("resume")
+
+    async def load_weights(self, weights: Any, version: Version) -> None:
+        await self._do("load_weights", weights, version)
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class _RestartableProcessInference(TestProcessInferenceEngine):
+    def make_engine(self) -> Any:
+        return RestartableProcessEngine(
+            functools.partial(TorchInferenceEngine, TORCH_MODEL, max_batch=8, seed=0)
+        )
+
+
+def test_a_restarted_engine_comes_back_fresh() -> None:
+    """The lost-engine law's restart half (``SupportsRestart``) on a restartable process
+    engine: lost until restart() returns, then the factory's version, and it generates."""
+    _RestartableProcessInference().test_a_lost_engine_fails_every_call_until_restart()
 
 
 class TestTorchInProcessWeightSync(WeightSyncConformance):
@@ -773,10 +873,10 @@ def test_the_readme_engine_snippets_pass_from_outside(tmp_path: Path) -> None:
 
 
 LAW_COUNTS = {
-    # 24 laws, 2 pause modes, each bad request and bad load, the log-prob law under each
+    # 25 laws, 2 pause modes, each bad request and bad load, the log-prob law under each
     # sampling setting
-    "inference": 24 + 2 + len(BAD_REQUESTS) + len(BAD_LOADS) + len(LOGPROB_SETTINGS),
-    "train": 24 + 2 + 1,  # 24 laws, 2 bad bucket sizes, the default required field "response"
+    "inference": 25 + 2 + len(BAD_REQUESTS) + len(BAD_LOADS) + len(LOGPROB_SETTINGS),
+    "train": 28 + 2 + 1,  # 28 laws, 2 bad bucket sizes, the default required field "response"
     "weight sync": 5 + len(PHASE_MISUSES),
 }
 

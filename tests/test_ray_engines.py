@@ -129,6 +129,9 @@ class TestRayInferenceEngine(InferenceEngineConformance):
         engine: RayInferenceEngine = await self.spare.take()
         return engine
 
+    def lose(self, engine: Any) -> None:
+        import_ray().kill(engine.handle)  # the actor's death, as a node's loss would be
+
 
 @pytest.mark.usefixtures("spare")
 class TestRayTrainEngine(TrainEngineConformance):
@@ -145,6 +148,9 @@ class TestRayTrainEngine(TrainEngineConformance):
     async def make_engine(self) -> RayTrainEngine:
         engine: RayTrainEngine = await self.spare.take()
         return engine
+
+    def lose(self, engine: Any) -> None:
+        import_ray().kill(engine.handle)
 
 
 # --------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ TARGETS = (
 )
 """The mutated files: the reference rollout engine and trainer, the trainer core they build on
 (only its parts the reference trainer calls are reached), the sampling maths both engines use,
-and the weight-sync transports (the in-process one is what the laws run)."""
+and the weight-sync transports (the laws run the in-process one and the collective ones)."""
 
 LAW_TESTS = (
     "tests/test_engine_conformance.py::TestTorchInferenceEngine",
@@ -90,6 +90,8 @@ LAW_TESTS = (
     "tests/test_engine_conformance.py::TestTorchInProcessWeightSync",
     "tests/test_engine_conformance.py::TestTinyInProcessWeightSync",
     "tests/test_engine_conformance.py::TestInProcessWeightSyncOnSim",
+    "tests/test_collective_weightsync_conformance.py::TestEngineGroupWeightSync",
+    "tests/test_collective_weightsync_conformance.py::TestDistributedWeightSyncLoopback",
     "tests/test_engine_pair.py::TestTorchPair",
     "tests/test_engine_pair.py::TestTorchPairTied",
     "tests/test_engine_pair.py::TestTinyPair",
@@ -98,7 +100,9 @@ LAW_TESTS = (
     "tests/test_workflow_conformance.py::TestTinyEnginesRealClock",
     "tests/test_workflow_conformance.py::TestSimEngines",
 )
-"""The law classes on the reference engines and the in-process transport (~50 s on one core).
+"""The law classes on the reference engines, the in-process transport and the collective ones
+(``EngineGroupWeightSync`` over an in-process group, ``DistributedWeightSync`` over a gloo
+``WeightSyncGroup`` on 127.0.0.1) (~50 s on one core, and ~15 s for the collective ones).
 The Process* classes (the same engines in a child process) are left out: the call hook cannot
 see into the child, and they test the process host, not the engines."""
 

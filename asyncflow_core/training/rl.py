@@ -221,6 +221,15 @@ def response_mask(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
         return real
     hint = "1 on each response token the policy generated, 0 elsewhere"
     mask = _token_field(batch, LOSS_MASK, logprobs, torch.float32, who, hint)
+    rows = _row_lengths(batch[LOSS_MASK])
+    if rows is not None and lengths is not None:  # a row of its own per response: its length
+        n = torch.as_tensor(lengths).reshape(-1).to(dtype=torch.long, device=rows.device)
+        if rows.numel() == n.numel() and bool((rows != n).any()):
+            row = int((rows != n).nonzero()[0, 0])
+            raise BadRequestError(
+                f"{who}: {LOSS_MASK} row {row} has {int(rows[row])} values but its response has "
+                f"{int(n[row])} tokens; give one value per response token ({hint})"
+            )
     values = mask.masked_fill(~real, 0.0)
     if bool(((values != 0) & (values != 1)).any()):
         row, col = (int(x) for x in ((values != 0) & (values != 1)).nonzero()[0])

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import inspect
 import math
@@ -77,7 +78,7 @@ import torch
 
 from asyncflow_conformance._guard import run_on_fresh_loop
 from asyncflow_conformance.shared import _Proxy
-from asyncflow_core.contracts.errors import AsyncFlowError, WeightSyncError
+from asyncflow_core.contracts.errors import AsyncFlowError, EngineLostError, WeightSyncError
 from asyncflow_core.contracts.protocols import (
     Batch,
     GenerationRequest,
@@ -88,6 +89,7 @@ from asyncflow_core.contracts.protocols import (
     SupportsLoadWeights,
     SupportsPause,
     SupportsProgress,
+    SupportsRestart,
     SupportsSleep,
     TrainEngine,
     TrainMetrics,
@@ -393,6 +395,56 @@ class _Suite:
                 "asyncflow_core.contracts.errors.AsyncFlowError subclass (e.g. EngineError)"
             ) from exc
         raise AssertionError(f"{what} was accepted; it must raise an AsyncFlowError subclass")
+
+    lose: ClassVar[Callable[[Any, Any], Awaitable[None] | None] | None] = None
+    """Hook ``lose(self, engine)`` (sync or async): make ``engine`` lost as a crash would
+    (kill its worker process, server or actor) and return. Default None: the lost-engine law
+    is skipped."""
+
+    def _require_lose(self) -> None:
+        if self.lose is None:
+            pytest.skip(
+                "no lose(engine) hook: the suite cannot make the engine lost; give the class a "
+                "method lose(self, engine) that kills the engine's worker process, server or "
+                "actor (e.g. os.kill(engine.pid, signal.SIGKILL))"
+            )
+
+    async def _lose(self, engine: Any) -> None:
+        assert self.lose is not None
+        await self._wait(_resolve(self.lose(engine)), "lose(engine)")
+
+    async def _expect_lost(self, awaitable: Awaitable[Any], what: str, when: str) -> None:
+        """``awaitable``, a call on a lost engine, must raise ``EngineLostError`` within
+        ``timeout_s``; ``when`` says which call it is, for the message."""
+        try:
+            value = await bounded(awaitable, self.timeout_s, what)
+        except EngineLostError:
+            return
+        except AssertionError as exc:
+            if "did not return within" not in str(exc):
+                raise
+            raise AssertionError(
+                f"{what}, {when}, did not return within {self.timeout_s} s: a call on a lost "
+                "engine must fail with EngineLostError at once, never wait for an engine that "
+                "is gone (when the host's pipe, connection or actor reports the loss, fail "
+                "every call waiting on it: asyncflow_core.engines.process does)"
+            ) from None
+        except Exception as exc:
+            raise AssertionError(
+                f"{what}, {when}, raised {type(exc).__name__}: {exc}; a lost engine's calls "
+                "raise asyncflow_core.contracts.errors.EngineLostError (or a subclass): an RL "
+                "job takes a lost rollout engine out and sends its requests to the others, "
+                "any other error stops the job"
+            ) from exc
+        shown = (
+            f"a result ({value.finish_reason!r}, {len(value.tokens)} tokens)"
+            if isinstance(value, GenerationResult)
+            else _type_name(value)
+        )
+        raise AssertionError(
+            f"{what}, {when}, returned {shown} instead of raising EngineLostError: every "
+            "call on a lost engine fails, until a restart (SupportsRestart)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -758,6 +810,23 @@ def _rounded(q: Mapping[int, float]) -> dict[int, float]:
     return {t: round(p, 4) for t, p in sorted(q.items(), key=lambda kv: -kv[1])}
 
 
+def _one_token_left(setting: SamplingParams) -> tuple[str, str] | None:
+    """For a sampling setting that leaves one token (a tie aside): how the log-prob law names
+    it and the usual cause of a failure; None for any other setting."""
+    if setting.temperature > 0 and setting.top_k == 1:
+        return (
+            "with top_k=1",
+            "The engine ignores top_k, or reports log-probs from before the filters",
+        )
+    if 0 < setting.temperature < ONE_TOKEN_TEMPERATURE:
+        return (
+            f"at temperature {setting.temperature:g}",
+            "The engine reports the log-probs of another temperature (e.g. it decodes tiny "
+            "temperatures greedily and reports them at temperature 1, as SGLang does)",
+        )
+    return None
+
+
 def _bite_top_p(q: Mapping[int, float], temperature: float) -> tuple[float, set[int]] | None:
     """A ``top_p`` that keeps exactly the two most probable tokens of ``q`` (top-k's
     renormalised distribution at ``temperature``), with a margin on both sides and, where one
@@ -921,6 +990,87 @@ def _masked_tails(batch: Batch, field: str, lengths: Sequence[int]) -> tuple[Bat
     return None, batch
 
 
+def _malformed_batches(batch: Batch, field: str, lengths: Sequence[int]) -> list[tuple[str, Batch]]:
+    """``(kind, batch)``: ``batch`` made malformed in one way each, where its layout allows:
+    its ``field`` (and that field's lengths) one row short; one ``field`` row of a list layout
+    ``[1, n]`` instead of ``[n]``; a list-layout ``loss_mask`` whose first row is one value
+    short of its response; a ``[B]`` ``loss_mask`` (one value per row, not per token)."""
+    out: list[tuple[str, Batch]] = []
+    b = len(lengths)
+    value = batch.data.get(field)
+    if isinstance(value, torch.Tensor) and not value.is_nested and value.dim() == 2 and b >= 2:
+        sizes = dict(batch.lengths)
+        if field in sizes:
+            sizes[field] = sizes[field][: b - 1]
+        short = Batch(batch.rows, {**batch.data, field: value[: b - 1]}, sizes, batch.tags)
+        out.append(("response-missing-a-row", short))
+        rows = [value[i, : lengths[i]].clone() for i in range(b)]
+        listed = Batch(batch.rows, {**batch.data, field: rows}, dict(batch.lengths), batch.tags)
+    elif isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value):
+        rows = [t.clone() for t in value]
+        listed = batch
+    else:
+        return out
+    if lengths and lengths[0] >= 1:
+        bent = [rows[0].reshape(1, -1), *rows[1:]]
+        out.append(
+            (
+                "list-response-row-not-1-D",
+                Batch(batch.rows, {**listed.data, field: bent}, dict(listed.lengths), batch.tags),
+            )
+        )
+        mask = [torch.ones(n, dtype=torch.uint8) for n in lengths]
+        mask[0] = mask[0][:-1]
+        out.append(
+            ("loss-mask-row-of-wrong-length",
+             Batch(batch.rows, {**batch.data, LOSS_MASK: mask}, dict(batch.lengths), batch.tags))
+        )  # fmt: skip
+    flat = torch.ones(b, dtype=torch.uint8)
+    out.append(
+        ("loss-mask-not-one-row-per-response",
+         Batch(batch.rows, {**batch.data, LOSS_MASK: flat}, dict(batch.lengths), batch.tags))
+    )  # fmt: skip
+    return out
+
+
+def _listed(batch: Batch, names: Sequence[str], lengths: Sequence[int] | None = None) -> Batch:
+    """``batch`` with fields ``names`` in the "list" layout: a ``[B]`` field as B 0-dim
+    tensors, a ``[B, R]`` one as B 1-D rows of ``lengths`` (their lengths dropped)."""
+    data = dict(batch.data)
+    sizes = dict(batch.lengths)
+    for name in names:
+        value = data.get(name)
+        if not isinstance(value, torch.Tensor) or value.is_nested:
+            continue
+        if value.dim() == 1:
+            data[name] = [value[i].clone() for i in range(int(value.shape[0]))]
+        elif value.dim() == 2 and lengths is not None:
+            data[name] = [value[i, : lengths[i]].clone() for i in range(int(value.shape[0]))]
+            sizes.pop(name, None)
+    return Batch(batch.rows, data, sizes, batch.tags)
+
+
+@dataclass(frozen=True)
+class _BrokenLoss:
+    """``good``'s loss and metrics, returned as ``how`` says: ``"probe"`` (correct, plus the
+    metric ``PROBE`` = 1.0), ``"three-tuple"``, ``"bare-loss"``, ``"metric-a-string"``,
+    ``"metric-none"``. A module-level class: it pickles to a trainer in another process."""
+
+    PROBE: ClassVar[str] = "conformance_probe"
+    good: LossFn
+    how: str
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch) -> Any:
+        loss, metrics = self.good(logprobs, batch)
+        if self.how == "probe":
+            return loss, {**metrics, self.PROBE: 1.0}
+        if self.how == "three-tuple":
+            return loss, metrics, {}
+        if self.how == "bare-loss":
+            return loss
+        return loss, {**metrics, self.PROBE: "abc" if self.how == "metric-a-string" else None}
+
+
 _LATE_LAW = "test_abort_right_after_submit_is_not_lost"
 
 
@@ -993,8 +1143,13 @@ LOGPROB_SETTINGS: tuple[tuple[str, SamplingParams], ...] = (
     ("t0.6", SamplingParams(max_tokens=1, temperature=0.6)),
     ("top_k=1", SamplingParams(max_tokens=1, temperature=1.0, top_k=1)),
     ("t0.8-top_k=3-top_p=0.9", SamplingParams(max_tokens=1, temperature=0.8, top_k=3, top_p=0.9)),
+    ("t1e-7", SamplingParams(max_tokens=1, temperature=1e-7)),
 )
 """The sampling settings the log-prob distribution law runs under (id, params)."""
+
+ONE_TOKEN_TEMPERATURE = 1e-6
+"""A temperature in (0, this) leaves one token of the sampling distribution (or a tie): the
+logits divided by it are millions apart, as ``top_k=1`` leaves one."""
 
 
 class InferenceEngineConformance(_Suite):
@@ -2096,14 +2251,15 @@ class InferenceEngineConformance(_Suite):
         self, logprob_setting: tuple[str, SamplingParams]
     ) -> None:
         """Real log-probs, per sampling setting (``logprob_settings``: temperature 1 and
-        below, top-k, top-k with top-p): ``logprob_samples`` one-token requests on one prompt
-        (distinct seeds) report the same log-prob for the same token (``logprob_atol``), the
-        probabilities of the distinct tokens seen sum to at most 1, and each token's frequency
-        is consistent with its reported probability (exact binomial test, p < 1e-6 fails): the
-        log-probs are those of the distribution sampled from, after temperature and filters.
-        With ``top_k=1`` every reported probability is at least 1/2 (one token is left, or a
-        tie). An engine that refuses the setting (an ``AsyncFlowError`` naming it) is skipped
-        for it, with its message."""
+        below, top-k, top-k with top-p, a near-zero temperature): ``logprob_samples``
+        one-token requests on one prompt (distinct seeds) report the same log-prob for the
+        same token (``logprob_atol``), the probabilities of the distinct tokens seen sum to at
+        most 1, and each token's frequency is consistent with its reported probability (exact
+        binomial test, p < 1e-6 fails): the log-probs are those of the distribution sampled
+        from, after temperature and filters. With ``top_k=1``, and at a temperature in
+        (0, 1e-6) (``t1e-7``), one token is left (or a tie): every reported probability is at
+        least 1/2 and those of the tokens drawn sum to 1. An engine that refuses the setting
+        (an ``AsyncFlowError`` naming it) is skipped for it, with its message."""
         if not self.supports_real_logprobs:
             pytest.skip(
                 "the engine declares supports_real_logprobs = False (its log-probs are not "
@@ -2142,14 +2298,17 @@ class InferenceEngineConformance(_Suite):
                 f"[{name}] the {len(probs)} distinct first tokens have probabilities summing to "
                 f"{total:.3f} > 1; the log-probs are not those of one distribution"
             )
-            if setting.top_k == 1 and setting.temperature > 0:
-                low = {t: round(p, 4) for t, p in probs.items() if p < 0.5 - self.logprob_atol}
-                assert not low, (
-                    f"[{name}] with top_k=1 the engine reported probabilities {low} (sampled "
-                    f"tokens {sorted(probs)}): top-k keeps one token, whose renormalised "
-                    "probability is 1 (1/2 for a tie). The engine ignores top_k, or reports "
-                    "log-probs from before the filters; report those of the distribution "
-                    "sampled from (asyncflow_core.training.sampling), or refuse top_k"
+            one_left = _one_token_left(setting)
+            if one_left is not None:
+                what, fix = one_left
+                low = [p for p in probs.values() if p < 0.5 - self.logprob_atol]
+                assert not low and total >= 1.0 - self.logprob_atol, (
+                    f"[{name}] {what} the engine reported probabilities {_rounded(probs)} for "
+                    f"the tokens sampled in {n} draws: the setting leaves one token, of "
+                    "probability 1 (1/2 each for a tie, and every tied token is drawn), so "
+                    f"each is at least 1/2 and they sum to 1, not {total:.4f}. {fix}; report "
+                    "the log-probs of the distribution sampled from "
+                    "(asyncflow_core.training.sampling), or refuse the setting"
                 )
             counts = Counter(r.tokens[0] for r in results)
             for token, p in probs.items():
@@ -2771,6 +2930,108 @@ class InferenceEngineConformance(_Suite):
             "the InferenceEngine protocol (weight_version, generate, abort)",
             use,
         )
+
+    def test_a_lost_engine_fails_every_call_until_restart(self) -> None:
+        """``lose(engine)`` (the hook; without it the law is skipped) with two long requests
+        in flight: both ``generate`` calls raise ``EngineLostError`` within ``timeout_s``
+        (none hangs), and so does every later ``generate``, ``abort``, ``load_weights`` and
+        ``pause`` (those the engine has). With ``SupportsRestart``: ``lost`` is True from then
+        until ``restart()`` returns; after it ``weight_version`` is the factory's (a fresh
+        engine's, not the version loaded before the loss) and a request completes; or
+        ``restart()`` raises ``EngineLostError`` and the engine stays lost."""
+        self._require_lose()
+
+        async def body(engine: InferenceEngine) -> None:
+            factory_version = engine.weight_version
+            weights = self.weights_for_load(engine)  # read while the engine is alive
+            loads = isinstance(engine, SupportsLoadWeights)
+            if loads:  # the lost engine holds a later version than a fresh one
+                await self._wait(
+                    cast(Any, engine).load_weights(weights, factory_version + 1),
+                    f"load_weights(..., {factory_version + 1})",
+                )
+            gens = [self._submit(engine, self._long(f"lost-{i}", i, 4200 + i)) for i in (0, 1)]
+            await asyncio.sleep(0)  # each generate ran to its first await: in flight
+            running = [gen for gen in gens if not gen.task.done()]
+            assert running, (
+                f"both requests of {self.long_max_tokens} tokens ended within one event-loop "
+                "step of generate(), before lose(engine): nothing was in flight to check; "
+                "raise long_max_tokens"
+            )
+            await self._lose(engine)
+            for gen in running:
+                rid = gen.request.request_id
+                await self._expect_lost(gen.task, f"generate({rid!r})", "in flight at the loss")
+            self._still_lost(engine, "after the calls in flight failed")
+            ids = [gen.request.request_id for gen in gens]
+            later: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+                (
+                    "generate('lost-after')",
+                    lambda: engine.generate(self._request("lost-after", 2, self.max_tokens)),
+                ),
+                (f"abort({ids!r})", lambda: engine.abort(ids)),
+            ]
+            if loads:
+                version = factory_version + 2
+                later.append(
+                    (
+                        f"load_weights(..., {version})",
+                        lambda: cast(Any, engine).load_weights(weights, version),
+                    )
+                )
+            if isinstance(engine, SupportsPause):
+                later.append(("pause('keep')", lambda: cast(Any, engine).pause("keep")))
+            for what, call in later:
+                await self._expect_lost(call(), what, "after the engine was lost")
+            self._still_lost(engine, "after every later call failed")
+            if not isinstance(engine, SupportsRestart):
+                return
+            try:
+                await self._wait(engine.restart(), "restart()")
+            except EngineLostError:  # it cannot come back: it stays lost
+                self._still_lost(engine, "after restart() raised EngineLostError")
+                await self._expect_lost(
+                    engine.generate(self._request("lost-no-restart", 3, self.max_tokens)),
+                    "generate('lost-no-restart')",
+                    "after restart() raised EngineLostError",
+                )
+                return
+            except AssertionError:
+                raise
+            except Exception as exc:
+                raise AssertionError(
+                    f"restart() raised {type(exc).__name__}: {exc}; it returns once a fresh "
+                    "engine is up, or raises EngineLostError when the engine cannot come back "
+                    "(SupportsRestart)"
+                ) from exc
+            assert not engine.lost, (
+                "restart() returned but lost is still True: lost is True only until restart() "
+                "returns (SupportsRestart)"
+            )
+            assert engine.weight_version == factory_version, (
+                f"after restart() weight_version is {engine.weight_version}, but a fresh "
+                f"engine's is {factory_version} (the lost engine had loaded "
+                f"{factory_version + 1 if loads else factory_version}): restart() builds a "
+                "fresh engine with the factory's weights and version, and must say so, so that "
+                "the job loads the current weights into it before routing requests to it"
+            )
+            try:
+                await self._still_works(engine, "after-restart")
+            except EngineLostError as exc:
+                raise AssertionError(
+                    f"restart() returned, lost is False, but generate() then raised "
+                    f"EngineLostError ({exc}): restart() must bring a working engine back "
+                    "(or raise EngineLostError itself)"
+                ) from exc
+
+        self._law("test_a_lost_engine_fails_every_call_until_restart", body)
+
+    def _still_lost(self, engine: Any, when: str) -> None:
+        if isinstance(engine, SupportsRestart):
+            assert engine.lost, (
+                f"{type(engine).__name__}.lost is False {when}: lost is True from the loss "
+                "until restart() returns (SupportsRestart), so the job knows to restart it"
+            )
 
     def _require(self, engine: Any, ability: type, name: str) -> None:
         if not isinstance(engine, ability):
@@ -3935,6 +4196,202 @@ class TrainEngineConformance(_Suite):
             await self._step(engine, batch)
 
         self._law("test_a_checkpoint_that_does_not_fit_changes_nothing", body)
+
+    # -- malformed input, every layout -------------------------------------------------------
+    async def _rejected_unchanged(
+        self,
+        engine: TrainEngine,
+        cases: Sequence[tuple[str, Callable[[], Awaitable[Any]]]],
+        batch: Batch,
+    ) -> None:
+        """Each ``(what, call)``: ``call()`` must raise an ``AsyncFlowError``, one after the
+        other; then the version and every exported tensor are as before them, and ``batch``
+        trains."""
+        version = engine.weight_version
+        before = await self._weights(engine)
+        for what, call in cases:
+            await self._expect_error(call(), what)
+            assert engine.weight_version == version, (
+                f"{what} was rejected, yet weight_version went from {version} to "
+                f"{engine.weight_version}"
+            )
+        after = await self._weights(engine)
+        changed = [n for n, t in before.items() if not t.is_meta and not same_bytes(t, after[n])]
+        assert not changed, (
+            f"{len(cases)} rejected call(s) ({', '.join(w for w, _ in cases)}) changed "
+            f"{len(changed)} exported tensor(s), e.g. {changed[:3]}: check the whole batch "
+            "(and the loss's result) before any weight changes"
+        )
+        await self._step(engine, batch)
+
+    def test_a_malformed_batch_is_rejected(self) -> None:
+        """``make_batch()`` made malformed, one way at a time, where its layout allows: its
+        ``response_field`` one row short of the others; a list-layout response row shaped
+        ``[1, n]``; a list-layout ``loss_mask`` whose first row is one value short of its
+        response; a ``[B]`` ``loss_mask`` (a value per row, not per token). ``train_step``
+        (and, for the response cases, ``compute_logprobs``) raises an ``AsyncFlowError`` (not
+        a torch ``RuntimeError`` or ``IndexError`` from deep inside), nothing changes, and the
+        valid batch then trains (the Errors table: bad input is an ``EngineError``)."""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine has no model to feed a batch")
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            field = self.response_field
+            bad = _malformed_batches(batch, field, self.response_lengths(batch))
+            if not bad:
+                pytest.skip(
+                    f"make_batch's {field!r} field is neither padded nor a list of rows: the "
+                    "law cannot make it malformed"
+                )
+            loss = self.make_loss_fn()
+            cases: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
+            for kind, rows in bad:
+                cases.append(
+                    (f"train_step() of a batch with {kind}",
+                     functools.partial(engine.train_step, rows, loss))
+                )  # fmt: skip
+                if not kind.startswith("loss-mask"):
+                    cases.append(
+                        (f"compute_logprobs() of a batch with {kind}",
+                         functools.partial(engine.compute_logprobs, rows))
+                    )  # fmt: skip
+            await self._rejected_unchanged(engine, cases, batch)
+
+        self._law("test_a_malformed_batch_is_rejected", body)
+
+    def test_a_malformed_loss_result_is_rejected(self) -> None:
+        """A ``loss_fn`` that breaks ``LossFn``'s contract (``(loss, metrics)``, metrics
+        mapping names to numbers): one returning ``(loss, metrics, extra)``, one returning the
+        bare loss tensor, and, for an engine that reports the loss's metrics in
+        ``TrainMetrics.extra``, one whose metrics hold a string and one whose metrics hold
+        None. ``train_step`` raises an ``AsyncFlowError`` naming the loss's result (a failed
+        step is an ``EngineError``, never a ``ValueError`` or ``TypeError`` of the engine's own
+        unpacking; ``asyncflow_core.engines.lmtrain.check_loss`` checks it), nothing changes,
+        and a valid step then trains."""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine calls no loss")
+        good = self.make_loss_fn()
+        probe = _BrokenLoss.PROBE
+
+        def broken(how: str) -> LossFn:
+            return cast(LossFn, _BrokenLoss(good, how))
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            reported = await self._step(engine, batch, broken("probe"))
+            kinds = ["three-tuple", "bare-loss"]
+            if (
+                probe in reported.extra
+            ):  # the engine reports the loss's metrics: they must be numbers
+                kinds += ["metric-a-string", "metric-none"]
+            cases = [
+                (f"train_step() with a loss_fn returning a {k} result",
+                 functools.partial(engine.train_step, batch, broken(k)))
+                for k in kinds
+            ]  # fmt: skip
+            await self._rejected_unchanged(engine, cases, batch)
+
+        self._law("test_a_malformed_loss_result_is_rejected", body)
+
+    def test_every_batch_layout_is_read_alike(self) -> None:
+        """A ``DataStore`` hands a consumer any layout (the ``Batch`` docstring; the rows'
+        sampling fields are written as 0-dim cells, ``sampling_columns``): ``compute_logprobs``
+        of ``make_batch()`` with sampling fields (temperature 0.7, ``top_k`` 3, ``top_p`` 0.9)
+        as ``[B]`` tensors equals it with them as lists of 0-dim tensors (``logprob_atol``);
+        and, from one checkpoint, a step with a ``[B, R]`` ``loss_mask`` reports the loss and
+        grad norm of the step with the same mask as a list of 1-D rows (``metrics_rtol``)."""
+        if not self.computes_loss:
+            pytest.skip("computes_loss = False: the engine has no model to score with")
+
+        async def body(engine: TrainEngine) -> None:
+            batch = self.make_batch()
+            stacked = _with_sampling(batch, SamplingParams(temperature=0.7, top_k=3, top_p=0.9))
+            listed = _listed(stacked, SAMPLING_FIELDS)
+            a = await self._wait(engine.compute_logprobs(stacked), "compute_logprobs([B])")
+            c = await self._wait(engine.compute_logprobs(listed), "compute_logprobs(lists)")
+            lengths = self.response_lengths(batch)
+            gap = max(
+                (float((a[i, :n] - c[i, :n]).abs().max()) for i, n in enumerate(lengths) if n),
+                default=0.0,
+            )
+            assert tuple(a.shape) == tuple(c.shape) and gap <= self.logprob_atol, (
+                f"compute_logprobs gave other log-probs when the rows' sampling fields came as "
+                f"lists of 0-dim tensors instead of [B] tensors (shapes {tuple(a.shape)} and "
+                f"{tuple(c.shape)}, largest difference {gap:.3g} > logprob_atol="
+                f"{self.logprob_atol}): read every layout of a field alike "
+                "(asyncflow_core.training.sampling.row_sampling does)"
+            )
+            masked, _ = _masked_tails(batch, self.response_field, lengths)
+            value = None if masked is None else masked.data.get(LOSS_MASK)
+            if not isinstance(value, torch.Tensor):
+                return  # the mask half needs a padded response with a tail to mask
+            assert masked is not None
+            as_rows = _listed(masked, [LOSS_MASK], lengths)
+            runs: dict[str, TrainMetrics] = {}
+            with tempfile.TemporaryDirectory(prefix="asyncflow-layout-") as tmp:
+                path = str(Path(tmp) / "checkpoint")
+                await self._checkpoint(engine, "save", path)
+                for label, rows in (("padded", masked), ("list", as_rows)):
+                    await self._checkpoint(engine, "load", path)
+                    runs[label] = await self._step(engine, rows)
+            p, q = runs["padded"], runs["list"]
+            assert metrics_apart(p, q) <= self.metrics_rtol, (
+                f"a step with a [B, R] loss_mask reported loss {p.loss:.6g} and grad norm "
+                f"{p.grad_norm:.6g}; with the same mask as a list of 1-D rows: {q.loss:.6g} and "
+                f"{q.grad_norm:.6g} (metrics_rtol={self.metrics_rtol}): read every layout of "
+                "loss_mask alike (asyncflow_core.training.rl.response_mask)"
+            )
+
+        self._law("test_every_batch_layout_is_read_alike", body)
+
+    def test_a_lost_trainer_fails_every_call(self) -> None:
+        """``lose(engine)`` (the hook; without it the law is skipped) with a ``train_step`` in
+        flight: it raises ``EngineLostError`` within ``timeout_s`` (it does not hang), and so
+        does every later ``train_step``, ``compute_logprobs``, ``save_checkpoint`` and the
+        first bucket of ``export_weights``: the job stops, naming what died, instead of
+        waiting for a trainer that is gone."""
+        self._require_lose()
+
+        async def body(engine: TrainEngine) -> None:
+            batch, loss = self.make_batch(), self.make_loss_fn()
+            step = asyncio.ensure_future(engine.train_step(batch, loss))
+            await asyncio.sleep(0)  # train_step ran to its first await: in flight
+            in_flight = not step.done()
+            await self._lose(engine)
+            if in_flight:
+                await self._expect_lost(step, "train_step()", "in flight at the loss")
+            else:  # it ended within one loop step: nothing in flight to check
+                step.exception()
+            with tempfile.TemporaryDirectory() as tmp:
+                later: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+                    ("train_step()", lambda: engine.train_step(batch, loss)),
+                    ("compute_logprobs()", lambda: engine.compute_logprobs(batch)),
+                    ("save_checkpoint()", lambda: engine.save_checkpoint(str(Path(tmp) / "c"))),
+                    (
+                        f"export_weights({HUGE_BUCKET}): the first bucket",
+                        lambda: _first_bucket(engine),
+                    ),
+                ]
+                for what, call in later:
+                    await self._expect_lost(call(), what, "after the trainer was lost")
+
+        self._law("test_a_lost_trainer_fails_every_call", body)
+
+
+async def _first_bucket(engine: TrainEngine) -> WeightBucket | None:
+    """The first bucket of ``export_weights`` (None for an export of none), the export then
+    closed."""
+    iterator = engine.export_weights(HUGE_BUCKET).__aiter__()
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        return None
+    finally:
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
 
 
 # --------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ __all__ = [
 
 PAIR_SETTINGS: tuple[tuple[str, SamplingParams], ...] = (
     ("greedy", SamplingParams(temperature=0.0)),
+    ("greedy-top_k=4", SamplingParams(temperature=0.0, top_k=4)),
     ("t1", SamplingParams(temperature=1.0)),
     ("t0.7", SamplingParams(temperature=0.7)),
     ("t1.3-top_k=4", SamplingParams(temperature=1.3, top_k=4)),
@@ -395,6 +396,14 @@ class EnginePairConformance(_Suite):
                 SamplingParams(temperature=params.temperature),
             ),
         ]
+        if params.temperature == 0 and (params.top_k > 0 or params.top_p < 1):
+            tries.append(
+                (
+                    "temperature 1 with the request's top-k/top-p (greedy log-probs are the "
+                    "model's at temperature 1 unfiltered, whatever filters the request sets)",
+                    SamplingParams(temperature=1.0, top_k=params.top_k, top_p=params.top_p),
+                )
+            )
         for what, other in tries:
             if (other.temperature, other.top_k, other.top_p) == (
                 params.temperature,
@@ -440,7 +449,8 @@ class EnginePairConformance(_Suite):
         the largest difference), for this sampling setting. Catches a trainer that scores
         the wrong position or ignores padding or the rows' sampling fields, an engine that
         reports log-probs of another distribution than it samples (temperature, top-k,
-        top-p), and a prefix cache that outlives a weight load."""
+        top-p; greedy ones included: with a filter set they are still the model's at
+        temperature 1, unfiltered), and a prefix cache that outlives a weight load."""
         name, setting = pair_setting
         params = dataclasses.replace(setting, max_tokens=self.max_tokens)
 
