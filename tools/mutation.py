@@ -1100,6 +1100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     temp = Path(tempfile.mkdtemp(prefix="asyncflow-mutation-"))
     try:
         copies = [temp / f"copy{i}" for i in range(max(1, args.jobs))]
+        commit = _commit()  # the tree the mutants run on: as copied now, not at the end
         copy_repo(ROOT, copies[0])
         for copy in copies[1:]:
             shutil.copytree(copies[0], copy)
@@ -1196,7 +1197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": " ".join(
                 ["tools/mutation.py", *(argv if argv is not None else sys.argv[1:])]
             ),
-            "commit": _commit(),
+            "commit": commit,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "seed": args.seed,
             "sample": args.sample,
