@@ -454,6 +454,19 @@ class TestTorchInferenceEngine(InferenceEngineConformance):
     async def close_engine(self, engine: Any) -> None:
         await engine.close()
 
+    def fail_steps(self, engine: Any) -> Callable[[], None]:
+        """Every prefill and decode step raises, as an out-of-memory error would."""
+
+        def fail(*args: Any) -> None:
+            raise RuntimeError("a model step failed on purpose (the failed-step law)")
+
+        engine._prefill_step = engine._decode_step = fail
+
+        def heal() -> None:
+            del engine._prefill_step, engine._decode_step
+
+        return heal
+
 
 class TestTorchTrainEngine(TrainEngineConformance):
     vocab_size = TORCH_MODEL.vocab_size
@@ -873,9 +886,9 @@ def test_the_readme_engine_snippets_pass_from_outside(tmp_path: Path) -> None:
 
 
 LAW_COUNTS = {
-    # 25 laws, 2 pause modes, each bad request and bad load, the log-prob law under each
+    # 26 laws, 2 pause modes, each bad request and bad load, the log-prob law under each
     # sampling setting
-    "inference": 25 + 2 + len(BAD_REQUESTS) + len(BAD_LOADS) + len(LOGPROB_SETTINGS),
+    "inference": 26 + 2 + len(BAD_REQUESTS) + len(BAD_LOADS) + len(LOGPROB_SETTINGS),
     "train": 28 + 2 + 1,  # 28 laws, 2 bad bucket sizes, the default required field "response"
     "weight sync": 5 + len(PHASE_MISUSES),
 }

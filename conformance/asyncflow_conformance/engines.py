@@ -401,6 +401,11 @@ class _Suite:
     (kill its worker process, server or actor) and return. Default None: the lost-engine law
     is skipped."""
 
+    fail_steps: ClassVar[Callable[[Any, Any], Callable[[], None]] | None] = None
+    """Hook ``fail_steps(self, engine)``: make every later model step of ``engine`` raise (as
+    an out-of-memory error or a kernel bug would: e.g. patch its forward) and return a function
+    that undoes it. Default None: the failed-step law is skipped."""
+
     def _require_lose(self) -> None:
         if self.lose is None:
             pytest.skip(
@@ -2930,6 +2935,49 @@ class InferenceEngineConformance(_Suite):
             "the InferenceEngine protocol (weight_version, generate, abort)",
             use,
         )
+
+    def test_a_failed_step_fails_every_request_in_flight(self) -> None:
+        """``fail_steps(engine)`` (the hook; without it the law is skipped) while two long
+        requests generate: both ``generate`` calls raise an ``AsyncFlowError`` within
+        ``timeout_s`` (a failed step is an ``EngineError``; none hangs, none returns as if
+        nothing happened); once the hook's undo has run, a new request completes (the engine
+        was not left wedged). Catches an engine that fails only the requests of the step's own
+        batch, or none."""
+        if self.fail_steps is None:
+            pytest.skip(
+                "no fail_steps(engine) hook: the suite cannot make a model step fail; give the "
+                "class a method fail_steps(self, engine) that makes the engine's forward raise "
+                "and returns a function undoing it"
+            )
+        fail_steps = self.fail_steps
+
+        async def body(engine: InferenceEngine) -> None:
+            gens = [self._submit(engine, self._long(f"failstep-{i}", i, 4300 + i)) for i in (0, 1)]
+            await asyncio.sleep(0)  # each generate ran to its first await: in flight
+            running = [gen for gen in gens if not gen.task.done()]
+            assert running, (
+                f"both requests of {self.long_max_tokens} tokens ended within one event-loop "
+                "step of generate(), before fail_steps(engine): nothing was in flight to check; "
+                "raise long_max_tokens"
+            )
+            heal = fail_steps(engine)
+            try:
+                for gen in running:
+                    rid = gen.request.request_id
+                    await self._expect_error(
+                        gen.task, f"generate({rid!r}), in flight when the engine's steps failed"
+                    )
+            finally:
+                heal()
+            after = self._request("failstep-after", 2, self.max_tokens)
+            result = await self._wait(engine.generate(after), "generate('failstep-after')")
+            assert result.finish_reason in ("stop", "length"), (
+                f"after its failed steps were undone the engine answered a new request with "
+                f"finish_reason {result.finish_reason!r}: a failed step must fail the requests "
+                "in flight and leave the engine serving"
+            )
+
+        self._law("test_a_failed_step_fails_every_request_in_flight", body)
 
     def test_a_lost_engine_fails_every_call_until_restart(self) -> None:
         """``lose(engine)`` (the hook; without it the law is skipped) with two long requests

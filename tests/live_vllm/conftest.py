@@ -42,11 +42,14 @@ ALLOWED_SKIPS = (
     # one server and one AsyncLLM serve every law (a start is ~50 s): killing one would end the
     # tier; a lost engine is held on the process-hosted reference engines
     "no lose(engine) hook",
+    # vLLM's forward runs in its engine core (another process, or compiled code): the suite
+    # cannot make one step fail there; the failed-step law holds the reference engine
+    "no fail_steps(engine) hook",
 )
 """The only skip reasons the tier accepts: a CPU has no sleep mode and no NCCL; the shared
 engine is not closed by a law; the HTTP client has no evidence of progress; vLLM refuses
 weight loads while it generates; neither adapter claims SupportsProgress; vLLM refuses no
-sampling setting; the shared engines are not killed."""
+sampling setting; the shared engines are not killed, nor their steps made to fail."""
 
 _counts = {"passed": 0, "failed": 0, "skipped": 0}
 _skips: list[tuple[str, str]] = []
