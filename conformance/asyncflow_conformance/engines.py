@@ -3275,6 +3275,13 @@ class TrainEngineConformance(_Suite):
         named = check_export(await self._export(engine, HUGE_BUCKET), HUGE_BUCKET)
         return {n: t.detach().clone() for n, t in named.items()}
 
+    async def _changed_since(
+        self, engine: TrainEngine, before: Mapping[str, torch.Tensor]
+    ) -> list[str]:
+        """The names of the exported tensors (with data) that differ from ``before`` now."""
+        after = await self._weights(engine)
+        return [n for n, t in before.items() if not t.is_meta and not same_bytes(t, after[n])]
+
     @staticmethod
     def _require_data(weights: Mapping[str, torch.Tensor], law: str) -> None:
         meta = [n for n, t in weights.items() if t.is_meta]
@@ -3918,10 +3925,7 @@ class TrainEngineConformance(_Suite):
                 f"a rejected train_step changed weight_version from {version} to "
                 f"{engine.weight_version}"
             )
-            after = await self._weights(engine)
-            changed = [
-                n for n, t in before.items() if not t.is_meta and not same_bytes(t, after[n])
-            ]
+            changed = await self._changed_since(engine, before)
             assert not changed, (
                 f"train_step rejected {what}, yet {len(changed)} exported tensor(s) changed, "
                 f"e.g. {changed[:3]}: validate the whole batch before any micro-batch trains"
@@ -4232,10 +4236,7 @@ class TrainEngineConformance(_Suite):
                 f"a rejected load_checkpoint changed weight_version from {version} to "
                 f"{engine.weight_version}"
             )
-            after = await self._weights(engine)
-            changed = [
-                n for n, t in before.items() if not t.is_meta and not same_bytes(t, after[n])
-            ]
+            changed = await self._changed_since(engine, before)
             assert not changed, (
                 f"load_checkpoint rejected a checkpoint of another model, yet {len(changed)} "
                 f"exported tensor(s) changed (e.g. {changed[:3]}): check every name, shape and "
@@ -4263,8 +4264,7 @@ class TrainEngineConformance(_Suite):
                 f"{what} was rejected, yet weight_version went from {version} to "
                 f"{engine.weight_version}"
             )
-        after = await self._weights(engine)
-        changed = [n for n, t in before.items() if not t.is_meta and not same_bytes(t, after[n])]
+        changed = await self._changed_since(engine, before)
         assert not changed, (
             f"{len(cases)} rejected call(s) ({', '.join(w for w, _ in cases)}) changed "
             f"{len(changed)} exported tensor(s), e.g. {changed[:3]}: check the whole batch "
