@@ -1306,23 +1306,35 @@ class RayTrainEngine(_RayEngine):
 
     _role = "train"
     _protocol = "a TrainEngine"
+    _order: asyncio.Lock | None = None
+
+    async def _in_order(self, method: str, *args: Any) -> Any:
+        """``engine.method(*args)`` in the actor, after every trainer call made before it has
+        ended: a trainer's calls run in the order they are made (``compute_logprobs`` before
+        a ``train_step`` sees the weights before it), and Ray does not keep an async actor's
+        calls in order (its docs, "Actor task execution order": for async actors "task
+        execution order is not guaranteed"). A trainer runs its calls one at a time anyway."""
+        if self._order is None:
+            self._order = asyncio.Lock()  # its waiters are served first come, first served
+        async with self._order:
+            return await self._call(method, *args)
 
     async def compute_logprobs(self, batch: Batch) -> torch.Tensor:
-        result: torch.Tensor = await self._call("compute_logprobs", batch)
+        result: torch.Tensor = await self._in_order("compute_logprobs", batch)
         return result
 
     async def train_step(self, batch: Batch, loss_fn: LossFn) -> TrainMetrics:
-        result: TrainMetrics = await self._call("train_step", batch, loss_fn)
+        result: TrainMetrics = await self._in_order("train_step", batch, loss_fn)
         return result
 
     def export_weights(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
         return self._export(bucket_bytes)
 
     async def save_checkpoint(self, path: str) -> None:
-        await self._call("save_checkpoint", path)
+        await self._in_order("save_checkpoint", path)
 
     async def load_checkpoint(self, path: str) -> None:
-        await self._call("load_checkpoint", path)
+        await self._in_order("load_checkpoint", path)
 
     async def _export(self, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
         ray = import_ray()
