@@ -42,8 +42,9 @@ from asyncflow_reference.sim import (
     qwen2_param_count,
 )
 from fake_engine_gate import RequestGate
+from test_lost_worker import Restartable
 
-from asyncflow_core.contracts.errors import EngineError, EngineLostError
+from asyncflow_core.contracts.errors import EngineError
 from asyncflow_core.contracts.protocols import (
     Batch,
     FinishReason,
@@ -531,73 +532,11 @@ class TestProcessInferenceEngine(InferenceEngineConformance):
         kill_child(engine)
 
 
-class RestartableProcessEngine:
-    """A ``SupportsRestart`` rollout engine without Ray, as a Ray actor created with
-    ``max_restarts`` behaves: a ``ProcessInferenceEngine`` whose child, once lost, makes the
-    engine ``lost`` until ``restart()`` starts a fresh child (the factory's weights, version
-    0). A failure of a call made before the restart does not mark the new child lost."""
-
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self.factory = factory
-        self.engine = ProcessInferenceEngine(factory, threads=1)
-        self.epoch = 0
-        self._lost = False
-
-    @property
-    def lost(self) -> bool:
-        return self._lost
-
-    @property
-    def weight_version(self) -> Version:
-        return self.engine.weight_version
-
-    @property
-    def pid(self) -> int | None:
-        return self.engine.pid
-
-    async def restart(self) -> None:
-        if not self._lost:
-            return
-        await self.engine.close()
-        self.engine = await asyncio.to_thread(ProcessInferenceEngine, self.factory, threads=1)
-        self.epoch += 1
-        self._lost = False
-
-    async def _do(self, method: str, *args: Any) -> Any:
-        if self._lost:
-            raise EngineLostError(f"{self.engine.name} is lost ({method} was not sent)")
-        epoch = self.epoch
-        try:
-            return await getattr(self.engine, method)(*args)
-        except EngineLostError:
-            if epoch == self.epoch:
-                self._lost = True
-            raise
-
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        result: GenerationResult = await self._do("generate", request)
-        return result
-
-    async def abort(self, request_ids: Sequence[str]) -> None:
-        await self._do("abort", request_ids)
-
-    async def pause(self, mode: str = "keep") -> None:
-        await self._do("pause", mode)
-
-    async def resume(self) -> None:
-        await self._do("resume")
-
-    async def load_weights(self, weights: Any, version: Version) -> None:
-        await self._do("load_weights", weights, version)
-
-    async def close(self) -> None:
-        await self.engine.close()
-
-
 class _RestartableProcessInference(TestProcessInferenceEngine):
     def make_engine(self) -> Any:
-        return RestartableProcessEngine(
-            functools.partial(TorchInferenceEngine, TORCH_MODEL, max_batch=8, seed=0)
+        return Restartable(
+            functools.partial(TorchInferenceEngine, TORCH_MODEL, max_batch=8, seed=0),
+            restarts=None,
         )
 
 

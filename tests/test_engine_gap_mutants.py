@@ -26,6 +26,7 @@ import torch
 from asyncflow_conformance.engines import LOGPROB_SETTINGS
 from asyncflow_conformance.pair import PAIR_SETTINGS
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
+from test_lost_worker import Restartable
 from test_mutants import Mutant, inference_suite, pair_suite
 from torch import Tensor
 
@@ -114,7 +115,7 @@ class TrainerDeadSaysClosed(ProcessTrainEngine):
     _check_open = _says_closed
 
 
-class RestartKeepsTheVersion(shipped.RestartableProcessEngine):
+class RestartKeepsTheVersion(Restartable):
     """``restart()`` gives the fresh engine the lost one's version number (so the job "need
     not reload"): it reports a version whose weights it does not hold."""
 
@@ -124,7 +125,7 @@ class RestartKeepsTheVersion(shipped.RestartableProcessEngine):
         await self.engine.load_weights([], version)
 
 
-class RestartOnlyClearsTheFlag(shipped.RestartableProcessEngine):
+class RestartOnlyClearsTheFlag(Restartable):
     """``restart()`` clears ``lost`` without bringing a new worker up."""
 
     async def restart(self) -> None:
@@ -292,7 +293,7 @@ def test_the_unbroken_engines_pass_the_gap_laws_in_the_mutants_settings() -> Non
     bug, not on the suite's settings; a correct engine gets 30 s where a hang is the bug)."""
     for make in (
         _process(ProcessInferenceEngine),
-        lambda: shipped.RestartableProcessEngine(_factory()),
+        lambda: Restartable(_factory(), restarts=None),
     ):
         lost_inference_suite(make, hang_s=30.0).test_a_lost_engine_fails_every_call_until_restart()
     lost_train_suite(ProcessTrainEngine, hang_s=30.0).test_a_lost_trainer_fails_every_call()

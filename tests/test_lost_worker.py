@@ -13,7 +13,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from asyncflow_reference.engines import TorchInferenceEngine, TorchTrainEngine
@@ -120,15 +122,24 @@ class Restartable:
     with ``max_restarts`` does. A failure of a call made before the restart does not mark
     the new child lost (``RayInferenceEngine`` keeps the same rule)."""
 
-    def __init__(self, seed: int, restarts: int = 1) -> None:
-        self.seed = seed
-        self.left = restarts
-        self.engine = _rollout(seed)
+    def __init__(
+        self, factory: Callable[[], Any], restarts: int | None = 1, name: str = "rollout"
+    ) -> None:
+        """``factory`` builds the engine in each child; ``restarts``: how many ``restart()``
+        may start a fresh child (None: any number)."""
+        self.factory, self.left, self.name = factory, restarts, name
+        self.engine = ProcessInferenceEngine(factory, threads=1, name=name)
         self.epoch = 0
         self.restarts_done = 0
         self._lost = False
         self.loads: list[int] = []  # the versions loaded
         self.after_restart = 0  # requests the restarted engine answered
+
+    @classmethod
+    def of_seed(cls, seed: int, restarts: int | None = 1) -> Restartable:
+        """The rollout engine of ``seed`` (as ``_rollout``)."""
+        make = functools.partial(TorchInferenceEngine, CFG, max_batch=16, seed=seed)
+        return cls(make, restarts, name=f"rollout-{seed}")
 
     @property
     def lost(self) -> bool:
@@ -138,21 +149,28 @@ class Restartable:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    @property
+    def pid(self) -> int | None:
+        return self.engine.pid
+
     async def restart(self) -> None:
         if not self._lost:
             return
         if self.left == 0:
-            raise EngineLostError(f"rollout-{self.seed}: its restarts are spent")
-        self.left -= 1
+            raise EngineLostError(f"{self.name}: its restarts are spent")
+        if self.left is not None:
+            self.left -= 1
         await self.engine.close()
-        self.engine = _rollout(self.seed)
+        self.engine = await asyncio.to_thread(
+            ProcessInferenceEngine, self.factory, threads=1, name=self.name
+        )
         self.epoch += 1
         self.restarts_done += 1
         self._lost = False
 
     async def _do(self, method: str, *args: object) -> object:
         if self._lost:
-            raise EngineLostError(f"rollout-{self.seed} is lost ({method} was not sent)")
+            raise EngineLostError(f"{self.name} is lost ({method} was not sent)")
         epoch = self.epoch
         try:
             return await getattr(self.engine, method)(*args)
@@ -189,7 +207,7 @@ def test_a_restarted_rollout_engine_rejoins_with_the_trainer_s_weights(engines: 
     weights at the trainer's version into the fresh engine between two updates and routes to
     it again. With it the only engine, the job waits for it instead of stopping. Every step
     trains, no group twice, nothing staler than η."""
-    rollout = [Restartable(1 + i) for i in range(engines)]
+    rollout = [Restartable.of_seed(1 + i) for i in range(engines)]
     victim = rollout[-1]
     killed: list[int] = []
     job = _job(rollout, 10)  # type: ignore[arg-type]
@@ -228,7 +246,7 @@ def test_a_restarted_rollout_engine_rejoins_with_the_trainer_s_weights(engines: 
 
 
 def test_a_restartable_engine_stays_lost_when_its_restarts_are_spent() -> None:
-    rollout = [Restartable(1, restarts=0)]
+    rollout = [Restartable.of_seed(1, restarts=0)]
 
     def on_step(record: StepRecord) -> None:
         if record.version == 2:
